@@ -1,0 +1,458 @@
+"""The bucket: the engine's entry point (kv_engine ``EventuallyPersistentEngine`` + ``KVBucket``).
+
+Owns the vbuckets, the storage, the flusher, the expiry pager, compaction, checkpoint memory recovery and the
+DCP connections. Synchronous and single-threaded: whoever embeds it (the gateway's event loop, a test) calls
+:meth:`Bucket.flush`, :meth:`Bucket.run_expiry_pager` and :meth:`Bucket.compact` when it wants them to run.
+
+Warmup and the failover log (dcp-reference.md "Failover table"): a new vbucket gets an entry at 0; opening
+after an **unclean** shutdown (no clean-shutdown marker) adds an entry to every active vbucket at the last
+persisted snapshot end if the persisted high seqno equals it, else at its start. A clean close adds none.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint import PERSISTENCE_CURSOR, MemoryCounter
+from engine.config import BucketConfig
+from engine.exceptions import EngineClosed, InvalidArgument, NotMyVBucket, TemporaryFailure
+from engine.failover_log import FailoverEntry, FailoverLog
+from engine.item import Item, Op
+from engine.producer import DcpProducer
+from engine.storage import Row, Storage, VBucketRecord
+from engine.stream import StreamEndReason, item_from_row
+from engine.vbucket import (
+    MAX_KEY_LEN,
+    GetResult,
+    MutationResult,
+    StoreMode,
+    VBucket,
+    VBucketState,
+    vbucket_of,
+)
+
+CLEAN_SHUTDOWN = "clean_shutdown"
+
+
+def _key(key: bytes | str) -> bytes:
+    if type(key) is str:
+        key = key.encode()
+    elif type(key) is not bytes:
+        if isinstance(key, bytes | bytearray | memoryview):
+            key = bytes(key)
+        else:
+            raise InvalidArgument(f"key must be bytes or str, not {type(key).__name__}")
+    n = len(key)
+    if n == 0 or n > MAX_KEY_LEN:
+        raise InvalidArgument(f"key length {n} out of range 1..{MAX_KEY_LEN}")
+    return key
+
+
+def _value(value: bytes | str) -> bytes:
+    if type(value) is bytes:
+        return value
+    if type(value) is str:
+        return value.encode()
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise InvalidArgument(f"value must be bytes or str, not {type(value).__name__}")
+
+
+class Bucket:
+    """An embedded DCP engine bucket backed by SQLite."""
+
+    def __init__(self, config: BucketConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.closed = False
+        self._rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        self.counter = MemoryCounter()
+        self._dirty: set[int] = set()
+        self.producers: dict[str, DcpProducer] = {}
+        self.cursors_dropped = 0
+        self.items_flushed = 0
+        data_dir = Path(config.data_dir)
+        self.storage = Storage(data_dir / f"{config.name}.sqlite3", synchronous=config.sqlite_synchronous)
+        self.was_clean = self.storage.get_meta(CLEAN_SHUTDOWN) == "1"
+        self.first_open = self.storage.get_meta("created") is None
+        self._vbs: list[VBucket] = []
+        self._warmup()
+        # From now until a clean close, a crash counts as unclean.
+        self.storage.set_meta(CLEAN_SHUTDOWN, "0")
+
+    # ------------------------------------------------------------------ warmup
+    def _new_vbucket(self, vbid: int, state: VBucketState, failover: FailoverLog, high: int) -> VBucket:
+        c = self.config
+        return VBucket(
+            vbid, state, failover, self.counter, self.clock, high_seqno=high,
+            max_value_size=c.max_value_size, checkpoint_max_items=c.checkpoint_max_items,
+            checkpoint_max_bytes=c.checkpoint_max_bytes, on_dirty=self._dirty.add,
+        )
+
+    def _failover_log(self, pairs: list[tuple[int, int]] | None = None) -> FailoverLog:
+        m = self.config.failover_log_max_entries
+        rng = self._rng if isinstance(self._rng, random.Random) else None
+        if pairs is None:
+            return FailoverLog.new(max_entries=m, rng=rng)
+        return FailoverLog.from_pairs(pairs, max_entries=m, rng=rng)
+
+    def _warmup(self) -> None:
+        records = self.storage.load_states()
+        new_records: list[VBucketRecord] = []
+        for vbid in range(self.config.num_vbuckets):
+            rec = records.get(vbid)
+            if rec is None:
+                vb = self._new_vbucket(vbid, VBucketState.ACTIVE, self._failover_log(), 0)
+                new_records.append(self._record(vb))
+            else:
+                fo = self._failover_log(rec.failover)
+                vb = self._new_vbucket(vbid, VBucketState(rec.state), fo, rec.high_seqno)
+                vb.purge_seqno = rec.purge_seqno
+                vb.history_start = rec.history_start
+                vb.max_cas = rec.max_cas
+                vb.persisted_snap = (rec.snap_start, rec.snap_end)
+                if not self.was_clean and vb.state is VBucketState.ACTIVE:
+                    # kv_engine warmup: entry at the last snapshot end if the high seqno equals it, else start.
+                    at = rec.snap_end if rec.high_seqno == rec.snap_end else rec.snap_start
+                    fo.create_entry(at)
+                    new_records.append(self._record(vb))
+            self._vbs.append(vb)
+        for row in self.storage.current_all():
+            self._vbs[row[0]].load(item_from_row(row))
+        if len(records) > self.config.num_vbuckets:
+            raise InvalidArgument(
+                f"storage holds {len(records)} vbuckets but num_vbuckets is {self.config.num_vbuckets}")
+        if new_records:
+            self.storage.save_states(new_records)
+        if self.first_open:
+            self.storage.set_meta("created", str(int(self.clock())))
+
+    def _record(self, vb: VBucket) -> VBucketRecord:
+        return VBucketRecord(
+            vb.id, vb.state.value, vb.failover.to_pairs(), vb.persisted_seqno, vb.persisted_snap[0],
+            vb.persisted_snap[1], vb.purge_seqno, vb.max_cas, vb.history_start,
+        )
+
+    # ------------------------------------------------------------------ access
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosed(f"bucket {self.config.name!r} is closed")
+
+    @property
+    def num_vbuckets(self) -> int:
+        return self.config.num_vbuckets
+
+    def vbucket_of(self, key: bytes | str) -> int:
+        return vbucket_of(_key(key), self.config.num_vbuckets)
+
+    def vbucket(self, vbid: int) -> VBucket:
+        self._check_open()
+        if type(vbid) is not int or not 0 <= vbid < self.config.num_vbuckets:
+            raise NotMyVBucket(f"unknown vbucket {vbid!r} (bucket has {self.config.num_vbuckets})")
+        return self._vbs[vbid]
+
+    def vbuckets(self) -> Iterator[VBucket]:
+        return iter(self._vbs)
+
+    def _vb_for(self, key: bytes, vbucket: int | None) -> VBucket:
+        if vbucket is None:
+            return self._vbs[vbucket_of(key, self.config.num_vbuckets)]
+        vb = self.vbucket(vbucket)
+        if vbucket_of(key, self.config.num_vbuckets) != vbucket:
+            raise NotMyVBucket(f"key {key!r} does not map to vbucket {vbucket}")
+        return vb
+
+    # ------------------------------------------------------------------ KV
+    def get(self, key: bytes | str, *, vbucket: int | None = None) -> GetResult:
+        self._check_open()
+        k = _key(key)
+        return self._vb_for(k, vbucket).get(k)
+
+    def _store(
+        self, key: bytes | str, value: bytes | str, mode: StoreMode, cas: int, flags: int, expiry: int,
+        datatype: int | None, vbucket: int | None,
+    ) -> MutationResult:
+        if self.closed:
+            self._check_open()
+        if self.counter.used > self.config.checkpoint_quota_bytes:
+            self.recover_memory()
+            if self.counter.used > self.config.checkpoint_quota_bytes:
+                raise TemporaryFailure("checkpoint memory quota exhausted: the flusher is behind")
+        k = _key(key)
+        v = _value(value)
+        if type(cas) is not int or cas < 0:
+            raise InvalidArgument(f"invalid cas {cas!r}")
+        return self._vb_for(k, vbucket).store(k, v, mode, cas, flags, expiry, datatype)
+
+    def set(
+        self, key: bytes | str, value: bytes | str, *, cas: int = 0, flags: int = 0, expiry: int = 0,
+        datatype: int | None = None, vbucket: int | None = None,
+    ) -> MutationResult:
+        """Upsert (with ``cas``: only if the document's CAS still matches)."""
+        return self._store(key, value, StoreMode.SET, cas, flags, expiry, datatype, vbucket)
+
+    def add(
+        self, key: bytes | str, value: bytes | str, *, flags: int = 0, expiry: int = 0,
+        datatype: int | None = None, vbucket: int | None = None,
+    ) -> MutationResult:
+        """Insert; KEY_EEXISTS if the document exists."""
+        return self._store(key, value, StoreMode.ADD, 0, flags, expiry, datatype, vbucket)
+
+    def replace(
+        self, key: bytes | str, value: bytes | str, *, cas: int = 0, flags: int = 0, expiry: int = 0,
+        datatype: int | None = None, vbucket: int | None = None,
+    ) -> MutationResult:
+        """Update an existing document; NOT_STORED if it does not exist."""
+        return self._store(key, value, StoreMode.REPLACE, cas, flags, expiry, datatype, vbucket)
+
+    def delete(self, key: bytes | str, *, cas: int = 0, vbucket: int | None = None) -> MutationResult:
+        self._check_open()
+        k = _key(key)
+        if type(cas) is not int or cas < 0:
+            raise InvalidArgument(f"invalid cas {cas!r}")
+        return self._vb_for(k, vbucket).delete(k, cas)
+
+    def touch(self, key: bytes | str, expiry: int, *, vbucket: int | None = None) -> MutationResult:
+        self._check_open()
+        k = _key(key)
+        return self._vb_for(k, vbucket).touch(k, expiry)
+
+    # ------------------------------------------------------------------ flusher
+    def flush(self, max_items: int | None = None) -> int:
+        """Persist queued items from each dirty vbucket's persistence cursor (one transaction).
+
+        Returns the number of items persisted. On a storage error nothing is lost: cursors are restored.
+        """
+        self._check_open()
+        limit = max_items or self.config.flush_batch_items
+        rows: list[Row] = []
+        superseded: list[tuple[int, int, int]] = []
+        touched: list[tuple[VBucket, Any, int, int, int]] = []
+        dirty = self._dirty
+        while dirty and len(rows) < limit:
+            vbid = dirty.pop()
+            vb = self._vbs[vbid]
+            ck = vb.ckpt
+            cur = ck.cursors[PERSISTENCE_CURSOR]
+            saved = (cur.ckpt, cur.pos, cur.last_read)
+            segments = ck.read(cur, limit - len(rows))
+            first = None
+            for seg in segments:
+                for it in seg.items:
+                    v = it.value
+                    rows.append((vbid, it.seqno, it.key, v, it.flags, it.expiry, it.cas, it.rev_seqno,
+                                 it.datatype, it.op.value))
+                    if it.prev_seqno:
+                        superseded.append((it.seqno, vbid, it.prev_seqno))
+                if first is None and seg.items:
+                    first = seg.start
+            if first is None:
+                continue
+            touched.append((vb, saved, vb.persisted_seqno, first, cur.last_read))
+            if ck.has_items_for(cur):
+                dirty.add(vbid)
+        if not touched:
+            return 0
+        records = []
+        for vb, _saved, _old, first, last in touched:
+            vb.persisted_seqno = last
+            vb.persisted_snap = (first, last)
+            records.append(self._record(vb))
+        try:
+            self.storage.flush(rows, superseded, records)
+        except Exception:
+            for vb, saved, old, _first, _last in touched:
+                cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]
+                cur.ckpt, cur.pos, cur.last_read = saved
+                vb.persisted_seqno = old
+                dirty.add(vb.id)
+            raise
+        for vb, *_ in touched:
+            vb.ckpt.remove_unreferenced()
+        self.items_flushed += len(rows)
+        return len(rows)
+
+    def flush_all(self) -> int:
+        n = 0
+        while self._dirty:
+            n += self.flush()
+        return n
+
+    @property
+    def dirty_vbuckets(self) -> int:
+        return len(self._dirty)
+
+    # ------------------------------------------------------------------ memory recovery
+    def recover_memory(self) -> int:
+        """Checkpoint memory recovery (kv_engine): above 90 % of the quota, free down to 60 %.
+
+        First close open checkpoints and free the ones every cursor passed, then drop the DCP cursors
+        holding the oldest checkpoints; their streams go back to backfilling. Returns cursors dropped.
+        """
+        quota = self.config.checkpoint_quota_bytes
+        if self.counter.used <= 0.9 * quota:
+            return 0
+        low = 0.6 * quota
+        for vb in self._vbs:
+            if vb.ckpt.mem:
+                vb.ckpt.create_checkpoint()
+                vb.ckpt.remove_unreferenced()
+        if self.counter.used <= low:
+            return 0
+        candidates: list[tuple[int, int, int, str]] = []
+        for vb in self._vbs:
+            ck = vb.ckpt
+            for cur in ck.cursors.values():
+                if cur.droppable:
+                    # Slowest first: cursors furthest behind their vbucket's open checkpoint, then the
+                    # vbuckets holding the most checkpoint memory.
+                    candidates.append((ck.open.id - cur.ckpt.id, ck.mem, vb.id, cur.name))
+        candidates.sort(reverse=True)
+        dropped = 0
+        for _pos, _mem, vbid, name in candidates:
+            if self.counter.used <= low:
+                break
+            ck = self._vbs[vbid].ckpt
+            if ck.drop_cursor(name):
+                dropped += 1
+                ck.remove_unreferenced()
+                for s in self._vbs[vbid].streams:
+                    if s.cursor_name == name:
+                        s.notify()
+        self.cursors_dropped += dropped
+        return dropped
+
+    # ------------------------------------------------------------------ expiry / compaction
+    def run_expiry_pager(self) -> int:
+        """Turn every expired item into an expiration. Returns how many expired."""
+        self._check_open()
+        now = self.clock()
+        return sum(vb.expire_items(now) for vb in self._vbs)
+
+    def compact(self, vbucket: int | None = None) -> None:
+        """Purge history older than the history window and tombstones older than the purge age.
+
+        The highest seqno of a vbucket is never purged (a disk snapshot always ends on a present item), and
+        nothing a running backfill may still read is purged.
+        """
+        self._check_open()
+        vbs = self._vbs if vbucket is None else [self.vbucket(vbucket)]
+        cutoff = self.clock() - self.config.tombstone_purge_age_s
+        records = []
+        for vb in vbs:
+            pin = vb.persisted_seqno
+            for s in vb.streams:
+                if s.state.value == "backfilling":
+                    pin = min(pin, s.last_read)
+            history_upto = min(vb.persisted_seqno - self.config.history_seqnos, pin)
+            tomb_upto = min(vb.persisted_seqno - 1, pin)
+            hmax, tmax = self.storage.compact(vb.id, history_upto, tomb_upto, int(cutoff))
+            changed = False
+            if hmax > vb.history_start:
+                vb.history_start = hmax
+                changed = True
+            if tmax > vb.purge_seqno:
+                vb.purge_seqno = tmax
+                changed = True
+                for key, it in list(vb.ht.items()):
+                    if it.op is not Op.MUTATION and it.seqno <= tmax and it.expiry < cutoff:
+                        del vb.ht[key]
+            if changed:
+                records.append(self._record(vb))
+        if records:
+            self.storage.save_states(records)
+
+    # ------------------------------------------------------------------ vbucket state
+    def set_vbucket_state(self, vbucket: int, state: VBucketState | str) -> None:
+        """Change a vbucket's state; streams of a vbucket that stops being active end with STATE_CHANGED."""
+        vb = self.vbucket(vbucket)
+        new = VBucketState(state)
+        if new is vb.state:
+            return
+        old = vb.state
+        vb.state = new
+        if old is VBucketState.ACTIVE:
+            vb.end_streams(StreamEndReason.STATE_CHANGED)
+        self.storage.save_states([self._record(vb)])
+
+    def failover_log(self, vbucket: int) -> list[FailoverEntry]:
+        return list(self.vbucket(vbucket).failover.entries)
+
+    # ------------------------------------------------------------------ DCP
+    def dcp_producer(self, name: str, *, buffer_size: int = 0) -> DcpProducer:
+        """Open a named DCP producer connection; an existing connection of that name is closed first."""
+        self._check_open()
+        old = self.producers.pop(name, None)
+        if old is not None:
+            old.close()
+        p = DcpProducer(self, name, buffer_size=buffer_size)
+        self.producers[name] = p
+        return p
+
+    def close_producer(self, name: str) -> None:
+        p = self.producers.pop(name, None)
+        if p is not None:
+            p.close()
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, int | str]:
+        return {
+            "bucket": self.config.name,
+            "vbuckets": self.config.num_vbuckets,
+            "items": sum(vb.num_items for vb in self._vbs),
+            "checkpoint_memory": self.counter.used,
+            "checkpoint_quota": self.config.checkpoint_quota_bytes,
+            "dirty_vbuckets": len(self._dirty),
+            "items_flushed": self.items_flushed,
+            "cursors_dropped": self.cursors_dropped,
+            "producers": len(self.producers),
+            "clean_start": int(self.was_clean),
+        }
+
+    def vbucket_stats(self, vbucket: int) -> dict[str, int | str]:
+        return self.vbucket(vbucket).stats()
+
+    def state_snapshot(self) -> dict[bytes, tuple[bytes, int]]:
+        """Every live document as ``key -> (value, vbucket)``: what a consumer must converge to."""
+        now = self.clock()
+        out: dict[bytes, tuple[bytes, int]] = {}
+        for vb in self._vbs:
+            if vb.state is not VBucketState.ACTIVE:
+                continue
+            for k, it in vb.ht.items():
+                if it.op is Op.MUTATION and not (it.expiry and it.expiry <= now) and it.value is not None:
+                    out[k] = (it.value, vb.id)
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, clean: bool = True) -> None:
+        """Close the bucket. A clean close flushes everything and writes the clean-shutdown marker."""
+        if self.closed:
+            return
+        for p in list(self.producers.values()):
+            p.close()
+        self.producers.clear()
+        if clean:
+            self.flush_all()
+            self.storage.save_states([self._record(vb) for vb in self._vbs])
+            self.storage.set_meta(CLEAN_SHUTDOWN, "1")
+        self.storage.close()
+        self.closed = True
+
+    def __enter__(self) -> Bucket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_bucket(data_dir: Path | str, **overrides: Any) -> Bucket:
+    """Convenience: open (or create) a bucket in ``data_dir`` with config overrides."""
+    return Bucket(BucketConfig(data_dir=Path(data_dir), **overrides))
+
+
+__all__ = ["Bucket", "BucketConfig", "Item", "open_bucket"]

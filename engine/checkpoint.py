@@ -1,0 +1,323 @@
+"""The checkpoint manager: the per-vbucket in-memory write queue (seed 001 "Write Queue", seed 002 cursors).
+
+kv_engine (``checkpoint_manager.cc``) rules implemented here:
+
+* Items are queued in seqno order into the single **open** checkpoint; earlier checkpoints are **closed**.
+* The open checkpoint **de-duplicates**: queuing a key already present in it removes the older entry (a hole
+  is left so cursor positions stay valid; cursors simply skip holes) -- seed 002 "Deduplication".
+* A new checkpoint is opened when the open one reaches its item-count or byte limit (closed checkpoints
+  never de-duplicate, so a consumer reading a closed checkpoint to its end sees a consistent snapshot).
+* **Cursors**: one for persistence, one per DCP stream. A closed checkpoint is freed once every cursor has
+  moved past it. DCP cursors may be **dropped** under memory pressure; their streams go back to backfilling
+  from disk (seed 002 "cursor dropping").
+* A cursor always reads a checkpoint *to its current end* in one go: cutting a checkpoint in the middle could
+  split a de-duplicated key from its newer version and expose an inconsistent state (seed 002).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+from engine.item import ITEM_OVERHEAD, Item
+
+PERSISTENCE_CURSOR: Final = "persistence"
+
+
+class MemoryCounter:
+    """Checkpoint memory shared by all vbuckets of a bucket (checked against the checkpoint quota)."""
+
+    __slots__ = ("used",)
+
+    def __init__(self) -> None:
+        self.used = 0
+
+
+class Checkpoint:
+    """One checkpoint: items in seqno order (``None`` = de-duplicated hole) and their seqnos."""
+
+    __slots__ = ("id", "index", "is_open", "items", "live", "mem", "seqnos", "start_seqno")
+
+    def __init__(self, ckpt_id: int, start_seqno: int) -> None:
+        self.id = ckpt_id
+        self.start_seqno = start_seqno  # first seqno this checkpoint covers
+        self.items: list[Item | None] = []
+        self.seqnos: list[int] = []
+        self.index: dict[bytes, int] = {}  # key -> position; only kept while open
+        self.is_open = True
+        self.live = 0
+        self.mem = 0
+
+    @property
+    def high_seqno(self) -> int:
+        """Seqno of the last item queued (start_seqno - 1 when empty)."""
+        return self.seqnos[-1] if self.seqnos else self.start_seqno - 1
+
+    def __repr__(self) -> str:
+        state = "open" if self.is_open else "closed"
+        return f"Checkpoint(id={self.id} {state} [{self.start_seqno}, {self.high_seqno}] live={self.live})"
+
+
+class Cursor:
+    """A reader's position: the checkpoint it is in and the index of the next entry to read."""
+
+    __slots__ = ("ckpt", "droppable", "dropped", "last_read", "name", "pos")
+
+    def __init__(self, name: str, ckpt: Checkpoint, pos: int, last_read: int, droppable: bool) -> None:
+        self.name = name
+        self.ckpt = ckpt
+        self.pos = pos
+        self.last_read = last_read
+        self.droppable = droppable
+        self.dropped = False
+
+    def __repr__(self) -> str:
+        return f"Cursor({self.name!r} ckpt={self.ckpt.id} pos={self.pos} last_read={self.last_read})"
+
+
+@dataclass(slots=True)
+class Segment:
+    """Items a cursor read from one checkpoint: becomes one memory snapshot (marker + items).
+
+    ``start``/``end`` span every seqno read, holes included; ``new_checkpoint`` is True when the segment
+    begins at a checkpoint boundary (the marker gets the CHK flag).
+    """
+
+    start: int
+    end: int
+    items: list[Item]
+    new_checkpoint: bool
+
+
+class CheckpointManager:
+    """Checkpoints and cursors of one vbucket."""
+
+    __slots__ = (
+        "_next_id",
+        "checkpoints",
+        "counter",
+        "cursors",
+        "max_bytes",
+        "max_items",
+        "open",
+        "vbucket",
+    )
+
+    def __init__(
+        self,
+        vbucket: int,
+        high_seqno: int,
+        counter: MemoryCounter,
+        *,
+        max_items: int = 10_000,
+        max_bytes: int = 10 * 1024 * 1024,
+    ) -> None:
+        self.vbucket = vbucket
+        self.counter = counter
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._next_id = 1
+        self.open = Checkpoint(self._take_id(), high_seqno + 1)
+        self.checkpoints: deque[Checkpoint] = deque([self.open])
+        self.cursors: dict[str, Cursor] = {}
+        self.cursors[PERSISTENCE_CURSOR] = Cursor(PERSISTENCE_CURSOR, self.open, 0, high_seqno, False)
+
+    def _take_id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    # ------------------------------------------------------------------ queueing
+    def queue(self, item: Item) -> Item | None:
+        """Append ``item`` to the open checkpoint, de-duplicating an older entry of its key.
+
+        Returns the de-duplicated item (or None). Sets ``item.prev_seqno`` to the seqno of the version of the
+        key that will be on disk when ``item`` is flushed (the flusher marks that row superseded).
+        """
+        ck = self.open
+        key = item.key
+        v = item.value
+        size = ITEM_OVERHEAD + len(key) + (len(v) if v is not None else 0)
+        index = ck.index
+        old_pos = index.get(key)
+        old: Item | None = None
+        if old_pos is not None:
+            old = ck.items[old_pos]
+            assert old is not None
+            ck.items[old_pos] = None
+            ov = old.value
+            osize = ITEM_OVERHEAD + len(old.key) + (len(ov) if ov is not None else 0)
+            ck.mem -= osize
+            self.counter.used -= osize
+            ck.live -= 1
+            # The older entry reaches disk only if the persistence cursor already read it.
+            pcur = self.cursors[PERSISTENCE_CURSOR]
+            item.prev_seqno = old.seqno if (pcur.ckpt is ck and pcur.pos > old_pos) else old.prev_seqno
+        index[key] = len(ck.items)
+        ck.items.append(item)
+        ck.seqnos.append(item.seqno)
+        ck.live += 1
+        ck.mem += size
+        self.counter.used += size
+        if ck.live >= self.max_items or ck.mem >= self.max_bytes:
+            self.create_checkpoint()
+        return old
+
+    def create_checkpoint(self) -> Checkpoint:
+        """Close the open checkpoint (if it holds anything) and open a new one."""
+        ck = self.open
+        if not ck.items:
+            return ck
+        ck.is_open = False
+        ck.index = {}
+        new = Checkpoint(self._take_id(), ck.high_seqno + 1)
+        self.checkpoints.append(new)
+        self.open = new
+        return new
+
+    # ------------------------------------------------------------------ cursors
+    @property
+    def first_seqno(self) -> int:
+        """The lowest seqno still readable from memory."""
+        return self.checkpoints[0].start_seqno
+
+    @property
+    def high_seqno(self) -> int:
+        return self.open.high_seqno
+
+    def register_cursor(self, name: str, last_read: int, *, droppable: bool = True) -> Cursor | None:
+        """Place cursor ``name`` right after seqno ``last_read``.
+
+        Returns None when ``last_read + 1`` is no longer in memory: the caller must backfill from disk first
+        (kv_engine registerCursorBySeqno: "if the first in-memory seqno is not lastRead+1, backfill").
+        An existing cursor of that name is replaced.
+        """
+        self.remove_cursor(name)
+        if last_read + 1 < self.first_seqno:
+            return None
+        target = self.checkpoints[-1]
+        for ck in self.checkpoints:
+            if ck.start_seqno <= last_read + 1 <= ck.high_seqno + 1 and (
+                ck.is_open or last_read + 1 <= ck.high_seqno
+            ):
+                target = ck
+                break
+        pos = bisect_right(target.seqnos, last_read)
+        cur = Cursor(name, target, pos, last_read, droppable)
+        self.cursors[name] = cur
+        return cur
+
+    def remove_cursor(self, name: str) -> None:
+        cur = self.cursors.pop(name, None)
+        if cur is not None:
+            cur.dropped = True
+
+    def drop_cursor(self, name: str) -> bool:
+        """Drop a DCP cursor under memory pressure. Returns False for undroppable cursors."""
+        cur = self.cursors.get(name)
+        if cur is None or not cur.droppable:
+            return False
+        self.remove_cursor(name)
+        return True
+
+    def items_remaining(self, cursor: Cursor) -> int:
+        """Live items the cursor has not read yet."""
+        n = 0
+        started = False
+        for ck in self.checkpoints:
+            if ck is cursor.ckpt:
+                started = True
+                n += sum(1 for it in ck.items[cursor.pos :] if it is not None)
+            elif started:
+                n += ck.live
+        return n
+
+    # ------------------------------------------------------------------ reading
+    def read(self, cursor: Cursor, max_items: int = 10_000) -> list[Segment]:
+        """Read whole checkpoint remainders for ``cursor`` until at least ``max_items`` were read.
+
+        Each returned :class:`Segment` covers one checkpoint from the cursor position to its current end.
+        """
+        segments: list[Segment] = []
+        count = 0
+        ck = cursor.ckpt
+        pos = cursor.pos
+        while True:
+            items = ck.items
+            n = len(items)
+            if pos < n:
+                chunk = [it for it in items[pos:] if it is not None]
+                segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, pos == 0))
+                count += len(chunk)
+                pos = n
+                cursor.last_read = ck.seqnos[-1]
+            if pos >= n and not ck.is_open:
+                nxt = self._next(ck)
+                if nxt is None:
+                    break
+                ck, pos = nxt, 0
+                if count >= max_items:
+                    break
+                continue
+            break
+        cursor.ckpt = ck
+        cursor.pos = pos
+        return segments
+
+    def has_items_for(self, cursor: Cursor) -> bool:
+        ck = cursor.ckpt
+        if cursor.pos < len(ck.items):
+            return True
+        if ck.is_open:
+            return False
+        nxt = self._next(ck)
+        while nxt is not None:
+            if nxt.items:
+                return True
+            nxt = self._next(nxt)
+        return False
+
+    def _next(self, ck: Checkpoint) -> Checkpoint | None:
+        idx = ck.id - self.checkpoints[0].id + 1
+        if idx < len(self.checkpoints):
+            return self.checkpoints[idx]
+        return None
+
+    # ------------------------------------------------------------------ freeing memory
+    def remove_unreferenced(self) -> int:
+        """Free closed checkpoints that every cursor has passed. Returns bytes freed."""
+        for cur in self.cursors.values():
+            ck = cur.ckpt
+            while not ck.is_open and cur.pos >= len(ck.items):
+                nxt = self._next(ck)
+                if nxt is None:
+                    break
+                cur.ckpt, cur.pos = nxt, 0
+                ck = nxt
+        lowest = min(c.ckpt.id for c in self.cursors.values()) if self.cursors else self.open.id
+        freed = 0
+        cks = self.checkpoints
+        while len(cks) > 1 and not cks[0].is_open and cks[0].id < lowest:
+            ck = cks.popleft()
+            freed += ck.mem
+        self.counter.used -= freed
+        return freed
+
+    def clear(self, high_seqno: int) -> None:
+        """Drop every checkpoint and DCP cursor (rollback / state reset); reopen empty at ``high_seqno``."""
+        freed = sum(ck.mem for ck in self.checkpoints)
+        self.counter.used -= freed
+        for name in [n for n in self.cursors if n != PERSISTENCE_CURSOR]:
+            self.remove_cursor(name)
+        self.open = Checkpoint(self._take_id(), high_seqno + 1)
+        self.checkpoints = deque([self.open])
+        self.cursors[PERSISTENCE_CURSOR] = Cursor(PERSISTENCE_CURSOR, self.open, 0, high_seqno, False)
+
+    @property
+    def mem(self) -> int:
+        return sum(ck.mem for ck in self.checkpoints)
+
+    def oldest_cursor_ckpt_id(self, cursor: Cursor) -> int:
+        return cursor.ckpt.id

@@ -1,0 +1,152 @@
+"""Exceptions of the engine, keyed by memcached / DCP status codes.
+
+One root (:class:`DcpGatewayError`) for the whole product; every engine error carries the memcached status
+code a real kv_engine would answer with (``include/memcached/protocol_binary.h``) and a ``retriable`` flag
+in the manner of aiokafka's errors: a retriable error may succeed if the caller simply tries again later.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Status(IntEnum):
+    """memcached binary-protocol status codes used by the engine (kv_engine ``cb::mcbp::Status``)."""
+
+    SUCCESS = 0x00
+    KEY_ENOENT = 0x01
+    KEY_EEXISTS = 0x02
+    E2BIG = 0x03
+    EINVAL = 0x04
+    NOT_STORED = 0x05
+    NOT_MY_VBUCKET = 0x07
+    ERANGE = 0x22
+    ROLLBACK = 0x23
+    ENOMEM = 0x82
+    TMPFAIL = 0x86
+    DURABILITY_INVALID_LEVEL = 0xA0
+    DURABILITY_IMPOSSIBLE = 0xA1
+    SYNC_WRITE_IN_PROGRESS = 0xA2
+    SYNC_WRITE_AMBIGUOUS = 0xA3
+
+
+class DcpGatewayError(Exception):
+    """Root of every exception raised by dcp-gateway (engine, gateway, connectors)."""
+
+    retriable: bool = False
+
+
+class EngineError(DcpGatewayError):
+    """An error answered by the engine; ``status`` is the memcached status code it maps to."""
+
+    status: Status = Status.EINVAL
+
+
+class KeyNotFound(EngineError):
+    """KEY_ENOENT: the document does not exist (or has expired / been deleted)."""
+
+    status = Status.KEY_ENOENT
+
+
+class KeyExists(EngineError):
+    """KEY_EEXISTS: CAS mismatch, ``add`` of an existing key, or a duplicate DCP stream."""
+
+    status = Status.KEY_EEXISTS
+
+
+class ValueTooLarge(EngineError):
+    """E2BIG: the value exceeds the bucket's configured maximum."""
+
+    status = Status.E2BIG
+
+
+class InvalidArgument(EngineError):
+    """EINVAL: malformed input (bad key, bad expiry, bad stream-request fields, bad config)."""
+
+    status = Status.EINVAL
+
+
+class NotStored(EngineError):
+    """NOT_STORED: ``replace`` of a missing key."""
+
+    status = Status.NOT_STORED
+
+
+class NotMyVBucket(EngineError):
+    """NOT_MY_VBUCKET: the vbucket does not exist here or is not in a state that serves the request.
+
+    Retriable: the client reloads the vbucket map and retries (seed 001, "not my partition").
+    """
+
+    status = Status.NOT_MY_VBUCKET
+    retriable = True
+
+
+class RangeError(EngineError):
+    """ERANGE: a stream request whose seqno range is invalid (start > end, start outside the snapshot...)."""
+
+    status = Status.ERANGE
+
+
+class RollbackRequired(EngineError):
+    """ROLLBACK: the stream request cannot be served from the client's position; roll back to ``seqno``."""
+
+    status = Status.ROLLBACK
+    retriable = True
+
+    def __init__(self, vbucket: int, seqno: int) -> None:
+        super().__init__(f"vbucket {vbucket}: rollback to seqno {seqno}")
+        self.vbucket = vbucket
+        self.seqno = seqno
+
+
+class TemporaryFailure(EngineError):
+    """TMPFAIL: the engine cannot serve the request now (e.g. warming up); try again."""
+
+    status = Status.TMPFAIL
+    retriable = True
+
+
+class OutOfMemory(EngineError):
+    """ENOMEM: a memory quota prevents accepting the request right now."""
+
+    status = Status.ENOMEM
+    retriable = True
+
+
+class StorageError(EngineError):
+    """The durable store failed or is corrupt."""
+
+    status = Status.TMPFAIL
+
+
+class EngineClosed(EngineError):
+    """The bucket was closed; no more requests are accepted."""
+
+    status = Status.TMPFAIL
+
+
+#: status code -> exception type, so a status received from elsewhere maps back to the same type.
+STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
+    Status.KEY_ENOENT: KeyNotFound,
+    Status.KEY_EEXISTS: KeyExists,
+    Status.E2BIG: ValueTooLarge,
+    Status.EINVAL: InvalidArgument,
+    Status.NOT_STORED: NotStored,
+    Status.NOT_MY_VBUCKET: NotMyVBucket,
+    Status.ERANGE: RangeError,
+    Status.ENOMEM: OutOfMemory,
+    Status.TMPFAIL: TemporaryFailure,
+}
+
+
+def error_for_status(status: int, message: str = "") -> EngineError:
+    """Build the typed exception for a memcached status code (unknown codes give a plain EngineError)."""
+    try:
+        st = Status(status)
+    except ValueError:
+        err = EngineError(message or f"status 0x{status:02x}")
+        return err
+    cls = STATUS_TO_EXCEPTION.get(st, EngineError)
+    err = cls(message or st.name)
+    return err

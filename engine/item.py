@@ -1,0 +1,167 @@
+"""Items: the immutable unit a vbucket stores, queues in checkpoints, persists and streams over DCP.
+
+Seed 001 ("Immutable Values"): a value assigned to the hash table is immutable and shared by the write queue,
+the flusher and every stream. An :class:`Item` is created for every accepted change and never modified
+afterwards, so a DCP stream can hand the very object to its consumer as the mutation / deletion /
+expiration message (kv_engine's ``MutationResponse`` wraps a ``queued_item`` the same way).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final
+
+import orjson
+
+
+class Op(IntEnum):
+    """The kind of change an item records (DCP opcode family)."""
+
+    MUTATION = 0
+    DELETION = 1
+    EXPIRATION = 2
+
+
+class Datatype:
+    """memcached datatype bits (``protocol_binary_datatype_t``)."""
+
+    RAW: Final = 0x00
+    JSON: Final = 0x01
+    SNAPPY: Final = 0x02
+    XATTR: Final = 0x04
+
+
+#: bytes a JSON document can start with (after optional whitespace), checked before parsing.
+_JSON_START: Final = frozenset(b'{["-0123456789tfn')
+_WS: Final = b" \t\r\n"
+
+#: fixed per-item overhead counted towards checkpoint memory (object header, slots, list slot, index entry).
+ITEM_OVERHEAD: Final = 120
+#: memcached binary header (24) + DCP mutation extras (31) -- the size a mutation costs in flow control.
+DCP_MUTATION_OVERHEAD: Final = 24 + 31
+DCP_DELETION_OVERHEAD: Final = 24 + 21
+
+
+def detect_datatype(value: bytes) -> int:
+    """Return ``Datatype.JSON`` when ``value`` is a valid JSON document, else ``Datatype.RAW``.
+
+    kv_engine validates JSON on every store to set the datatype; a cheap first-byte check avoids parsing
+    values that cannot be JSON.
+    """
+    if not value:
+        return Datatype.RAW
+    first = value[0]
+    if first not in _JSON_START:
+        stripped = value.lstrip(_WS)
+        if not stripped or stripped[0] not in _JSON_START:
+            return Datatype.RAW
+    try:
+        orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return Datatype.RAW
+    return Datatype.JSON
+
+
+class Item:
+    """One accepted change of one document. Immutable by convention once queued.
+
+    ``prev_seqno`` is the by-seqno of the version of the same key that this item supersedes on disk (0 if
+    none): the flusher uses it to mark that older row as superseded without an index lookup.
+    ``expiry`` is an absolute epoch second (0 = never); for deletions and expirations it is the delete
+    time, as in kv_engine's ``delete_time``.
+    """
+
+    __slots__ = (
+        "cas",
+        "datatype",
+        "expiry",
+        "flags",
+        "key",
+        "op",
+        "prev_seqno",
+        "rev_seqno",
+        "seqno",
+        "value",
+        "vbucket",
+    )
+
+    key: bytes
+    value: bytes | None
+    vbucket: int
+    seqno: int
+    rev_seqno: int
+    cas: int
+    flags: int
+    expiry: int
+    datatype: int
+    op: Op
+    prev_seqno: int
+
+    def __init__(
+        self,
+        key: bytes,
+        value: bytes | None,
+        vbucket: int,
+        seqno: int,
+        rev_seqno: int,
+        cas: int,
+        flags: int = 0,
+        expiry: int = 0,
+        datatype: int = 0,
+        op: Op = Op.MUTATION,
+        prev_seqno: int = 0,
+    ) -> None:
+        self.key = key
+        self.value = value
+        self.vbucket = vbucket
+        self.seqno = seqno
+        self.rev_seqno = rev_seqno
+        self.cas = cas
+        self.flags = flags
+        self.expiry = expiry
+        self.datatype = datatype
+        self.op = op
+        self.prev_seqno = prev_seqno
+
+    @property
+    def deleted(self) -> bool:
+        """True for deletions and expirations (tombstones)."""
+        return self.op is not Op.MUTATION
+
+    @property
+    def mem_size(self) -> int:
+        """Bytes this item is charged against the checkpoint memory quota."""
+        v = self.value
+        return ITEM_OVERHEAD + len(self.key) + (len(v) if v is not None else 0)
+
+    @property
+    def dcp_size(self) -> int:
+        """Bytes this item costs in DCP flow control (header + extras + key + value)."""
+        v = self.value
+        if self.op is Op.MUTATION:
+            return DCP_MUTATION_OVERHEAD + len(self.key) + (len(v) if v is not None else 0)
+        return DCP_DELETION_OVERHEAD + len(self.key) + (len(v) if v is not None else 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"Item({self.op.name.lower()} vb={self.vbucket} seqno={self.seqno} key={self.key!r} "
+            f"rev={self.rev_seqno} cas={self.cas})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Item):
+            return NotImplemented
+        return (
+            self.key == other.key
+            and self.value == other.value
+            and self.vbucket == other.vbucket
+            and self.seqno == other.seqno
+            and self.rev_seqno == other.rev_seqno
+            and self.cas == other.cas
+            and self.flags == other.flags
+            and self.expiry == other.expiry
+            and self.datatype == other.datatype
+            and self.op == other.op
+        )
+
+    __hash__ = None  # type: ignore[assignment]

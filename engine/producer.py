@@ -1,0 +1,208 @@
+"""DCP producer connections (kv_engine ``dcp/producer.cc``): stream requests, stepping, flow control.
+
+The engine is synchronous: the consumer drives a connection by calling :meth:`DcpProducer.step`, which returns
+the next messages of its streams in round-robin order -- what kv_engine's front-end thread does when the
+connection's socket is writable. Flow control: with a ``buffer_size``, ``step`` hands out messages only while
+the bytes not yet acknowledged with :meth:`buffer_acknowledge` are below it (one message may overshoot).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine.exceptions import (
+    EngineClosed,
+    InvalidArgument,
+    KeyExists,
+    NotMyVBucket,
+    RangeError,
+    RollbackRequired,
+)
+from engine.failover_log import FailoverEntry
+from engine.stream import (
+    MAX_SEQNO,
+    ActiveStream,
+    Message,
+    StreamEnd,
+    StreamEndReason,
+    StreamFlags,
+    StreamState,
+)
+from engine.vbucket import VBucketState
+
+if TYPE_CHECKING:
+    from engine.bucket import Bucket
+
+
+class DcpProducer:
+    """A named DCP connection to one bucket."""
+
+    def __init__(self, bucket: Bucket, name: str, *, buffer_size: int = 0) -> None:
+        if not name:
+            raise InvalidArgument("a DCP connection needs a name")
+        if buffer_size < 0:
+            raise InvalidArgument("buffer_size must be >= 0 (0 disables flow control)")
+        self.bucket = bucket
+        self.name = name
+        self.buffer_size = buffer_size
+        self.unacked_bytes = 0
+        self.streams: dict[int, ActiveStream] = {}
+        self._ready: deque[ActiveStream] = deque()
+        self._queued: set[int] = set()  # id(stream) of streams in _ready
+        self.closed = False
+        self.paused = False
+        self.bytes_sent = 0
+        self.items_sent = 0
+
+    def __repr__(self) -> str:
+        return f"DcpProducer({self.name!r} streams={len(self.streams)} unacked={self.unacked_bytes})"
+
+    # ------------------------------------------------------------------ stream requests
+    def stream_request(
+        self,
+        vbucket: int,
+        start_seqno: int,
+        end_seqno: int = MAX_SEQNO,
+        vbuuid: int = 0,
+        snap_start: int | None = None,
+        snap_end: int | None = None,
+        *,
+        flags: StreamFlags | int = StreamFlags.NONE,
+        opaque: int = 0,
+        failover_log: Sequence[FailoverEntry] | None = None,
+    ) -> list[FailoverEntry]:
+        """Open a stream; returns the vbucket's failover log (newest first) on OK.
+
+        Checks in kv_engine's order (dcp-reference.md "Stream request"): NOT_MY_VBUCKET, FROM_LATEST,
+        start > end, snapshot range, duplicate stream, rollback, TO_LATEST / DISK_ONLY, start > high.
+        ``failover_log`` (the client's whole log, newest first) enables the product's common-ancestor
+        rollback decision instead of kv_engine's newest-vbuuid-only rule (docs/rollback.md).
+        """
+        if self.closed:
+            raise EngineClosed(f"connection {self.name!r} is closed")
+        flags = StreamFlags(flags)
+        for name, v in (("start_seqno", start_seqno), ("end_seqno", end_seqno), ("vbuuid", vbuuid)):
+            if type(v) is not int or v < 0 or v > MAX_SEQNO:
+                raise InvalidArgument(f"{name} must be an unsigned 64-bit integer, got {v!r}")
+        snap_start = start_seqno if snap_start is None else snap_start
+        snap_end = start_seqno if snap_end is None else snap_end
+        vb = self.bucket.vbucket(vbucket)
+        allowed = (VBucketState.ACTIVE,) if flags & StreamFlags.ACTIVE_VB_ONLY else (
+            VBucketState.ACTIVE, VBucketState.REPLICA)
+        if vb.state not in allowed:
+            raise NotMyVBucket(f"vbucket {vbucket} is {vb.state.value}")
+        high = vb.high_seqno
+        if flags & StreamFlags.FROM_LATEST:
+            # kv_engine also takes the vbucket's current uuid: the client is asking for "now".
+            start_seqno = snap_start = snap_end = high
+            vbuuid = vb.failover.latest.vbuuid
+            failover_log = None
+        if start_seqno > end_seqno:
+            raise RangeError(f"start seqno {start_seqno} > end seqno {end_seqno}")
+        if not snap_start <= start_seqno <= snap_end:
+            raise RangeError(
+                f"start seqno {start_seqno} outside snapshot [{snap_start}, {snap_end}]")
+        existing = self.streams.get(vbucket)
+        if existing is not None and existing.state is not StreamState.DEAD:
+            raise KeyExists(f"a stream for vbucket {vbucket} is already open on {self.name!r}")
+        purge = 0 if flags & StreamFlags.IGNORE_PURGED_TOMBSTONES else vb.purge_seqno
+        if failover_log:
+            rollback = vb.failover.rollback_point(
+                start_seqno, high, list(failover_log), snap_start, snap_end, purge)
+        else:
+            rollback = vb.failover.needs_rollback(
+                start_seqno, high, vbuuid, snap_start, snap_end, purge,
+                strict_vbuuid=bool(flags & StreamFlags.STRICT_VBUUID))
+        if rollback is not None:
+            raise RollbackRequired(vbucket, rollback)
+        if flags & StreamFlags.TO_LATEST:
+            end_seqno = high
+        elif flags & StreamFlags.DISK_ONLY:
+            end_seqno = vb.persisted_seqno
+        if start_seqno > high:
+            raise RangeError(f"start seqno {start_seqno} > high seqno {high}")
+        stream = ActiveStream(
+            self, vb, self.bucket.storage, opaque=opaque, flags=flags, start=start_seqno, end=end_seqno,
+            vbuuid=vbuuid, snap_start=snap_start, snap_end=snap_end,
+            backfill_chunk=self.bucket.config.backfill_chunk_items)
+        self.streams[vbucket] = stream
+        self.notify(stream)
+        return list(vb.failover.entries)
+
+    def close_stream(self, vbucket: int) -> None:
+        """Close a stream at the consumer's request; a stream-end(CLOSED) follows in :meth:`step`."""
+        s = self.streams.get(vbucket)
+        if s is None or s.state is StreamState.DEAD:
+            raise NotMyVBucket(f"no open stream for vbucket {vbucket} on {self.name!r}")
+        s.end_stream(StreamEndReason.CLOSED)
+
+    def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
+        return list(self.bucket.vbucket(vbucket).failover.entries)
+
+    # ------------------------------------------------------------------ stepping
+    def notify(self, stream: ActiveStream) -> None:
+        sid = id(stream)
+        if sid not in self._queued and self.streams.get(stream.vbid) is stream:
+            self._queued.add(sid)
+            self._ready.append(stream)
+
+    def step(self, max_messages: int = 4096) -> list[Message]:
+        """The next messages of this connection's streams, round robin, within flow control."""
+        out: list[Message] = []
+        if self.closed:
+            return out
+        ready = self._ready
+        budget = self.buffer_size - self.unacked_bytes if self.buffer_size else 1 << 62
+        self.paused = False
+        per_stream = max(64, max_messages // 8)
+        while ready and len(out) < max_messages:
+            if budget <= 0:
+                self.paused = True
+                break
+            s = ready.popleft()
+            self._queued.discard(id(s))
+            taken = s.take(min(per_stream, max_messages - len(out)), budget, out)
+            budget -= taken
+            self.bytes_sent += taken
+            if self.buffer_size:
+                self.unacked_bytes += taken
+            if s.state is StreamState.DEAD and not s.ready:
+                if self.streams.get(s.vbid) is s:
+                    del self.streams[s.vbid]
+            elif s.has_work():
+                self._queued.add(id(s))
+                ready.append(s)
+        return out
+
+    def buffer_acknowledge(self, nbytes: int) -> None:
+        """The consumer processed ``nbytes`` of messages (DCP buffer-ack)."""
+        if nbytes < 0:
+            raise InvalidArgument("cannot acknowledge a negative number of bytes")
+        self.unacked_bytes = max(0, self.unacked_bytes - nbytes)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._ready)
+
+    def stream_stats(self) -> list[dict[str, int | str]]:
+        return [
+            {"vbucket": s.vbid, "state": s.state.value, "last_read": s.last_read, "last_sent": s.last_sent,
+             "end": s.end, "backfills": s.backfills, "ready": len(s.ready)}
+            for s in self.streams.values()
+        ]
+
+    def close(self) -> None:
+        """Disconnect: every stream ends (DISCONNECTED) and its cursor is removed."""
+        if self.closed:
+            return
+        for s in list(self.streams.values()):
+            s.end_stream(StreamEndReason.DISCONNECTED)
+        self.streams.clear()
+        self._ready.clear()
+        self._queued.clear()
+        self.closed = True
+
+
+__all__ = ["DcpProducer", "StreamEnd"]

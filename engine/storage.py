@@ -1,0 +1,253 @@
+"""Durable storage by seqno: SQLite in WAL mode (the couchstore role in seed 001).
+
+Layout: one database per bucket.
+
+* ``items`` -- every persisted version, keyed by ``(vb, seqno)`` (the by-seqno tree). A row whose key was
+  written again later carries ``superseded`` = the seqno of the newer version; rows with ``superseded IS NULL``
+  are the current state (tombstones included: ``op`` != 0). Prior versions are kept for a configurable history
+  window so the exact state at an earlier seqno can be restored (rollback), and so a disk backfill can read
+  the consistent state *as of* its snapshot end.
+* ``vbstate`` -- per vbucket: state, failover log, persisted high seqno, the last persisted snapshot range,
+  purge seqno, max CAS and ``history_start`` (below it, older versions may have been purged).
+* ``meta`` -- the clean-shutdown marker.
+
+Every flush is one transaction: a disk snapshot with its seqno range (seed 002 "Disk Snapshots").
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from engine.exceptions import StorageError
+
+#: (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op)
+Row = tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS items (
+    vb INTEGER NOT NULL, seqno INTEGER NOT NULL, key BLOB NOT NULL, value BLOB,
+    flags INTEGER NOT NULL, expiry INTEGER NOT NULL, cas INTEGER NOT NULL, rev INTEGER NOT NULL,
+    datatype INTEGER NOT NULL, op INTEGER NOT NULL, superseded INTEGER,
+    PRIMARY KEY (vb, seqno)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS vbstate (
+    vb INTEGER PRIMARY KEY, state TEXT NOT NULL, failover TEXT NOT NULL, high_seqno INTEGER NOT NULL,
+    snap_start INTEGER NOT NULL, snap_end INTEGER NOT NULL, purge_seqno INTEGER NOT NULL,
+    max_cas INTEGER NOT NULL, history_start INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+"""
+
+_INSERT: Final = (
+    "INSERT OR REPLACE INTO items (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op) "
+    "VALUES (?,?,?,?,?,?,?,?,?,?)"
+)
+_SUPERSEDE: Final = "UPDATE items SET superseded=? WHERE vb=? AND seqno=?"
+_SCAN: Final = (
+    "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
+    "WHERE vb=? AND seqno>? AND seqno<=? AND (superseded IS NULL OR superseded>?) ORDER BY seqno LIMIT ?"
+)
+_UPSERT_STATE: Final = (
+    "INSERT OR REPLACE INTO vbstate (vb, state, failover, high_seqno, snap_start, snap_end, purge_seqno, "
+    "max_cas, history_start) VALUES (?,?,?,?,?,?,?,?,?)"
+)
+
+
+@dataclass(slots=True)
+class VBucketRecord:
+    """The persisted state of one vbucket (kv_engine ``vbucket_state``)."""
+
+    vb: int
+    state: str
+    failover: list[tuple[int, int]]
+    high_seqno: int = 0
+    snap_start: int = 0
+    snap_end: int = 0
+    purge_seqno: int = 0
+    max_cas: int = 0
+    history_start: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def as_params(self) -> tuple[object, ...]:
+        return (
+            self.vb,
+            self.state,
+            json.dumps(self.failover),
+            self.high_seqno,
+            self.snap_start,
+            self.snap_end,
+            self.purge_seqno,
+            self.max_cas,
+            self.history_start,
+        )
+
+
+class Storage:
+    """The bucket's SQLite store. Single-threaded: owned by the bucket."""
+
+    def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
+        if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise StorageError(f"invalid sqlite synchronous mode {synchronous!r}")
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self._db.execute("PRAGMA cache_size=-65536")
+            self._db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as e:
+            raise StorageError(f"cannot open storage at {path}: {e}") from e
+
+    # ------------------------------------------------------------------ meta
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT v FROM meta WHERE k=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (key, value))
+
+    # ------------------------------------------------------------------ vbucket states
+    def load_states(self) -> dict[int, VBucketRecord]:
+        out: dict[int, VBucketRecord] = {}
+        for row in self._db.execute(
+            "SELECT vb, state, failover, high_seqno, snap_start, snap_end, purge_seqno, max_cas, "
+            "history_start FROM vbstate"
+        ):
+            fo = [(int(u), int(s)) for u, s in json.loads(row[2])]
+            out[row[0]] = VBucketRecord(row[0], row[1], fo, *row[3:])
+        return out
+
+    def save_states(self, records: Iterable[VBucketRecord]) -> None:
+        self._db.executemany(_UPSERT_STATE, [r.as_params() for r in records])
+
+    # ------------------------------------------------------------------ flush
+    def flush(
+        self,
+        rows: Sequence[Row],
+        superseded: Sequence[tuple[int, int, int]],
+        states: Iterable[VBucketRecord],
+    ) -> None:
+        """Persist one batch atomically: new rows, superseded marks ``(newer_seqno, vb, old_seqno)``, states."""
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            db.executemany(_INSERT, rows)
+            if superseded:
+                db.executemany(_SUPERSEDE, superseded)
+            db.executemany(_UPSERT_STATE, [r.as_params() for r in states])
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise StorageError(f"flush failed: {e}") from e
+
+    # ------------------------------------------------------------------ reads
+    def scan(self, vb: int, after: int, upto: int, limit: int) -> list[Row]:
+        """Rows of the consistent state as of ``upto`` with seqno in ``(after, upto]``, in seqno order."""
+        return self._db.execute(_SCAN, (vb, after, upto, upto, limit)).fetchall()
+
+    def current(self, vb: int) -> Iterator[Row]:
+        """The current version of every key of ``vb`` (tombstones included), in seqno order."""
+        return iter(
+            self._db.execute(
+                "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
+                "WHERE vb=? AND superseded IS NULL ORDER BY seqno",
+                (vb,),
+            )
+        )
+
+    def current_all(self) -> Iterator[Row]:
+        """The current version of every key of every vbucket (warmup), by vbucket and seqno."""
+        return iter(
+            self._db.execute(
+                "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
+                "WHERE superseded IS NULL ORDER BY vb, seqno"
+            )
+        )
+
+    def get(self, vb: int, key: bytes) -> Row | None:
+        row = self._db.execute(
+            "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
+            "WHERE vb=? AND key=? AND superseded IS NULL",
+            (vb, key),
+        ).fetchone()
+        return None if row is None else tuple(row)
+
+    def count(self, vb: int) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM items WHERE vb=?", (vb,)).fetchone()[0])
+
+    # ------------------------------------------------------------------ rollback / compaction
+    def rollback(self, vb: int, seqno: int, record: VBucketRecord) -> bool:
+        """Restore ``vb`` on disk to exactly its state at ``seqno``.
+
+        Returns False (and changes nothing) when older versions needed for that were purged
+        (``seqno < history_start``): the caller must then rebuild the vbucket from zero.
+        """
+        if seqno < record.history_start:
+            return False
+        db = self._db
+        try:
+            db.execute("BEGIN")
+            db.execute("DELETE FROM items WHERE vb=? AND seqno>?", (vb, seqno))
+            db.execute("UPDATE items SET superseded=NULL WHERE vb=? AND superseded>?", (vb, seqno))
+            db.execute(_UPSERT_STATE, record.as_params())
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise StorageError(f"rollback of vb {vb} failed: {e}") from e
+        return True
+
+    def reset_vbucket(self, vb: int, record: VBucketRecord | None) -> None:
+        """Delete every row of ``vb`` (rollback to zero / vbucket deletion)."""
+        db = self._db
+        db.execute("BEGIN")
+        db.execute("DELETE FROM items WHERE vb=?", (vb,))
+        if record is None:
+            db.execute("DELETE FROM vbstate WHERE vb=?", (vb,))
+        else:
+            db.execute(_UPSERT_STATE, record.as_params())
+        db.execute("COMMIT")
+
+    def compact(self, vb: int, history_upto: int, tombstones_upto: int, tombstone_before: int) -> tuple[int, int]:
+        """Purge prior versions superseded at or below ``history_upto`` and tombstones (current rows with
+        ``op`` != 0) with seqno <= ``tombstones_upto`` whose delete time is before ``tombstone_before``.
+
+        Returns ``(max purged superseded seqno, max purged tombstone seqno)`` (0 when nothing was purged):
+        the caller raises ``history_start`` and the purge seqno from them.
+        """
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            (hmax,) = db.execute(
+                "SELECT COALESCE(MAX(superseded), 0) FROM items WHERE vb=? AND superseded IS NOT NULL "
+                "AND superseded<=?",
+                (vb, history_upto),
+            ).fetchone()
+            db.execute(
+                "DELETE FROM items WHERE vb=? AND superseded IS NOT NULL AND superseded<=?", (vb, history_upto)
+            )
+            (tmax,) = db.execute(
+                "SELECT COALESCE(MAX(seqno), 0) FROM items WHERE vb=? AND superseded IS NULL AND op!=0 "
+                "AND seqno<=? AND expiry<?",
+                (vb, tombstones_upto, tombstone_before),
+            ).fetchone()
+            db.execute(
+                "DELETE FROM items WHERE vb=? AND superseded IS NULL AND op!=0 AND seqno<=? AND expiry<?",
+                (vb, tombstones_upto, tombstone_before),
+            )
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            db.execute("ROLLBACK")
+            raise StorageError(f"compaction of vb {vb} failed: {e}") from e
+        return int(hmax), int(tmax)
+
+    def close(self) -> None:
+        try:
+            self._db.close()
+        except sqlite3.Error as e:  # pragma: no cover - close failure is unusual
+            raise StorageError(f"close failed: {e}") from e

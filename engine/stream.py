@@ -1,0 +1,316 @@
+"""DCP active streams: snapshot markers, items, stream end (kv_engine ``dcp/active_stream.cc``).
+
+A stream moves through the kv_engine states: backfilling (disk snapshot, read in chunks from storage) ->
+in-memory (point-in-time snapshots read from its checkpoint cursor) -> dead. A stream whose cursor was dropped
+under memory pressure goes back to backfilling from ``last_read + 1``; it does not end.
+
+Snapshot rules (dcp-reference.md "Streams, checkpoints, snapshot markers"):
+
+* disk marker = DISK|CHK, start = min(requested snap start, backfill start) on the first marker, end = the
+  backfill end (the persisted seqno when the backfill was scheduled); the disk snapshot is the consistent state
+  as of that seqno, de-duplicated;
+* memory marker = MEMORY, plus CHK at a checkpoint boundary or after a phase change; the first marker's start
+  is min(requested snap start, first seqno);
+* every marker precedes its items; items are in seqno order; the snapshot that contains the end seqno is sent
+  whole, then the stream ends with OK (seed 000 "Stream End").
+
+A stream buffers one batch of whole snapshots in its ready queue (as kv_engine's readyQ does), so a snapshot
+stays consistent even if the consumer pauses it through flow control mid-snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum, IntEnum, IntFlag
+from typing import TYPE_CHECKING, Final
+
+from engine.checkpoint import Cursor
+from engine.item import Item, Op
+
+if TYPE_CHECKING:
+    from engine.producer import DcpProducer
+    from engine.storage import Storage
+    from engine.vbucket import VBucket
+
+
+class SnapshotFlags(IntFlag):
+    MEMORY = 0x01
+    DISK = 0x02
+    CHK = 0x04
+    ACK = 0x08
+    HISTORY = 0x10
+    MAY_CONTAIN_DUPLICATES = 0x20
+
+
+class StreamEndReason(IntEnum):
+    OK = 0
+    CLOSED = 1
+    STATE_CHANGED = 2
+    DISCONNECTED = 3
+    TOO_SLOW = 4
+    BACKFILL_FAIL = 5
+    ROLLBACK = 6
+    FILTER_EMPTY = 7
+    LOST_PRIVILEGES = 8
+
+
+class StreamFlags(IntFlag):
+    """Stream-request flags (kv_engine ``DCP_ADD_STREAM_FLAG_*``)."""
+
+    NONE = 0
+    TAKEOVER = 0x01
+    DISK_ONLY = 0x02
+    TO_LATEST = 0x04
+    ACTIVE_VB_ONLY = 0x10
+    STRICT_VBUUID = 0x20
+    FROM_LATEST = 0x40
+    IGNORE_PURGED_TOMBSTONES = 0x80
+
+
+class StreamState(Enum):
+    BACKFILLING = "backfilling"
+    IN_MEMORY = "in-memory"
+    DEAD = "dead"
+
+
+MARKER_SIZE: Final = 24 + 20
+STREAM_END_SIZE: Final = 24 + 4
+MAX_SEQNO: Final = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMarker:
+    vbucket: int
+    start: int
+    end: int
+    flags: SnapshotFlags
+
+    @property
+    def dcp_size(self) -> int:
+        return MARKER_SIZE
+
+    @property
+    def is_disk(self) -> bool:
+        return bool(self.flags & SnapshotFlags.DISK)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    vbucket: int
+    reason: StreamEndReason
+
+    @property
+    def dcp_size(self) -> int:
+        return STREAM_END_SIZE
+
+
+#: what a producer hands its consumer: markers, data items (op = mutation / deletion / expiration), ends.
+Message = SnapshotMarker | Item | StreamEnd
+
+
+def item_from_row(row: tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]) -> Item:
+    vb, seqno, key, value, flags, expiry, cas, rev, datatype, op = row
+    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, Op(op))
+
+
+class ActiveStream:
+    """One vbucket's stream on a producer connection."""
+
+    def __init__(
+        self,
+        producer: DcpProducer,
+        vb: VBucket,
+        storage: Storage,
+        *,
+        opaque: int,
+        flags: StreamFlags,
+        start: int,
+        end: int,
+        vbuuid: int,
+        snap_start: int,
+        snap_end: int,
+        backfill_chunk: int = 2048,
+    ) -> None:
+        self.producer = producer
+        self.vb = vb
+        self.vbid = vb.id
+        self.storage = storage
+        self.opaque = opaque
+        self.flags = flags
+        self.start = start
+        self.end = end
+        self.vbuuid = vbuuid
+        self.snap_start = snap_start
+        self.snap_end = snap_end
+        self.last_read = start
+        self.last_sent = start
+        self.ready: deque[Message] = deque()
+        self.cursor_name = f"dcp:{producer.name}:{vb.id}"
+        self.state = StreamState.BACKFILLING
+        self.backfill_chunk = backfill_chunk
+        self._backfill_upto = 0
+        self._backfill_marker_pending = False
+        self._first_marker = True
+        self._next_chk = False
+        self.backfills = 0
+        self.items_sent = 0
+        self.cursor: Cursor | None = None
+        self._start()
+
+    def __repr__(self) -> str:
+        return f"ActiveStream(vb={self.vbid} {self.state.value} last_read={self.last_read} end={self.end})"
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        if self.start >= self.end:
+            self._queue_end(StreamEndReason.OK)
+            return
+        self.vb.streams.append(self)
+        self._schedule(self.last_read)
+
+    def _schedule(self, last_read: int) -> None:
+        """Continue from ``last_read``: from memory if it is still there, else backfill from disk first."""
+        ck = self.vb.ckpt
+        cur = ck.register_cursor(self.cursor_name, last_read)
+        if cur is not None and not (self.flags & StreamFlags.DISK_ONLY):
+            self.cursor = cur
+            self.state = StreamState.IN_MEMORY
+            return
+        upto = self.vb.persisted_seqno
+        if self.flags & StreamFlags.DISK_ONLY:
+            upto = min(upto, self.end)
+        if upto <= last_read:  # nothing on disk to read: everything after last_read is in memory
+            cur = ck.register_cursor(self.cursor_name, last_read)
+            assert cur is not None, "unpersisted items are always in memory"
+            self.cursor = cur
+            self.state = StreamState.IN_MEMORY
+            return
+        # kv_engine registers the cursor when scheduling the backfill so the memory items after the backfill
+        # end are retained while the backfill runs.
+        if not (self.flags & StreamFlags.DISK_ONLY):
+            self.cursor = ck.register_cursor(self.cursor_name, upto)
+        self.state = StreamState.BACKFILLING
+        self._backfill_upto = upto
+        self._backfill_marker_pending = True
+        self.backfills += 1
+
+    def end_stream(self, reason: StreamEndReason | int) -> None:
+        """End the stream: drop what is not sent yet and queue a stream-end message."""
+        if self.state is StreamState.DEAD:
+            return
+        self.ready.clear()
+        self._queue_end(StreamEndReason(reason))
+
+    def _queue_end(self, reason: StreamEndReason) -> None:
+        self.state = StreamState.DEAD
+        self.vb.ckpt.remove_cursor(self.cursor_name)
+        if self in self.vb.streams:
+            self.vb.streams.remove(self)
+        self.ready.append(StreamEnd(self.vbid, reason))
+        self.producer.notify(self)
+
+    def notify(self) -> None:
+        self.producer.notify(self)
+
+    # ------------------------------------------------------------------ producing
+    def has_work(self) -> bool:
+        if self.ready:
+            return True
+        if self.state is StreamState.IN_MEMORY:
+            cur = self.cursor
+            return cur is not None and (cur.dropped or self.vb.ckpt.has_items_for(cur))
+        return self.state is StreamState.BACKFILLING
+
+    def fill(self, max_items: int) -> None:
+        """Move the next batch of whole snapshots into the ready queue."""
+        if self.state is StreamState.BACKFILLING:
+            self._fill_backfill()
+        elif self.state is StreamState.IN_MEMORY:
+            cur = self.cursor
+            if cur is None or cur.dropped:
+                # Cursor dropped: back to backfilling from what we have read (kv_engine: does not end).
+                self._next_chk = True
+                self._schedule(self.last_read)
+                now: StreamState = self.state
+                if now is StreamState.BACKFILLING:
+                    self._fill_backfill()
+                    return
+            self._fill_memory(max_items)
+
+    def _fill_backfill(self) -> None:
+        upto = self._backfill_upto
+        rows = self.storage.scan(self.vbid, self.last_read, upto, self.backfill_chunk)
+        ready = self.ready
+        if self._backfill_marker_pending:
+            self._backfill_marker_pending = False
+            start = self.last_read + 1
+            if self._first_marker:
+                start = min(self.snap_start, start)
+                self._first_marker = False
+            ready.append(SnapshotMarker(self.vbid, start, upto, SnapshotFlags.DISK | SnapshotFlags.CHK))
+        if rows:
+            ready.extend(map(item_from_row, rows))
+            self.last_read = rows[-1][1]
+        if not rows or len(rows) < self.backfill_chunk or self.last_read >= upto:
+            # Backfill complete.
+            self.last_read = upto
+            self._next_chk = True
+            if upto >= self.end:
+                self._queue_end(StreamEndReason.OK)
+                return
+            if self.flags & StreamFlags.DISK_ONLY:
+                self._queue_end(StreamEndReason.OK)
+                return
+            cur = self.cursor
+            if cur is None or cur.dropped:
+                self._schedule(upto)
+            else:
+                self.state = StreamState.IN_MEMORY
+
+    def _fill_memory(self, max_items: int) -> None:
+        cur = self.cursor
+        assert cur is not None
+        segments = self.vb.ckpt.read(cur, max_items)
+        ready = self.ready
+        vbid = self.vbid
+        end = self.end
+        for seg in segments:
+            if not seg.items:
+                continue
+            flags = SnapshotFlags.MEMORY
+            if seg.new_checkpoint or self._next_chk:
+                flags |= SnapshotFlags.CHK
+                self._next_chk = False
+            start = seg.start
+            if self._first_marker:
+                start = min(self.snap_start, start)
+                self._first_marker = False
+            ready.append(SnapshotMarker(vbid, start, seg.end, flags))
+            ready.extend(seg.items)
+            self.last_read = seg.end
+            if seg.end >= end:
+                # The snapshot containing the end seqno was sent whole.
+                self._queue_end(StreamEndReason.OK)
+                return
+
+    def take(self, max_messages: int, byte_budget: int, out: list[Message]) -> int:
+        """Pop up to ``max_messages`` ready messages into ``out`` while under ``byte_budget``.
+
+        Returns the bytes taken. The last message may overshoot the budget (as kv_engine lets one large item
+        overshoot the flow-control buffer).
+        """
+        ready = self.ready
+        if not ready and self.state is not StreamState.DEAD:
+            self.fill(max_messages)
+        taken = 0
+        n = 0
+        while ready and n < max_messages and taken < byte_budget:
+            m = ready.popleft()
+            out.append(m)
+            taken += m.dcp_size
+            n += 1
+            if type(m) is Item:
+                self.last_sent = m.seqno
+                self.items_sent += 1
+        return taken

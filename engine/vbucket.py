@@ -1,0 +1,345 @@
+"""A vbucket: hash table with CAS and revision seqnos, checkpoint manager, failover log, seqno counters.
+
+Key -> vbucket mapping is the one every Couchbase client uses (libcouchbase ``vbucket.c``): CRC32 of the
+key, ``(crc >> 16) & 0x7fff``, modulo the number of vbuckets.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import TYPE_CHECKING, Final
+
+from engine.checkpoint import CheckpointManager, MemoryCounter
+from engine.exceptions import (
+    InvalidArgument,
+    KeyExists,
+    KeyNotFound,
+    NotMyVBucket,
+    NotStored,
+    ValueTooLarge,
+)
+from engine.failover_log import FailoverLog
+from engine.item import Datatype, Item, Op, detect_datatype
+
+if TYPE_CHECKING:
+    from engine.stream import ActiveStream
+
+#: memcached: an expiry up to 30 days is relative to now, larger values are an absolute epoch time.
+RELATIVE_EXPIRY_LIMIT: Final = 30 * 24 * 3600
+MAX_KEY_LEN: Final = 250
+U32: Final = 0xFFFFFFFF
+
+
+def vbucket_of(key: bytes, num_vbuckets: int) -> int:
+    """Couchbase's key -> vbucket mapping: ``((crc32(key) >> 16) & 0x7fff) % num_vbuckets``."""
+    return ((zlib.crc32(key) >> 16) & 0x7FFF) % num_vbuckets
+
+
+class VBucketState(StrEnum):
+    """vbucket states (DCP set-vbucket-state: 1 active, 2 replica, 3 pending, 4 dead)."""
+
+    ACTIVE = "active"
+    REPLICA = "replica"
+    PENDING = "pending"
+    DEAD = "dead"
+
+
+class StoreMode(Enum):
+    SET = "set"
+    ADD = "add"
+    REPLACE = "replace"
+
+
+@dataclass(frozen=True, slots=True)
+class MutationToken:
+    """(vbucket, vbuuid, seqno): where a change sits in its vbucket's history."""
+
+    vbucket: int
+    vbuuid: int
+    seqno: int
+
+
+@dataclass(frozen=True, slots=True)
+class MutationResult:
+    token: MutationToken
+    cas: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    key: bytes
+    value: bytes
+    cas: int
+    flags: int
+    expiry: int
+    datatype: int
+    rev_seqno: int
+    seqno: int
+    vbucket: int
+
+
+def absolute_expiry(expiry: int, now: float) -> int:
+    """memcached expiry rule: 0 = never, <= 30 days = relative seconds, else absolute epoch seconds."""
+    if type(expiry) is not int or expiry < 0 or expiry > U32:
+        raise InvalidArgument(f"invalid expiry {expiry!r}: must be an integer in [0, 2^32)")
+    if expiry == 0:
+        return 0
+    if expiry <= RELATIVE_EXPIRY_LIMIT:
+        return int(now) + expiry
+    return expiry
+
+
+class VBucket:
+    """One vbucket. Driven synchronously by its bucket."""
+
+    def __init__(
+        self,
+        vbid: int,
+        state: VBucketState,
+        failover: FailoverLog,
+        counter: MemoryCounter,
+        clock: Callable[[], float],
+        *,
+        high_seqno: int = 0,
+        max_value_size: int = 20 * 1024 * 1024,
+        checkpoint_max_items: int = 10_000,
+        checkpoint_max_bytes: int = 10 * 1024 * 1024,
+        on_dirty: Callable[[int], None] | None = None,
+    ) -> None:
+        self.id = vbid
+        self.state = state
+        self.failover = failover
+        self.clock = clock
+        self.ht: dict[bytes, Item] = {}
+        self.high_seqno = high_seqno
+        self.persisted_seqno = high_seqno
+        self.persisted_snap = (high_seqno, high_seqno)
+        self.purge_seqno = 0
+        self.history_start = 0
+        self.max_cas = 0
+        self.num_items = 0
+        self.max_deleted_rev = 0
+        self.max_value_size = max_value_size
+        self.ckpt = CheckpointManager(
+            vbid, high_seqno, counter, max_items=checkpoint_max_items, max_bytes=checkpoint_max_bytes
+        )
+        self.streams: list[ActiveStream] = []
+        self.expiring: set[bytes] = set()
+        self._on_dirty = on_dirty
+        self.expirations = 0
+
+    # ------------------------------------------------------------------ helpers
+    def __repr__(self) -> str:
+        return f"VBucket({self.id} {self.state.value} high={self.high_seqno} persisted={self.persisted_seqno})"
+
+    def _next_cas(self) -> int:
+        # Hybrid logical clock as kv_engine's HLC: wall time in ns with the low 16 bits free for a counter,
+        # never going backwards.
+        now = time.time_ns() & ~0xFFFF
+        cas = self.max_cas + 1 if now <= self.max_cas else now
+        self.max_cas = cas
+        return cas
+
+    def _check_active(self) -> None:
+        if self.state is not VBucketState.ACTIVE:
+            raise NotMyVBucket(f"vbucket {self.id} is {self.state.value}, not active")
+
+    def _live(self, key: bytes, now: float) -> Item | None:
+        """The live (not deleted, not expired) item of ``key``; an expired one is expired here."""
+        it = self.ht.get(key)
+        if it is None or it.op is not Op.MUTATION:
+            return None
+        if it.expiry and it.expiry <= now:
+            self._expire(it, now)
+            return None
+        return it
+
+    def _queue(self, item: Item) -> None:
+        self.ht[item.key] = item
+        self.ckpt.queue(item)
+        self.high_seqno = item.seqno
+        if self._on_dirty is not None:
+            self._on_dirty(self.id)
+        if self.streams:
+            for s in self.streams:
+                s.notify()
+
+    def _expire(self, it: Item, now: float) -> Item:
+        """Turn an expired item into an expiration (a tombstone with a new seqno)."""
+        exp = Item(
+            it.key,
+            None,
+            self.id,
+            self.high_seqno + 1,
+            it.rev_seqno + 1,
+            self._next_cas(),
+            it.flags,
+            int(now),
+            Datatype.RAW,
+            Op.EXPIRATION,
+            it.seqno,
+        )
+        self.num_items -= 1
+        self.expiring.discard(it.key)
+        self.expirations += 1
+        self._queue(exp)
+        return exp
+
+    # ------------------------------------------------------------------ KV operations
+    def get(self, key: bytes) -> GetResult:
+        self._check_active()
+        it = self._live(key, self.clock())
+        if it is None:
+            raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
+        assert it.value is not None
+        return GetResult(
+            it.key, it.value, it.cas, it.flags, it.expiry, it.datatype, it.rev_seqno, it.seqno, self.id
+        )
+
+    def store(
+        self,
+        key: bytes,
+        value: bytes,
+        mode: StoreMode,
+        cas: int,
+        flags: int,
+        expiry: int,
+        datatype: int | None,
+    ) -> MutationResult:
+        if self.state is not VBucketState.ACTIVE:
+            self._check_active()
+        if len(value) > self.max_value_size:
+            raise ValueTooLarge(f"value of {len(value)} bytes exceeds the maximum of {self.max_value_size}")
+        if flags < 0 or flags > U32:
+            raise InvalidArgument(f"invalid flags {flags!r}: must fit in 32 bits")
+        now = self.clock()
+        exp = absolute_expiry(expiry, now) if expiry else 0
+        ht = self.ht
+        old = ht.get(key)
+        live = old
+        if old is not None and (old.op is not Op.MUTATION or (old.expiry and old.expiry <= now)):
+            live = None
+        if mode is StoreMode.ADD:
+            if live is not None:
+                raise KeyExists(f"key {key!r} already exists")
+        elif live is None:
+            if mode is StoreMode.REPLACE:
+                raise NotStored(f"key {key!r} does not exist (replace)")
+            if cas:
+                raise KeyNotFound(f"key {key!r} not found (cas {cas})")
+        elif cas and live.cas != cas:
+            raise KeyExists(f"cas mismatch for key {key!r}")
+        if old is None:
+            rev = self.max_deleted_rev + 1
+            prev = 0
+        else:
+            rev = old.rev_seqno + 1
+            prev = old.seqno
+            if live is None and old.op is Op.MUTATION:  # expired in place: it was counted live
+                self.num_items -= 1
+                self.expiring.discard(key)
+        if datatype is None:
+            datatype = detect_datatype(value)
+        seqno = self.high_seqno + 1
+        new_cas = self._next_cas()
+        item = Item(key, value, self.id, seqno, rev, new_cas, flags, exp, datatype, Op.MUTATION, prev)
+        if live is None:
+            self.num_items += 1
+        if exp:
+            self.expiring.add(key)
+        elif live is not None and live.expiry:
+            self.expiring.discard(key)
+        self._queue(item)
+        return MutationResult(MutationToken(self.id, self.failover.latest.vbuuid, seqno), new_cas)
+
+    def delete(self, key: bytes, cas: int = 0) -> MutationResult:
+        self._check_active()
+        now = self.clock()
+        live = self._live(key, now)
+        if live is None:
+            raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
+        if cas and live.cas != cas:
+            raise KeyExists(f"cas mismatch for key {key!r}")
+        seqno = self.high_seqno + 1
+        new_cas = self._next_cas()
+        item = Item(
+            key, None, self.id, seqno, live.rev_seqno + 1, new_cas, live.flags, int(now), Datatype.RAW,
+            Op.DELETION, live.seqno,
+        )
+        self.num_items -= 1
+        self.expiring.discard(key)
+        self._queue(item)
+        return MutationResult(MutationToken(self.id, self.failover.latest.vbuuid, seqno), new_cas)
+
+    def touch(self, key: bytes, expiry: int) -> MutationResult:
+        self._check_active()
+        now = self.clock()
+        exp = absolute_expiry(expiry, now)
+        live = self._live(key, now)
+        if live is None:
+            raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
+        seqno = self.high_seqno + 1
+        new_cas = self._next_cas()
+        item = Item(
+            key, live.value, self.id, seqno, live.rev_seqno + 1, new_cas, live.flags, exp, live.datatype,
+            Op.MUTATION, live.seqno,
+        )
+        if exp:
+            self.expiring.add(key)
+        else:
+            self.expiring.discard(key)
+        self._queue(item)
+        return MutationResult(MutationToken(self.id, self.failover.latest.vbuuid, seqno), new_cas)
+
+    def expire_items(self, now: float) -> int:
+        """The expiry pager's pass over this vbucket: expired items become expirations."""
+        if self.state is not VBucketState.ACTIVE or not self.expiring:
+            return 0
+        n = 0
+        for key in sorted(self.expiring):
+            it = self.ht.get(key)
+            if it is None or it.op is not Op.MUTATION or not it.expiry:
+                self.expiring.discard(key)
+                continue
+            if it.expiry <= now:
+                self._expire(it, now)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ loading
+    def load(self, item: Item) -> None:
+        """Warmup: put a persisted current version back in the hash table."""
+        self.ht[item.key] = item
+        if item.op is Op.MUTATION:
+            self.num_items += 1
+            if item.expiry:
+                self.expiring.add(item.key)
+        elif item.rev_seqno > self.max_deleted_rev:
+            self.max_deleted_rev = item.rev_seqno
+        if item.cas > self.max_cas:
+            self.max_cas = item.cas
+
+    def end_streams(self, reason: int) -> None:
+        for s in list(self.streams):
+            s.end_stream(reason)
+
+    def stats(self) -> dict[str, int | str]:
+        ck = self.ckpt
+        return {
+            "vbucket": self.id,
+            "state": self.state.value,
+            "vbuuid": self.failover.latest.vbuuid,
+            "high_seqno": self.high_seqno,
+            "persisted_seqno": self.persisted_seqno,
+            "purge_seqno": self.purge_seqno,
+            "items": self.num_items,
+            "checkpoint_memory": ck.mem,
+            "checkpoints": len(ck.checkpoints),
+            "cursors": len(ck.cursors),
+            "streams": len(self.streams),
+            "failover_entries": len(self.failover),
+        }
