@@ -47,7 +47,7 @@ def figure(name: str, value: float, unit: str, baseline: float, target: float, b
 
 def keys_values(n: int) -> tuple[list[bytes], bytes]:
     keys = [f"user::{i:010d}".encode() for i in range(n)]
-    body = b'{"name": "' + b"x" * (VALUE_SIZE - 13) + b'"}'
+    body = b'{"name": "' + b"x" * (VALUE_SIZE - 12) + b'"}'
     assert len(body) == VALUE_SIZE
     return keys, body
 

@@ -32,6 +32,8 @@ class BucketConfig(BaseModel):
     flush_batch_items: int = Field(250_000, ge=1)
     backfill_chunk_items: int = Field(2048, ge=1)
     sqlite_synchronous: Literal["OFF", "NORMAL", "FULL", "EXTRA"] = "NORMAL"
+    #: tune CPython's cyclic GC for millions of resident items (process-wide; see engine.bucket.tune_gc)
+    tune_gc: bool = True
     #: seed for vbuuid generation (tests); None = system randomness
     seed: int | None = None
 

@@ -50,7 +50,6 @@ class DcpProducer:
         self.unacked_bytes = 0
         self.streams: dict[int, ActiveStream] = {}
         self._ready: deque[ActiveStream] = deque()
-        self._queued: set[int] = set()  # id(stream) of streams in _ready
         self.closed = False
         self.paused = False
         self.bytes_sent = 0
@@ -143,9 +142,8 @@ class DcpProducer:
 
     # ------------------------------------------------------------------ stepping
     def notify(self, stream: ActiveStream) -> None:
-        sid = id(stream)
-        if sid not in self._queued and self.streams.get(stream.vbid) is stream:
-            self._queued.add(sid)
+        if not stream.queued and self.streams.get(stream.vbid) is stream:
+            stream.queued = True
             self._ready.append(stream)
 
     def step(self, max_messages: int = 4096) -> list[Message]:
@@ -162,7 +160,7 @@ class DcpProducer:
                 self.paused = True
                 break
             s = ready.popleft()
-            self._queued.discard(id(s))
+            s.queued = False
             taken = s.take(min(per_stream, max_messages - len(out)), budget, out)
             budget -= taken
             self.bytes_sent += taken
@@ -172,7 +170,7 @@ class DcpProducer:
                 if self.streams.get(s.vbid) is s:
                     del self.streams[s.vbid]
             elif s.has_work():
-                self._queued.add(id(s))
+                s.queued = True
                 ready.append(s)
         return out
 
@@ -200,8 +198,9 @@ class DcpProducer:
         for s in list(self.streams.values()):
             s.end_stream(StreamEndReason.DISCONNECTED)
         self.streams.clear()
+        for s in self._ready:
+            s.queued = False
         self._ready.clear()
-        self._queued.clear()
         self.closed = True
 
 

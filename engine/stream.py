@@ -77,6 +77,8 @@ class StreamState(Enum):
 MARKER_SIZE: Final = 24 + 20
 STREAM_END_SIZE: Final = 24 + 4
 MAX_SEQNO: Final = 2**64 - 1
+#: a byte budget at or above this means "no flow control"
+_UNLIMITED: Final = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +111,12 @@ class StreamEnd:
 Message = SnapshotMarker | Item | StreamEnd
 
 
+_OPS: Final = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)
+
+
 def item_from_row(row: tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]) -> Item:
     vb, seqno, key, value, flags, expiry, cas, rev, datatype, op = row
-    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, Op(op))
+    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op])
 
 
 class ActiveStream:
@@ -156,6 +161,7 @@ class ActiveStream:
         self.backfills = 0
         self.items_sent = 0
         self.cursor: Cursor | None = None
+        self.queued = False  # in its producer's ready queue
         self._start()
 
     def __repr__(self) -> str:
@@ -305,6 +311,21 @@ class ActiveStream:
             self.fill(max_messages)
         taken = 0
         n = 0
+        if byte_budget >= _UNLIMITED:
+            # No flow control: move whole messages without per-message size accounting.
+            k = min(len(ready), max_messages)
+            pop = ready.popleft
+            last_item = None
+            for _ in range(k):
+                m = pop()
+                out.append(m)
+                if type(m) is Item:
+                    last_item = m
+                    n += 1
+            if last_item is not None:
+                self.last_sent = last_item.seqno
+                self.items_sent += n
+            return 0
         while ready and n < max_messages and taken < byte_budget:
             m = ready.popleft()
             out.append(m)

@@ -6,12 +6,12 @@ key, ``(crc >> 16) & 0x7fff``, modulo the number of vbuckets.
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
-from typing import TYPE_CHECKING, Final
+from time import time_ns
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from engine.checkpoint import CheckpointManager, MemoryCounter
 from engine.exceptions import (
@@ -54,8 +54,13 @@ class StoreMode(Enum):
     REPLACE = "replace"
 
 
-@dataclass(frozen=True, slots=True)
-class MutationToken:
+_ADD: Final = StoreMode.ADD
+_REPLACE: Final = StoreMode.REPLACE
+_MUTATION: Final = Op.MUTATION
+_ACTIVE: Final = VBucketState.ACTIVE
+
+
+class MutationToken(NamedTuple):
     """(vbucket, vbuuid, seqno): where a change sits in its vbucket's history."""
 
     vbucket: int
@@ -63,10 +68,20 @@ class MutationToken:
     seqno: int
 
 
-@dataclass(frozen=True, slots=True)
-class MutationResult:
-    token: MutationToken
+class MutationResult(NamedTuple):
+    """What every accepted mutation returns: where it sits (vbucket, vbuuid, seqno) and the new CAS.
+
+    One flat tuple (cheaper to build on the ingest path than two objects); ``token`` gives the mutation token.
+    """
+
+    vbucket: int
+    vbuuid: int
+    seqno: int
     cas: int
+
+    @property
+    def token(self) -> MutationToken:
+        return MutationToken(self.vbucket, self.vbuuid, self.seqno)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +145,7 @@ class VBucket:
         self.streams: list[ActiveStream] = []
         self.expiring: set[bytes] = set()
         self._on_dirty = on_dirty
+        self.dirty = False  # has items the flusher has not read; set here, cleared by the flusher
         self.expirations = 0
 
     # ------------------------------------------------------------------ helpers
@@ -139,7 +155,7 @@ class VBucket:
     def _next_cas(self) -> int:
         # Hybrid logical clock as kv_engine's HLC: wall time in ns with the low 16 bits free for a counter,
         # never going backwards.
-        now = time.time_ns() & ~0xFFFF
+        now = time_ns() & ~0xFFFF
         cas = self.max_cas + 1 if now <= self.max_cas else now
         self.max_cas = cas
         return cas
@@ -162,11 +178,14 @@ class VBucket:
         self.ht[item.key] = item
         self.ckpt.queue(item)
         self.high_seqno = item.seqno
-        if self._on_dirty is not None:
-            self._on_dirty(self.id)
+        if not self.dirty:
+            self.dirty = True
+            if self._on_dirty is not None:
+                self._on_dirty(self.id)
         if self.streams:
             for s in self.streams:
-                s.notify()
+                if not s.queued:
+                    s.producer.notify(s)
 
     def _expire(self, it: Item, now: float) -> Item:
         """Turn an expired item into an expiration (a tombstone with a new seqno)."""
@@ -210,24 +229,23 @@ class VBucket:
         expiry: int,
         datatype: int | None,
     ) -> MutationResult:
-        if self.state is not VBucketState.ACTIVE:
+        if self.state is not _ACTIVE:
             self._check_active()
         if len(value) > self.max_value_size:
             raise ValueTooLarge(f"value of {len(value)} bytes exceeds the maximum of {self.max_value_size}")
-        if flags < 0 or flags > U32:
+        if flags and (flags < 0 or flags > U32):
             raise InvalidArgument(f"invalid flags {flags!r}: must fit in 32 bits")
-        now = self.clock()
-        exp = absolute_expiry(expiry, now) if expiry else 0
+        exp = absolute_expiry(expiry, self.clock()) if expiry else 0
         ht = self.ht
         old = ht.get(key)
         live = old
-        if old is not None and (old.op is not Op.MUTATION or (old.expiry and old.expiry <= now)):
+        if old is not None and (old.op is not _MUTATION or (old.expiry and old.expiry <= self.clock())):
             live = None
-        if mode is StoreMode.ADD:
+        if mode is _ADD:
             if live is not None:
                 raise KeyExists(f"key {key!r} already exists")
         elif live is None:
-            if mode is StoreMode.REPLACE:
+            if mode is _REPLACE:
                 raise NotStored(f"key {key!r} does not exist (replace)")
             if cas:
                 raise KeyNotFound(f"key {key!r} not found (cas {cas})")
@@ -239,22 +257,37 @@ class VBucket:
         else:
             rev = old.rev_seqno + 1
             prev = old.seqno
-            if live is None and old.op is Op.MUTATION:  # expired in place: it was counted live
+            if live is None and old.op is _MUTATION:  # expired in place: it was counted live
                 self.num_items -= 1
                 self.expiring.discard(key)
         if datatype is None:
             datatype = detect_datatype(value)
         seqno = self.high_seqno + 1
-        new_cas = self._next_cas()
-        item = Item(key, value, self.id, seqno, rev, new_cas, flags, exp, datatype, Op.MUTATION, prev)
+        # HLC CAS (see _next_cas), inlined on the ingest path.
+        new_cas = time_ns() & ~0xFFFF
+        if new_cas <= self.max_cas:
+            new_cas = self.max_cas + 1
+        self.max_cas = new_cas
+        item = Item(key, value, self.id, seqno, rev, new_cas, flags, exp, datatype, _MUTATION, prev)
         if live is None:
             self.num_items += 1
         if exp:
             self.expiring.add(key)
         elif live is not None and live.expiry:
             self.expiring.discard(key)
-        self._queue(item)
-        return MutationResult(MutationToken(self.id, self.failover.latest.vbuuid, seqno), new_cas)
+        # _queue(item), inlined on the ingest path.
+        ht[key] = item
+        self.ckpt.queue(item)
+        self.high_seqno = seqno
+        if not self.dirty:
+            self.dirty = True
+            if self._on_dirty is not None:
+                self._on_dirty(self.id)
+        if self.streams:
+            for s in self.streams:
+                if not s.queued:
+                    s.producer.notify(s)
+        return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
     def delete(self, key: bytes, cas: int = 0) -> MutationResult:
         self._check_active()
@@ -273,7 +306,7 @@ class VBucket:
         self.num_items -= 1
         self.expiring.discard(key)
         self._queue(item)
-        return MutationResult(MutationToken(self.id, self.failover.latest.vbuuid, seqno), new_cas)
+        return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
     def touch(self, key: bytes, expiry: int) -> MutationResult:
         self._check_active()
@@ -293,7 +326,7 @@ class VBucket:
         else:
             self.expiring.discard(key)
         self._queue(item)
-        return MutationResult(MutationToken(self.id, self.failover.latest.vbuuid, seqno), new_cas)
+        return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
     def expire_items(self, now: float) -> int:
         """The expiry pager's pass over this vbucket: expired items become expirations."""

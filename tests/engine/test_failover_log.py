@@ -348,12 +348,12 @@ def test_new_vbucket_log_has_one_entry_at_zero() -> None:
 def test_create_entry_prunes_above_and_pushes_front() -> None:
     log = flog((C, 20), (B, 10), (A, 0))
     e = log.create_entry(15)
-    assert log.entries == (e, E(B, 10), E(A, 0))
+    assert list(log) == [e, E(B, 10), E(A, 0)]
     assert e.seqno == 15 and e.vbuuid not in (0, A, B, C)
     e2 = log.create_entry(15)  # an entry at an equal seqno is kept
-    assert log.entries == (e2, e, E(B, 10), E(A, 0))
+    assert list(log) == [e2, e, E(B, 10), E(A, 0)]
     e3 = log.create_entry(0)
-    assert log.entries == (e3, E(A, 0))
+    assert list(log) == [e3, E(A, 0)]
 
 
 def test_create_entry_caps_the_log() -> None:

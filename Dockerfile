@@ -1,0 +1,20 @@
+# The dcp-gateway service image (compose.yaml builds it). `dcpgw up` arrives with the gateway issue.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY gateway ./gateway
+COPY connectors ./connectors
+COPY bench ./bench
+COPY schemas ./schemas
+RUN pip install . && useradd --create-home --uid 10001 dcpgw
+
+USER dcpgw
+EXPOSE 8080
+CMD ["dcpgw", "up"]

@@ -1,0 +1,1 @@
+"""Benchmarks of dcp-gateway (engine throughput, end-to-end latency, memory)."""

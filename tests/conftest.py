@@ -1,0 +1,60 @@
+"""Fixtures shared by the whole suite.
+
+``kafka_broker`` is the Kafka-protocol broker of the test session, chosen by gateway.broker.select_broker:
+``KAFKA_BOOTSTRAP_SERVERS`` if set, else a testcontainers Kafka when a Docker engine answers, else the
+embedded Tansu broker. Under pytest-xdist each worker process gets its own (session scope is per process).
+Nothing is skipped: if no broker can be started the tests that need one fail.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from gateway.broker import Broker, select_broker
+from gateway.exceptions import BrokerError
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Every test using the broker carries the `kafka` marker, so `-m "not kafka"` deselects them all.
+    for item in items:
+        if "kafka_broker" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.kafka)
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[Broker]:
+    try:
+        broker = select_broker()
+    except BrokerError as exc:
+        pytest.fail(f"no Kafka-protocol broker could be selected: {exc}", pytrace=False)
+    try:
+        broker.start()
+        # An external broker's start() is a no-op: prove it answers before any test relies on it.
+        AdminClient(broker.client_config()).list_topics(timeout=30)
+    except (BrokerError, KafkaException) as exc:
+        broker.stop()
+        pytest.fail(f"no Kafka-protocol broker could be started ({broker!r}): {exc}", pytrace=False)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def make_topic(kafka_broker: Broker) -> Callable[..., str]:
+    """Create a fresh, uniquely named topic: ``make_topic(partitions=4)`` returns its name."""
+    admin = AdminClient(kafka_broker.client_config())
+
+    def create(partitions: int = 1, prefix: str = "test") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+        for future in futures.values():
+            future.result(timeout=30)
+        return name
+
+    return create
