@@ -38,6 +38,7 @@ from engine.vbucket import (
 )
 
 CLEAN_SHUTDOWN = "clean_shutdown"
+_SET = StoreMode.SET
 
 #: cyclic-GC thresholds for a process that holds millions of long-lived, acyclic items (see tune_gc)
 GC_THRESHOLDS = (50_000, 20, 100)
@@ -222,7 +223,20 @@ class Bucket:
         datatype: int | None = None, vbucket: int | None = None,
     ) -> MutationResult:
         """Upsert (with ``cas``: only if the document's CAS still matches)."""
-        return self._store(key, value, StoreMode.SET, cas, flags, expiry, datatype, vbucket)
+        # The ingest hot path: _store's checks inlined for the common case (bytes key and value, no CAS,
+        # no explicit vbucket, quota not exceeded); everything else takes the general path.
+        if (
+            vbucket is None
+            and not cas
+            and type(key) is bytes
+            and type(value) is bytes
+            and 0 < len(key) <= MAX_KEY_LEN
+            and self.counter.used <= self._quota
+            and not self.closed
+        ):
+            vb = self._vbs[((crc32(key) >> 16) & 0x7FFF) % self._nvb]
+            return vb.store(key, value, _SET, 0, flags, expiry, datatype)
+        return self._store(key, value, _SET, cas, flags, expiry, datatype, vbucket)
 
     def add(
         self, key: bytes | str, value: bytes | str, *, flags: int = 0, expiry: int = 0,

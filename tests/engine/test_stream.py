@@ -240,3 +240,84 @@ def test_model_consumer_resumes_without_duplicates(make_bucket) -> None:
     sync(b, c, "model-2")
     assert c.items_seen == seen + 50
     assert c.state() == b.state_snapshot()
+
+
+def test_expirations_are_streamed(make_bucket, clock) -> None:
+    b = make_bucket(clock=clock, num_vbuckets=1)
+    b.set("e", b"v", expiry=5)
+    p = b.dcp_producer("c")
+    p.stream_request(0, 0)
+    _drain(p)
+    clock.now += 10
+    assert b.run_expiry_pager() == 1
+    msgs = [m for m in _drain(p) if isinstance(m, Item)]
+    assert [(m.op, m.key, m.seqno, m.value) for m in msgs] == [(Op.EXPIRATION, b"e", 2, None)]
+
+
+def test_purge_seqno_forces_rollback_to_zero_unless_ignored(make_bucket, clock) -> None:
+    b = make_bucket(clock=clock, num_vbuckets=1, tombstone_purge_age_s=1)
+    b.set("a", b"1")
+    b.set("b", b"1")
+    b.delete("a")  # 3
+    b.set("c", b"1")  # 4
+    b.flush()
+    clock.now += 5
+    b.compact()
+    assert b.vbucket(0).purge_seqno == 3
+    uuid = b.failover_log(0)[0].vbuuid
+    p = b.dcp_producer("c")
+    with pytest.raises(RollbackRequired) as rb:
+        p.stream_request(0, 2, MAX_SEQNO, uuid, 2, 2)  # a client at 2 could miss the purged deletion
+    assert rb.value.seqno == 0
+    p.stream_request(0, 2, MAX_SEQNO, uuid, 2, 2, flags=StreamFlags.IGNORE_PURGED_TOMBSTONES)
+    # a fresh client from 0, served from disk, gets the state without the purged tombstone
+    p.close_stream(0)
+    _drain(p)
+    for c in b.vbuckets():
+        c.ckpt.create_checkpoint()
+        c.ckpt.remove_unreferenced()
+    p2 = b.dcp_producer("fresh")
+    p2.stream_request(0, 0)
+    assert [m.seqno for m in _drain(p2) if isinstance(m, Item)] == [2, 4]
+
+
+def test_compaction_does_not_purge_what_a_running_backfill_reads(make_bucket, clock) -> None:
+    b = make_bucket(clock=clock, num_vbuckets=1, history_seqnos=0, tombstone_purge_age_s=0,
+                    backfill_chunk_items=2, checkpoint_max_items=2)
+    for i in range(10):
+        b.set(f"k{i}", b"v1")
+    b.flush()
+    for c in b.vbuckets():
+        c.ckpt.create_checkpoint()
+        c.ckpt.remove_unreferenced()
+    c = SnapshotConsumer([0])
+    p = b.dcp_producer("c")
+    c.open_streams(p)
+    first = p.step(max_messages=3)  # the backfill has started (disk snapshot up to 10)
+    for m in first:
+        c.handle(m)
+    for i in range(10):
+        b.set(f"k{i}", b"v2")  # supersedes every backfilled row
+    b.delete("k9")
+    b.flush()
+    clock.now += 10
+    b.compact()
+    c.drain(p)
+    assert c.state() == b.state_snapshot()
+
+
+def test_unclean_restart_failover_entry_and_strict_vbuuid(make_bucket) -> None:
+    b = make_bucket(num_vbuckets=1)
+    for i in range(5):
+        b.set(f"k{i}", b"v")
+    b.flush()
+    old = b.failover_log(0)
+    b.close(clean=False)
+    b2 = make_bucket(num_vbuckets=1)
+    log = b2.failover_log(0)
+    assert len(log) == len(old) + 1 and log[0].seqno == 5 and log[1:] == old
+    p = b2.dcp_producer("c")
+    with pytest.raises(RollbackRequired) as rb:
+        p.stream_request(0, 0, MAX_SEQNO, 0xABCDEF, 0, 0, flags=StreamFlags.STRICT_VBUUID)
+    assert rb.value.seqno == 0
+    p.stream_request(0, 5, MAX_SEQNO, old[0].vbuuid, 5, 5)  # shared history up to the branch point: OK
