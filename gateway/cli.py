@@ -1,14 +1,27 @@
 """The ``dcpgw`` command line.
 
-Commands now: ``dcpgw version`` and ``dcpgw broker`` (run the embedded Tansu broker in the foreground).
-``up``, ``load``, ``status`` and ``tail`` come with the gateway issue.
+* ``dcpgw up``      engine + gateway + HTTP API, on the embedded broker unless ``KAFKA_BOOTSTRAP_SERVERS`` is set
+* ``dcpgw load``    write generator (through the HTTP API), with a progress bar
+* ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
+* ``dcpgw tail``    print the decoded records of one vbucket's partition
+* ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import logging
+import os
 import signal
+import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 from types import FrameType
+from typing import Any, NoReturn
 
 import typer
 
@@ -67,6 +80,272 @@ def broker(
     finally:
         embedded.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------- shared helpers
+STATE_FILE = "dcpgw-state.json"
+DEFAULT_DATA_DIR = Path("./dcpgw-data")
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _state(data_dir: Path) -> dict[str, Any]:
+    f = data_dir / STATE_FILE
+    try:
+        return dict(json.loads(f.read_text()))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        _fail(f"cannot read {f}: {e}")
+
+
+def _url(url: str | None, data_dir: Path) -> str:
+    if url:
+        return url.rstrip("/")
+    st = _state(data_dir)
+    return str(st.get("http_url") or "http://127.0.0.1:8080")
+
+
+def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        try:
+            err = json.loads(e.read())
+            msg = f"{err.get('error')}: {err.get('message')}"
+        except ValueError:
+            msg = str(e)
+        _fail(f"{method} {url} -> HTTP {e.code}: {msg}")
+    except (urllib.error.URLError, OSError) as e:
+        _fail(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)")
+
+
+# ---------------------------------------------------------------------- up
+@app.command()
+def up(
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
+    data_dir: Path | None = typer.Option(None, help="Engine data directory (DCPGW_DATA_DIR)."),
+    http_port: int | None = typer.Option(None, help="HTTP API port (DCPGW_HTTP_PORT); 0 picks a free one."),
+    bucket: str | None = typer.Option(None, help="Bucket name (DCPGW_BUCKET)."),
+    num_vbuckets: int | None = typer.Option(None, help="vbucket count (DCPGW_NUM_VBUCKETS)."),
+    value_format: str | None = typer.Option(None, help="avro or raw (DCPGW_VALUE_FORMAT)."),
+    stream_from: str | None = typer.Option(None, help="saved-offset-or-beginning | saved-offset-or-now | "
+                                           "beginning | now."),
+    progress: bool = typer.Option(True, help="Show a progress bar while streams catch up."),
+) -> None:
+    """Run the engine, the gateway and the HTTP API until Ctrl-C / SIGTERM."""
+    from gateway.broker import select_broker
+    from gateway.config import load_settings
+    from gateway.exceptions import ConfigError
+
+    overrides = {k: v for k, v in {
+        "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
+        "value_format": value_format, "stream_from": stream_from}.items() if v is not None}
+    try:
+        settings = load_settings(config, **overrides)
+    except ConfigError as e:
+        _fail(str(e))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        brk = select_broker() if settings.kafka.bootstrap_servers is None else None
+        if brk is not None:
+            brk.start()
+    except BrokerStartError as e:
+        _fail(str(e))
+    bootstrap = settings.kafka.bootstrap_servers or (brk.bootstrap_servers if brk else "")
+    try:
+        asyncio.run(_serve(settings, bootstrap, progress))
+    finally:
+        if brk is not None:
+            brk.stop()
+
+
+async def _serve(settings: Any, bootstrap: str, progress: bool) -> None:
+    from gateway.service import GatewayService
+
+    svc = GatewayService(settings, bootstrap)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, svc.request_stop)
+    await svc.start()
+    http_url = f"http://{settings.http_host}:{svc.http_port}"
+    state = {"bootstrap_servers": bootstrap, "http_url": http_url, "topic": svc.topic, "pid": os.getpid()}
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    (settings.data_dir / STATE_FILE).write_text(json.dumps(state))
+    typer.echo(f"dcpgw up: topic {svc.topic} on {bootstrap}; HTTP API {http_url}", err=True)
+    typer.echo(f"KAFKA_BOOTSTRAP_SERVERS={bootstrap}", err=True)
+    try:
+        if progress and sys.stderr.isatty():
+            await _catch_up_progress(svc)
+        await svc.run_until_stopped()
+    finally:
+        typer.echo("dcpgw: stopping (flushing deliveries, clean engine shutdown)", err=True)
+        await svc.stop()
+        with contextlib.suppress(OSError):
+            (settings.data_dir / STATE_FILE).unlink()
+
+
+async def _catch_up_progress(svc: Any) -> None:
+    """A progress bar over the total lag until every stream caught up (backfill)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    pub = svc.publisher
+
+    def lag() -> int:
+        return sum(max(0, vb.high_seqno - pub.acked[vb.id].seqno) for vb in svc.bucket.vbuckets())
+
+    total = lag()
+    if total == 0:
+        return
+    with Progress(TextColumn("backfill"), BarColumn(), TextColumn("{task.completed}/{task.total} items"),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task("backfill", total=total)
+        while not svc._stopping.is_set():
+            left = lag()
+            bar.update(task, completed=max(0, total - left))
+            if left == 0:
+                return
+            await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------------- load
+@app.command()
+def load(
+    docs: int = typer.Option(10_000, min=1, help="How many documents to write."),
+    size: int = typer.Option(256, min=16, help="Approximate JSON document size in bytes."),
+    batch: int = typer.Option(1000, min=1, max=100_000, help="Documents per bulk request."),
+    prefix: str = typer.Option("doc::", help="Key prefix; keys are PREFIX + number."),
+    start: int = typer.Option(0, min=0, help="First document number (re-running overwrites)."),
+    url: str | None = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`)."),
+    data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+) -> None:
+    """Write DOCS JSON documents through the HTTP API, with a progress bar."""
+    from rich.progress import Progress
+
+    base = _url(url, data_dir)
+    pad = "x" * max(0, size - 48)
+    written = 0
+    with Progress(transient=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("load", total=docs)
+        for lo in range(start, start + docs, batch):
+            hi = min(lo + batch, start + docs)
+            body = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
+            res = _http("POST", f"{base}/docs/_bulk", json.dumps(body).encode())
+            written += int(res["written"])
+            bar.update(task, advance=hi - lo)
+    typer.echo(f"wrote {written} documents")
+
+
+# ---------------------------------------------------------------------- status
+@app.command()
+def status(
+    url: str | None = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`)."),
+    data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    top: int = typer.Option(10, min=0, help="Show the N vbuckets that lag most."),
+    as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
+) -> None:
+    """Show the running gateway's stats and its most lagging vbuckets."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base = _url(url, data_dir)
+    stats = _http("GET", f"{base}/stats")
+    streams = _http("GET", f"{base}/streams")
+    if as_json:
+        typer.echo(json.dumps({"stats": stats, "streams": streams}))
+        return
+    con = Console()
+    t = Table(title=f"dcpgw {base}")
+    t.add_column("stat")
+    t.add_column("value", justify="right")
+    for k, v in stats.items():
+        t.add_row(k, str(v))
+    con.print(t)
+    if top:
+        worst = sorted(streams, key=lambda s: -s["lag"])[:top]
+        vt = Table(title=f"top {top} lagging vbuckets")
+        for col in ("vbucket", "partition", "engine_high_seqno", "published_seqno", "acknowledged_seqno", "lag"):
+            vt.add_column(col, justify="right")
+        for s in worst:
+            vt.add_row(*(str(s[c]) for c in ("vbucket", "partition", "engine_high_seqno", "published_seqno",
+                                              "acknowledged_seqno", "lag")))
+        con.print(vt)
+
+
+# ---------------------------------------------------------------------- tail
+@app.command()
+def tail(
+    vbucket: int = typer.Argument(..., min=0, help="The vbucket whose records to print."),
+    topic: str | None = typer.Option(None, help="Topic (default: the running gateway's)."),
+    bootstrap: str | None = typer.Option(None, envvar="KAFKA_BOOTSTRAP_SERVERS",
+                                         help="Kafka bootstrap servers (default: the running gateway's)."),
+    data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    max_records: int = typer.Option(0, "--max", min=0, help="Stop after N records (0 = no limit)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new records."),
+) -> None:
+    """Print the decoded records of VBUCKET's partition, from the beginning."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    from gateway.exceptions import RecordFormatError
+    from gateway.records import decode, partition_for
+
+    st = _state(data_dir)
+    bootstrap = bootstrap or st.get("bootstrap_servers")
+    topic = topic or st.get("topic")
+    if not bootstrap or not topic:
+        _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dcpgw-tail-{os.getpid()}",
+                  "enable.auto.commit": False, "enable.partition.eof": True})
+    try:
+        md = c.list_topics(topic, timeout=10)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            _fail(f"topic {topic!r} not found on {bootstrap}")
+        part = partition_for(vbucket, len(t.partitions))
+        c.assign([TopicPartition(topic, part, 0)])
+        n = 0
+        while True:
+            m = c.poll(1.0)
+            if m is None:
+                continue
+            kerr = m.error()
+            if kerr is not None:
+                if kerr.code() == KafkaError._PARTITION_EOF:
+                    if follow:
+                        continue
+                    break
+                _fail(str(kerr))
+            offset = m.offset() or 0
+            try:
+                r = decode(m.key(), m.value(), m.headers())
+            except RecordFormatError as e:
+                typer.echo(f"{offset:>8} <undecodable record: {e}>")
+                continue
+            if r.vbucket != vbucket:
+                continue
+            typer.echo(_describe(offset, r))
+            n += 1
+            if max_records and n >= max_records:
+                break
+    finally:
+        c.close()
+
+
+def _describe(offset: int, r: Any) -> str:
+    head = f"{offset:>8} {r.type.value:<12} vb={r.vbucket} seqno={r.seqno} vbuuid={r.vbuuid}"
+    if r.is_data:
+        val = r.value if r.value is None else r.value[:80].decode("utf-8", "replace")
+        return f"{head} snap=[{r.snap_start},{r.snap_end}] key={r.key!r} rev={r.rev_seqno} value={val}"
+    if r.type.value == "snapshot":
+        return f"{head} range=[{r.snap_start},{r.snap_end}] flags={r.snapshot_flags}"
+    if r.failover_log is not None:
+        return f"{head} failover_log={[(e.vbuuid, e.seqno) for e in r.failover_log]}"
+    return head
 
 
 if __name__ == "__main__":

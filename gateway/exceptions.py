@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from engine.exceptions import DcpGatewayError
 
-__all__ = ["BrokerError", "BrokerStartError", "DcpGatewayError", "GatewayError"]
+__all__ = [
+    "BrokerError",
+    "BrokerStartError",
+    "ConfigError",
+    "DcpGatewayError",
+    "GatewayError",
+    "InvariantViolation",
+    "RecordFormatError",
+    "UnknownSchemaError",
+]
 
 
 class GatewayError(DcpGatewayError):
@@ -23,3 +32,59 @@ class BrokerError(GatewayError):
 
 class BrokerStartError(BrokerError):
     """A broker this process manages (embedded Tansu, testcontainers Kafka) did not start or get ready."""
+
+
+class RecordFormatError(GatewayError):
+    """A Kafka record does not follow the record format (docs/record-format.md): a missing or non-decimal
+    ``dcp.*`` header, an unknown ``dcp.type`` / ``dcp.format``, a corrupt or truncated Avro value, a value whose
+    fields disagree with the headers -- or a value the encoder cannot represent (out-of-range field)."""
+
+
+class UnknownSchemaError(RecordFormatError):
+    """An Avro single-object encoded value names a schema fingerprint this version does not know."""
+
+    def __init__(self, message: str, fingerprint: bytes = b"") -> None:
+        super().__init__(message)
+        #: the 8-byte little-endian CRC-64-AVRO fingerprint found in the value
+        self.fingerprint = fingerprint
+
+
+class InvariantViolation(GatewayError):
+    """A partition's records break an ordering / snapshot invariant of the record format
+    (:func:`gateway.invariants.check_partition`)."""
+
+    def __init__(self, message: str, vbucket: int | None = None, seqno: int | None = None,
+                 offset: int | None = None) -> None:
+        super().__init__(message)
+        self.vbucket = vbucket
+        self.seqno = seqno
+        self.offset = offset
+
+
+class ConfigError(GatewayError):
+    """The settings are invalid: a bad value, an unknown setting, a missing, unreadable or malformed config file.
+
+    ``problems`` lists ``(field_path, problem)`` pairs; ``field_path`` is dotted (``http_port``,
+    ``kafka.sasl_mechanism``, ``kafka.extra["socket.timeout.ms"]``) and empty for a problem that concerns no
+    single field (an unreadable file). The message names every problem, one per line, and never contains a
+    secret value. Not retriable: the configuration has to be fixed.
+    """
+
+    def __init__(self, problems: str | list[tuple[str, str]], *, source: str | None = None) -> None:
+        self.problems: list[tuple[str, str]] = [("", problems)] if isinstance(problems, str) else list(problems)
+        #: where the settings came from, for the message header (e.g. "config file /etc/dcpgw.toml")
+        self.source = source
+        super().__init__(self._render())
+
+    @property
+    def fields(self) -> list[str]:
+        """The dotted paths of the invalid fields, in message order (problems without a field omitted)."""
+        return [path for path, _ in self.problems if path]
+
+    def _render(self) -> str:
+        where = f" ({self.source})" if self.source else ""
+        lines = [f"{path}: {problem}" if path else problem for path, problem in self.problems]
+        if len(lines) == 1:
+            return f"invalid dcp-gateway configuration{where}: {lines[0]}"
+        head = f"invalid dcp-gateway configuration{where}, {len(lines)} problems:"
+        return "\n".join([head, *(f"  {line}" for line in lines)])

@@ -1,0 +1,303 @@
+"""The gateway's HTTP API (aiohttp).
+
+Documents: ``GET/PUT/DELETE /docs/{key}`` (the body is the document; CAS travels as the ETag, ``If-Match`` makes
+a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` and ``?flags=`` set metadata),
+``POST /docs/_bulk`` (a JSON array of ``{"key", "value"}`` upserts; used by ``dcpgw load``).
+Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
+Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
+
+Every error is a JSON body ``{"error": <code>, "message": <text>}`` with a 4xx status (5xx only for server
+faults), mapped from the engine's typed exceptions.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from engine import Datatype
+from engine.exceptions import (
+    EngineError,
+    InvalidArgument,
+    KeyExists,
+    KeyNotFound,
+    NotMyVBucket,
+    NotStored,
+    TemporaryFailure,
+    ValueTooLarge,
+)
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayService
+
+log = logging.getLogger(__name__)
+
+SERVICE: web.AppKey[GatewayService] = web.AppKey("service")
+MAX_BODY = 64 * 1024 * 1024
+
+_STATUS_FOR: list[tuple[type[EngineError], int, str]] = [
+    (KeyNotFound, 404, "not_found"),
+    (KeyExists, 412, "cas_mismatch"),
+    (NotStored, 404, "not_found"),
+    (ValueTooLarge, 413, "value_too_large"),
+    (InvalidArgument, 400, "invalid_argument"),
+    (NotMyVBucket, 404, "not_my_vbucket"),
+    (TemporaryFailure, 503, "temporary_failure"),
+]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _json_error(status: int, code: str, message: str) -> web.Response:
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return web.json_response({"error": code, "message": message}, status=status, headers=headers)
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    svc = request.app[SERVICE]
+    try:
+        return await handler(request)
+    except ApiError as e:
+        svc.metrics.http_errors.labels(str(e.status)).inc()
+        return _json_error(e.status, e.code, e.message)
+    except EngineError as e:
+        for cls, status, code in _STATUS_FOR:
+            if isinstance(e, cls):
+                if isinstance(e, KeyExists) and request.method == "PUT" and request.headers.get(
+                        "If-None-Match") == "*":
+                    status, code = 412, "exists"
+                svc.metrics.http_errors.labels(str(status)).inc()
+                return _json_error(status, code, str(e))
+        svc.metrics.http_errors.labels("500").inc()
+        return _json_error(500, "engine_error", str(e))
+    except web.HTTPException as e:
+        if e.status >= 400:
+            svc.metrics.http_errors.labels(str(e.status)).inc()
+            return _json_error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+        raise
+
+
+def _svc(request: web.Request) -> GatewayService:
+    return request.app[SERVICE]
+
+
+def _int_param(request: web.Request, name: str, default: int = 0, lo: int = 0, hi: int = 2**32 - 1) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_argument", f"query parameter {name!r} must be an integer, got {raw!r}") from None
+    if not lo <= v <= hi:
+        raise ApiError(400, "invalid_argument", f"query parameter {name!r} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _cas_header(request: web.Request) -> int:
+    raw = request.headers.get("If-Match")
+    if raw is None:
+        return 0
+    raw = raw.strip().strip('"')
+    try:
+        cas = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_argument", f"If-Match must be a document CAS (an integer), got {raw!r}") from None
+    if cas <= 0 or cas >= 2**64:
+        raise ApiError(400, "invalid_argument", f"If-Match CAS out of range: {cas}")
+    return cas
+
+
+def _key(request: web.Request) -> bytes:
+    key = request.match_info["key"].encode()
+    if not key or len(key) > 250:
+        raise ApiError(400, "invalid_argument", f"key length {len(key)} out of range 1..250")
+    return key
+
+
+def _vb(request: web.Request) -> int:
+    raw = request.match_info["vb"]
+    try:
+        vb = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_argument", f"vbucket must be an integer, got {raw!r}") from None
+    n = _svc(request).settings.num_vbuckets
+    if not 0 <= vb < n:
+        raise ApiError(404, "not_found", f"vbucket {vb} does not exist (0..{n - 1})")
+    return vb
+
+
+def _mutation(res: Any) -> dict[str, Any]:
+    return {"vbucket": res.vbucket, "vbuuid": res.vbuuid, "seqno": res.seqno, "cas": res.cas}
+
+
+# ---------------------------------------------------------------------- documents
+async def get_doc(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.bucket is not None
+    g = svc.bucket.get(_key(request))
+    ctype = "application/json" if g.datatype & Datatype.JSON else "application/octet-stream"
+    return web.Response(
+        body=g.value, content_type=ctype,
+        headers={"ETag": f'"{g.cas}"', "X-DCP-Flags": str(g.flags), "X-DCP-Expiry": str(g.expiry),
+                 "X-DCP-Vbucket": str(g.vbucket), "X-DCP-Seqno": str(g.seqno), "X-DCP-Rev": str(g.rev_seqno)})
+
+
+async def put_doc(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.bucket is not None
+    key = _key(request)
+    expiry = _int_param(request, "expiry")
+    flags = _int_param(request, "flags")
+    cas = _cas_header(request)
+    body = await request.read()
+    insert = request.headers.get("If-None-Match") == "*"
+    if insert and cas:
+        raise ApiError(400, "invalid_argument", "If-Match and If-None-Match: * cannot be combined")
+    if insert:
+        res = svc.bucket.add(key, body, flags=flags, expiry=expiry)
+    elif cas:
+        res = svc.bucket.set(key, body, cas=cas, flags=flags, expiry=expiry)
+    else:
+        res = svc.bucket.set(key, body, flags=flags, expiry=expiry)
+    svc.wake()
+    return web.json_response(_mutation(res), status=201 if insert else 200, headers={"ETag": f'"{res.cas}"'})
+
+
+async def delete_doc(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.bucket is not None
+    res = svc.bucket.delete(_key(request), cas=_cas_header(request))
+    svc.wake()
+    return web.json_response(_mutation(res))
+
+
+async def bulk(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.bucket is not None
+    try:
+        docs = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, "invalid_json", f"body must be a JSON array of documents: {e}") from e
+    if not isinstance(docs, list):
+        raise ApiError(400, "invalid_argument", "body must be a JSON array of {\"key\", \"value\"} objects")
+    # Validate everything first: a bad entry rejects the batch before anything is written.
+    prepared: list[tuple[bytes, bytes, int]] = []
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict) or "key" not in d or "value" not in d:
+            raise ApiError(400, "invalid_argument", f"entry {i}: needs \"key\" and \"value\"")
+        k, v = d["key"], d["value"]
+        if not isinstance(k, str) or not 0 < len(k.encode()) <= 250:
+            raise ApiError(400, "invalid_argument", f"entry {i}: key must be a string of 1..250 bytes")
+        if d.get("encoding") == "base64":
+            if not isinstance(v, str):
+                raise ApiError(400, "invalid_argument", f"entry {i}: base64 values must be strings")
+            try:
+                vb = base64.b64decode(v, validate=True)
+            except ValueError as e:
+                raise ApiError(400, "invalid_argument", f"entry {i}: bad base64: {e}") from e
+        elif isinstance(v, str):
+            vb = v.encode()
+        else:
+            vb = json.dumps(v, separators=(",", ":")).encode()
+        exp = d.get("expiry", 0)
+        if not isinstance(exp, int) or exp < 0:
+            raise ApiError(400, "invalid_argument", f"entry {i}: expiry must be a non-negative integer")
+        prepared.append((k.encode(), vb, exp))
+    written = 0
+    bset = svc.bucket.set
+    for k, v, exp in prepared:
+        bset(k, v, expiry=exp)
+        written += 1
+    svc.wake()
+    return web.json_response({"written": written})
+
+
+# ---------------------------------------------------------------------- streams & ops
+async def streams(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.publisher is not None
+    return web.json_response([svc.publisher.status(vb) for vb in range(svc.settings.num_vbuckets)])
+
+
+async def vbucket_status(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.publisher is not None and svc.bucket is not None
+    vb = _vb(request)
+    body: dict[str, int | bool | str] = dict(svc.publisher.status(vb))
+    body.update({f"engine_{k}": v for k, v in svc.bucket.vbucket_stats(vb).items() if k != "vbucket"})
+    return web.json_response(body)
+
+
+async def failover_log(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.bucket is not None
+    vb = _vb(request)
+    return web.json_response({"vbucket": vb, "failover_log": [
+        {"vbuuid": e.vbuuid, "seqno": e.seqno} for e in svc.bucket.failover_log(vb)]})
+
+
+async def health(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    pub = svc.publisher
+    ok = pub is not None and pub.error is None and svc.bucket is not None and not svc.bucket.closed
+    body = {"status": "ok" if ok else "failing", "topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
+            "streams": len(pub.streaming) if pub else 0}
+    if pub is not None and pub.error is not None:
+        body["error"] = str(pub.error)
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.publisher is not None
+    return web.Response(body=svc.metrics.render(svc.publisher),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    assert svc.publisher is not None and svc.bucket is not None
+    pub = svc.publisher
+    body: dict[str, Any] = dict(svc.bucket.stats())
+    body.update({
+        "topic": svc.topic,
+        "records_published": pub.records_sent,
+        "records_acknowledged": pub.records_acked,
+        "rollbacks": pub.rollbacks,
+        "errors": pub.errors,
+        "inflight": pub.inflight,
+        "streams": len(pub.streaming),
+        "lag": sum(max(0, vb.high_seqno - pub.acked[vb.id].seqno) for vb in svc.bucket.vbuckets()),
+    })
+    return web.json_response(body)
+
+
+def build_app(service: GatewayService) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
+    app[SERVICE] = service
+    app.router.add_post("/docs/_bulk", bulk)
+    app.router.add_get("/docs/{key}", get_doc)
+    app.router.add_put("/docs/{key}", put_doc)
+    app.router.add_delete("/docs/{key}", delete_doc)
+    app.router.add_get("/streams", streams)
+    app.router.add_get("/vbuckets/{vb}", vbucket_status)
+    app.router.add_get("/vbuckets/{vb}/failover-log", failover_log)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    return app

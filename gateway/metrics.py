@@ -1,0 +1,70 @@
+"""Prometheus metrics of a gateway process (prometheus-client), on a registry of its own per service."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+if TYPE_CHECKING:
+    from gateway.publisher import Publisher
+
+
+class GatewayMetrics:
+    """Counters are fed from the publisher's own counts at scrape time (no work on the hot path)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.records = Counter("dcpgw_records_published", "Records produced to Kafka", registry=r)
+        self.acked = Counter("dcpgw_records_acknowledged", "Records acknowledged by Kafka", registry=r)
+        self.bytes = Counter("dcpgw_bytes_published", "Key + value bytes produced to Kafka", registry=r)
+        self.rollbacks = Counter("dcpgw_rollbacks", "ROLLBACK answers turned into rollback records", registry=r)
+        self.errors = Counter("dcpgw_errors", "Records Kafka refused permanently", registry=r)
+        self.http_errors = Counter("dcpgw_http_errors", "HTTP requests answered 4xx/5xx", ["status"], registry=r)
+        self.filtered = Counter("dcpgw_items_filtered", "Items dropped by the key filters", registry=r)
+        self.events_per_s = Gauge("dcpgw_events_per_second", "Records acknowledged per second (since the "
+                                  "previous scrape)", registry=r)
+        self.lag = Gauge("dcpgw_lag_items", "Sum over vbuckets of engine high seqno - acknowledged seqno",
+                         registry=r)
+        self.max_lag = Gauge("dcpgw_max_vbucket_lag_items", "Largest per-vbucket lag", registry=r)
+        self.inflight = Gauge("dcpgw_inflight_records", "Records produced, not yet acknowledged", registry=r)
+        self.ckpt_mem = Gauge("dcpgw_engine_checkpoint_memory_bytes", "Engine checkpoint memory", registry=r)
+        self.items = Gauge("dcpgw_engine_items", "Live documents in the engine", registry=r)
+        self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0}
+        self._last = (time.monotonic(), 0)
+
+    def collect(self, pub: Publisher) -> None:
+        for name, counter, value in (
+            ("records", self.records, pub.records_sent),
+            ("acked", self.acked, pub.records_acked),
+            ("bytes", self.bytes, pub.bytes_sent),
+            ("rollbacks", self.rollbacks, pub.rollbacks),
+            ("errors", self.errors, pub.errors),
+            ("filtered", self.filtered, pub.items_filtered),
+        ):
+            delta = value - self._seen[name]
+            if delta > 0:
+                counter.inc(delta)
+                self._seen[name] = value
+        now = time.monotonic()
+        t0, a0 = self._last
+        if now > t0:
+            self.events_per_s.set((pub.records_acked - a0) / (now - t0))
+        self._last = (now, pub.records_acked)
+        total = 0
+        worst = 0
+        for vb in pub.bucket.vbuckets():
+            lag = max(0, vb.high_seqno - pub.acked[vb.id].seqno)
+            total += lag
+            worst = max(worst, lag)
+        self.lag.set(total)
+        self.max_lag.set(worst)
+        self.inflight.set(pub.inflight)
+        self.ckpt_mem.set(pub.bucket.counter.used)
+        self.items.set(sum(vb.num_items for vb in pub.bucket.vbuckets()))
+
+    def render(self, pub: Publisher) -> bytes:
+        self.collect(pub)
+        return generate_latest(self.registry)

@@ -1,0 +1,180 @@
+"""Topic setup and recovery of the publishing positions from Kafka (exactly once across crashes).
+
+On start the gateway (1) reads the compacted checkpoint topic (acknowledged positions, key = vbucket) and
+(2) replays every data partition from the smallest checkpointed offset + 1 to its end, applying each record to
+its vbucket's position. The result is the position after the last record that is really in Kafka, whether or
+not the previous process lived to checkpoint it. End of partition is detected with ``enable.partition.eof``
+(not ListOffsets, whose answers are stale on some brokers: docs/kafka-compat.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from gateway.exceptions import BrokerError, GatewayError
+from gateway.position import PublishPosition
+from gateway.records import decode, partition_for
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_topic_name(topic: str) -> str:
+    """The compacted topic holding acknowledged positions of ``topic`` (internal; key = vbucket)."""
+    return f"_dcpgw-checkpoints.{topic}"
+
+
+def ensure_topics(
+    client_config: dict[str, Any], topic: str, partitions: int, replication_factor: int = 1,
+    timeout: float = 30.0,
+) -> int:
+    """Create the data topic (``partitions`` partitions) and the compacted checkpoint topic if missing.
+
+    Returns the data topic's actual partition count (an existing topic may have fewer: vbucket v then goes
+    to partition v mod P).
+    """
+    admin = AdminClient(client_config)
+    wanted = [
+        NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor),
+        NewTopic(checkpoint_topic_name(topic), num_partitions=1, replication_factor=replication_factor,
+                 config={"cleanup.policy": "compact"}),
+    ]
+    for nt, fut in admin.create_topics(wanted, request_timeout=timeout).items():
+        try:
+            fut.result()
+        except KafkaException as e:
+            err = e.args[0]
+            if err.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise BrokerError(f"cannot create topic {nt}: {err}") from e
+    deadline = time.monotonic() + timeout
+    while True:
+        md = admin.list_topics(topic, timeout=timeout)
+        t = md.topics.get(topic)
+        if t is not None and t.error is None and t.partitions:
+            return len(t.partitions)
+        if time.monotonic() > deadline:
+            raise BrokerError(f"topic {topic} did not become available")
+        time.sleep(0.1)
+
+
+def _consumer(client_config: dict[str, Any]) -> Consumer:
+    return Consumer({
+        **client_config,
+        "group.id": f"dcpgw-recovery-{uuid.uuid4()}",
+        "enable.auto.commit": False,
+        "enable.partition.eof": True,
+        "auto.offset.reset": "earliest",
+        "fetch.max.bytes": 64 * 1024 * 1024,
+    })
+
+
+def _read_to_end(
+    consumer: Consumer, assignment: list[TopicPartition], on_message: Callable[[Any], None],
+    timeout: float = 120.0,
+) -> None:
+    if not assignment:
+        return
+    consumer.assign(assignment)
+    pending = {(tp.topic, tp.partition) for tp in assignment}
+    deadline = time.monotonic() + timeout
+    while pending:
+        if time.monotonic() > deadline:
+            raise BrokerError(f"timed out reading {len(pending)} partitions to their end")
+        msgs = consumer.consume(10_000, 0.5)
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    pending.discard((m.topic(), m.partition()))
+                    continue
+                raise BrokerError(f"reading {m.topic()}[{m.partition()}]: {err}")
+            on_message(m)
+
+
+def load_checkpoints(client_config: dict[str, Any], topic: str) -> dict[int, PublishPosition]:
+    """The newest acknowledged position per vbucket from the checkpoint topic."""
+    out: dict[int, PublishPosition] = {}
+    c = _consumer(client_config)
+    try:
+        def take(m: Any) -> None:
+            if m.value() is None:
+                return
+            try:
+                p = PublishPosition.from_json(m.value())
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring corrupt checkpoint at offset %s: %s", m.offset(), e)
+                return
+            out[p.vbucket] = p
+
+        _read_to_end(c, [TopicPartition(checkpoint_topic_name(topic), 0, 0)], take)
+    finally:
+        c.close()
+    return out
+
+
+def replay_tail(
+    client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
+    positions: dict[int, PublishPosition],
+) -> dict[int, PublishPosition]:
+    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions."""
+    pos = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(num_vbuckets)}
+    start: dict[int, int] = {}
+    for vb, p in pos.items():
+        part = partition_for(vb, num_partitions)
+        o = p.offset + 1
+        start[part] = min(start.get(part, o), o)
+    c = _consumer(client_config)
+    replayed = 0
+
+    def take(m: Any) -> None:
+        nonlocal replayed
+        rec = decode(m.key(), m.value(), m.headers())
+        p = pos.get(rec.vbucket)
+        if p is None:
+            raise GatewayError(f"record for vbucket {rec.vbucket} in {topic}: the bucket has {num_vbuckets}")
+        if m.offset() <= p.offset:
+            return  # already covered by this vbucket's checkpoint
+        p.apply(rec, m.offset())
+        replayed += 1
+
+    try:
+        _read_to_end(c, [TopicPartition(topic, part, off) for part, off in sorted(start.items())], take)
+    finally:
+        c.close()
+    log.info("replayed %d records of %s after the checkpoints", replayed, topic)
+    return pos
+
+
+def recover_positions(
+    client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
+) -> dict[int, PublishPosition]:
+    return replay_tail(client_config, topic, num_partitions, num_vbuckets, load_checkpoints(client_config, topic))
+
+
+class CheckpointWriter:
+    """Writes acknowledged positions to the compacted checkpoint topic."""
+
+    def __init__(self, producer_config: dict[str, Any], topic: str) -> None:
+        self.topic = checkpoint_topic_name(topic)
+        self._p = Producer(producer_config)
+        self.written = 0
+
+    def write(self, positions: dict[int, PublishPosition]) -> None:
+        for vb, p in positions.items():
+            while True:
+                try:
+                    self._p.produce(self.topic, p.to_json(), str(vb).encode(), partition=0)
+                    break
+                except BufferError:
+                    self._p.poll(0.05)
+            self.written += 1
+        self._p.poll(0)
+
+    def flush(self, timeout: float = 10.0) -> int:
+        return int(self._p.flush(timeout))

@@ -1,0 +1,153 @@
+"""The HTTP API on a running GatewayService (real broker, real engine): documents with CAS and expiry,
+stream status, failover logs, health, metrics, and a 4xx JSON error for every kind of bad request."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway.broker import Broker
+from gateway.config import load_settings
+from gateway.service import GatewayService
+
+NVB = 8
+
+
+def run(broker: Broker, tmp: Path, scenario: Callable[[GatewayService, str, aiohttp.ClientSession],
+                                                      Awaitable[None]], **overrides: Any) -> None:
+    async def main() -> None:
+        settings = load_settings(None, data_dir=tmp / "data", bucket=f"api{uuid.uuid4().hex[:8]}",
+                                 num_vbuckets=NVB, http_port=0, **overrides)
+        svc = GatewayService(settings, broker.bootstrap_servers)
+        await svc.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+async def expect_error(resp: aiohttp.ClientResponse, status: int, code: str | None = None) -> dict[str, Any]:
+    assert resp.status == status, await resp.text()
+    assert resp.content_type == "application/json"
+    body = await resp.json()
+    assert set(body) >= {"error", "message"} and body["message"]
+    if code is not None:
+        assert body["error"] == code, body
+    return body
+
+
+def test_document_crud_with_cas_and_expiry(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        r = await http.put(f"{url}/docs/user1", data=b'{"name": "a"}')
+        assert r.status == 200
+        m = await r.json()
+        assert set(m) == {"vbucket", "vbuuid", "seqno", "cas"}
+        r = await http.get(f"{url}/docs/user1")
+        assert r.status == 200 and await r.read() == b'{"name": "a"}'
+        assert r.content_type == "application/json"
+        assert r.headers["ETag"] == f'"{m["cas"]}"'
+        # conditional write with the wrong CAS is refused and changes nothing
+        r = await http.put(f"{url}/docs/user1", data=b"x", headers={"If-Match": '"1"'})
+        await expect_error(r, 412, "cas_mismatch")
+        r = await http.put(f"{url}/docs/user1", data=b'{"name": "b"}', headers={"If-Match": f'"{m["cas"]}"'})
+        assert r.status == 200
+        # insert-only
+        r = await http.put(f"{url}/docs/user1", data=b"x", headers={"If-None-Match": "*"})
+        await expect_error(r, 412, "exists")
+        r = await http.put(f"{url}/docs/new", data=b"x", headers={"If-None-Match": "*"})
+        assert r.status == 201
+        # expiry and flags
+        r = await http.put(f"{url}/docs/tmp?expiry=100&flags=7", data=b"t")
+        assert r.status == 200
+        r = await http.get(f"{url}/docs/tmp")
+        assert r.headers["X-DCP-Flags"] == "7" and int(r.headers["X-DCP-Expiry"]) > 0
+        r = await http.delete(f"{url}/docs/user1")
+        assert r.status == 200
+        r = await http.get(f"{url}/docs/user1")
+        await expect_error(r, 404, "not_found")
+        # the writes reached Kafka
+        for _ in range(200):
+            st = await (await http.get(f"{url}/stats")).json()
+            if st["lag"] == 0 and st["records_acknowledged"] > 0:
+                break
+            await asyncio.sleep(0.05)
+        assert st["lag"] == 0
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_bad_requests_get_4xx_json(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        await expect_error(await http.get(f"{url}/docs/{'k' * 251}"), 400, "invalid_argument")
+        await expect_error(await http.put(f"{url}/docs/k?expiry=-1", data=b"x"), 400, "invalid_argument")
+        await expect_error(await http.put(f"{url}/docs/k?expiry=abc", data=b"x"), 400, "invalid_argument")
+        await expect_error(await http.put(f"{url}/docs/k?flags=99999999999", data=b"x"), 400)
+        await expect_error(await http.put(f"{url}/docs/k", data=b"x", headers={"If-Match": "nope"}), 400)
+        await expect_error(await http.put(f"{url}/docs/k", data=b"x",
+                                          headers={"If-Match": '"5"', "If-None-Match": "*"}), 400)
+        await expect_error(await http.delete(f"{url}/docs/missing"), 404, "not_found")
+        await expect_error(await http.put(f"{url}/docs/missing", data=b"x", headers={"If-Match": '"5"'}), 404)
+        await expect_error(await http.post(f"{url}/docs/_bulk", data=b"{not json"), 400, "invalid_json")
+        await expect_error(await http.post(f"{url}/docs/_bulk", data=b'{"a": 1}'), 400)
+        await expect_error(await http.post(f"{url}/docs/_bulk", data=b'[{"key": "a"}]'), 400)
+        await expect_error(await http.post(f"{url}/docs/_bulk", data=b'[{"key": "", "value": 1}]'), 400)
+        await expect_error(await http.post(
+            f"{url}/docs/_bulk", data=b'[{"key": "a", "value": "!!", "encoding": "base64"}]'), 400)
+        await expect_error(await http.get(f"{url}/vbuckets/abc"), 400)
+        await expect_error(await http.get(f"{url}/vbuckets/{NVB}"), 404)
+        await expect_error(await http.get(f"{url}/vbuckets/-1/failover-log"), 404)
+        await expect_error(await http.get(f"{url}/nope"), 404)
+        await expect_error(await http.post(f"{url}/health"), 405)
+        # a rejected bulk batch wrote nothing; accepted data is intact
+        r = await http.put(f"{url}/docs/keep", data=b"ok")
+        assert r.status == 200
+        r = await http.post(f"{url}/docs/_bulk", data=b'[{"key": "b1", "value": 1}, {"key": 5, "value": 1}]')
+        await expect_error(r, 400)
+        await expect_error(await http.get(f"{url}/docs/b1"), 404)
+        assert await (await http.get(f"{url}/docs/keep")).read() == b"ok"
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_value_too_large_is_413(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        big = b"x" * (svc.bucket.config.max_value_size + 1)  # type: ignore[union-attr]
+        await expect_error(await http.put(f"{url}/docs/big", data=big), 413, "value_too_large")
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_status_failover_health_metrics(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        r = await http.post(f"{url}/docs/_bulk", json=[{"key": f"d{i}", "value": {"i": i}} for i in range(200)])
+        assert (await r.json())["written"] == 200
+        for _ in range(200):
+            streams = await (await http.get(f"{url}/streams")).json()
+            if all(s["lag"] == 0 for s in streams):
+                break
+            await asyncio.sleep(0.05)
+        assert len(streams) == NVB
+        assert sum(s["acknowledged_seqno"] for s in streams) == 200
+        vb = await (await http.get(f"{url}/vbuckets/3")).json()
+        assert vb["engine_high_seqno"] == vb["acknowledged_seqno"] and vb["streaming"]
+        fo = await (await http.get(f"{url}/vbuckets/3/failover-log")).json()
+        assert fo["failover_log"][0]["vbuuid"] == svc.bucket.failover_log(3)[0].vbuuid  # type: ignore[union-attr]
+        h = await http.get(f"{url}/health")
+        assert h.status == 200 and (await h.json())["status"] == "ok"
+        m = await (await http.get(f"{url}/metrics")).text()
+        for name in ("dcpgw_records_published_total", "dcpgw_records_acknowledged_total", "dcpgw_lag_items",
+                     "dcpgw_rollbacks_total", "dcpgw_errors_total", "dcpgw_events_per_second",
+                     "dcpgw_bytes_published_total"):
+            assert name in m
+        published = [ln for ln in m.splitlines() if ln.startswith("dcpgw_records_acknowledged_total")]
+        assert float(published[0].split()[-1]) >= 200
+
+    run(kafka_broker, tmp_path, scenario)
