@@ -475,6 +475,9 @@ class GatewaySettings(BaseSettings):
     key_filter_regex: str | None = None
     flow_control_buffer_bytes: int = Field(default=16 * MIB, ge=64 * KIB)
     checkpoint_interval_s: PositiveSeconds = 1.0
+    #: publish only persisted items (flush the engine before every DCP step): a crash of the process then
+    #: never needs a rollback record (docs/gateway.md)
+    rollback_mitigation: bool = True
     # topics
     create_topic_partitions: int | None = Field(default=None, ge=1)
     topic_replication_factor: int = Field(default=1, ge=1, le=32767)

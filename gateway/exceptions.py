@@ -62,7 +62,7 @@ class InvariantViolation(GatewayError):
 
 
 class ConfigError(GatewayError):
-    """The settings are invalid: a bad value, an unknown setting, a missing, unreadable or malformed config file.
+    """Invalid settings: a bad value, an unknown setting, a missing, unreadable or malformed config file.
 
     ``problems`` lists ``(field_path, problem)`` pairs; ``field_path`` is dotted (``http_port``,
     ``kafka.sasl_mechanism``, ``kafka.extra["socket.timeout.ms"]``) and empty for a problem that concerns no
@@ -71,7 +71,9 @@ class ConfigError(GatewayError):
     """
 
     def __init__(self, problems: str | list[tuple[str, str]], *, source: str | None = None) -> None:
-        self.problems: list[tuple[str, str]] = [("", problems)] if isinstance(problems, str) else list(problems)
+        if isinstance(problems, str):
+            problems = [("", problems)]
+        self.problems: list[tuple[str, str]] = list(problems)
         #: where the settings came from, for the message header (e.g. "config file /etc/dcpgw.toml")
         self.source = source
         super().__init__(self._render())

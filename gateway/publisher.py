@@ -146,17 +146,20 @@ class Publisher:
         pos = self.sent[vb]
         use_saved = self.stream_from.startswith("saved-offset") and not pos.is_fresh
         if self.stream_from == "beginning" and not pos.is_fresh:
-            # A deliberate replay: keep the log for nothing, start from zero.
-            pos.seqno = pos.snap_start = pos.snap_end = 0
-            pos.failover_log = []
+            # A deliberate replay over a topic that already has this vbucket's records: tell consumers with a
+            # rollback record to 0, so the re-sent history is not mistaken for duplicates.
+            self._publish_rollback(vb, 0)
         from_now = (self.stream_from == "now") or (self.stream_from == "saved-offset-or-now" and not use_saved)
         for _attempt in range(64):
             try:
                 if from_now:
                     log_ = dcp.stream_request(vb, 0, MAX_SEQNO, flags=StreamFlags.FROM_LATEST)
+                    self._publish_failover_log(vb, log_)
+                    # Deliberately skip the history: the position jumps to the high seqno.
                     high = self.bucket.vbucket(vb).high_seqno
-                    pos.seqno = pos.snap_start = pos.snap_end = high
-                    pos.boundary = high
+                    pos.seqno = pos.snap_start = pos.snap_end = pos.boundary = high
+                    self.streaming.add(vb)
+                    return
                 else:
                     log_ = dcp.stream_request(end_seqno=MAX_SEQNO, **pos.request_args())
             except RollbackRequired as rb:

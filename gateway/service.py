@@ -45,7 +45,7 @@ class GatewayService:
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
-        conf = dict(self.settings.kafka.to_librdkafka())
+        conf = dict(self.settings.admin_config())
         conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 
@@ -71,7 +71,7 @@ class GatewayService:
             stream_from=s.stream_from,
             key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
             flow_control_bytes=s.flow_control_buffer_bytes,
-            rollback_mitigation=getattr(s, "rollback_mitigation", True),
+            rollback_mitigation=s.rollback_mitigation,
             connection_name=f"dcpgw:{s.bucket}",
         )
         self.checkpoints = CheckpointWriter(self._producer_config(), self.topic)
@@ -93,7 +93,7 @@ class GatewayService:
             asyncio.create_task(self._every(s.expiry_pager_interval_s, self._expiry), name="dcpgw-expiry"),
             asyncio.create_task(self._every(s.compaction_interval_s, self._compact), name="dcpgw-compact"),
         ]
-        if not getattr(s, "rollback_mitigation", True):
+        if not s.rollback_mitigation:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
         log.info("gateway up: topic %s (%d partitions), http://%s:%d", self.topic, partitions, s.http_host,
                  self.http_port)

@@ -165,3 +165,45 @@ def test_kill9_mid_backfill(kafka_broker: Broker, tmp_path: Path) -> None:
     finally:
         gw.stop()
     verify(kafka_broker, data, bucket)
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or dict(os.environ))
+
+
+def test_cli_load_status_tail_against_a_running_gateway(kafka_broker: Broker, tmp_path: Path) -> None:
+    bucket = f"c{uuid.uuid4().hex[:8]}"
+    data = tmp_path / "data"
+    gw = GatewayProc(kafka_broker, data, bucket)
+    gw.start()
+    try:
+        r = _cli("load", "--docs", "700", "--batch", "100", "--url", gw.url)
+        assert r.returncode == 0, r.stderr
+        assert "wrote 700 documents" in r.stdout
+        gw.wait_caught_up()
+        r = _cli("status", "--json", "--data-dir", str(data))  # URL found through the state file
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert st["stats"]["items"] == 700 and st["stats"]["lag"] == 0 and len(st["streams"]) == NVB
+        r = _cli("status", "--url", gw.url, "--top", "3")
+        assert r.returncode == 0 and "top 3 lagging vbuckets" in r.stdout
+        r = _cli("tail", "3", "--max", "4", "--data-dir", str(data))
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.strip().splitlines()
+        assert len(lines) == 4 and "failover-log" in lines[0] and "vb=3" in lines[0]
+        assert any(" mutation " in ln for ln in lines[1:])
+    finally:
+        gw.stop()
+
+
+def test_cli_errors_are_clear_messages(tmp_path: Path) -> None:
+    env = {**os.environ, "DCPGW_HTTP_PORT": "70000", "DCPGW_DATA_DIR": str(tmp_path)}
+    r = _cli("up", env=env)
+    assert r.returncode == 2
+    assert "http_port" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("load", "--docs", "5", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "cannot reach the gateway" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("tail", "0", "--data-dir", str(tmp_path / "none"), env={
+        k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"})
+    assert r.returncode == 2 and "no running gateway" in r.stderr

@@ -241,3 +241,38 @@ def test_paused_broker_stalls_with_bounded_memory_then_resumes(harness, kafka_br
     h.settle(100_000)
     h.check()
     assert max_unacked <= 64 * 1024 + 4096
+
+
+def test_stream_from_now_skips_history_and_beginning_replays_with_rollback_to_zero(harness) -> None:
+    h = harness()
+    write(h.bucket, 40)
+    h.settle()
+    before = len([r for _p, _o, r in h.records() if r.is_data])
+    h.pub.close()
+    # "now": nothing already in the engine is published again, new writes are
+    h.pub = h.new_publisher(stream_from="now")
+    h.bucket.set("fresh", b"1")
+    h.settle()
+    data = [r for _p, _o, r in h.records() if r.is_data]
+    assert (len(data) == before + 1 and data[-1].key == b"fresh") or b"fresh" in {r.key for r in data}
+    h.pub.close()
+    # "beginning": a deliberate replay, announced to consumers by a rollback record to 0 per vbucket
+    h.pub = h.new_publisher(stream_from="beginning")
+    h.settle()
+    recs = h.records()
+    rb = [r for _p, _o, r in recs if r.type is RecordType.ROLLBACK]
+    assert len(rb) == NVB and all(r.seqno == 0 and r.snap_end == 0 for r in rb)
+    h.check(expect_rollbacks=True)
+
+
+def test_saved_offset_or_now_on_a_fresh_topic_starts_at_now(harness) -> None:
+    h = harness()
+    h.pub.close()
+    h.topic = f"dcp.t{uuid.uuid4().hex[:10]}"  # a topic the gateway never wrote to
+    h.partitions = ensure_topics(h.client, h.topic, NVB)
+    write(h.bucket, 30)  # written before the gateway ever published: not wanted with "-or-now"
+    h.pub = h.new_publisher(stream_from="saved-offset-or-now")
+    h.bucket.set("after", b"1")
+    h.settle()
+    keys = [r.key for _p, _o, r in h.records() if r.is_data]
+    assert keys == [b"after"]

@@ -272,7 +272,8 @@ def test_avro_values_read_with_fastavro_and_the_published_schemas() -> None:
     schemas = {schema_fingerprint(s): parse_schema(s) for s in (
         json.loads((schemas_dir() / n).read_text()) for n in ("change_event.avsc", "control_event.avsc"))}
     assert rec.value is not None
-    body: dict[str, Any] = schemaless_reader(io.BytesIO(rec.value[10:]), schemas[rec.value[2:10]], None)
+    body = schemaless_reader(io.BytesIO(rec.value[10:]), schemas[rec.value[2:10]], None)
+    assert isinstance(body, dict)
     assert body["op"] == "MUTATION" and body["key"] == b"doc-1" and body["value"] == b'{"name":"x"}'
     assert body["cas"] == -1 and body["cas"] & U64 == U64  # u64 as two's complement
     assert body["vbuuid"] & U64 == U64 - 1 and body["rev_seqno"] & U64 == BIG
@@ -457,6 +458,7 @@ def test_unknown_type_or_format_and_no_headers() -> None:
         headers = [(n, bad if n == name else v) for n, v in rec.headers]
         with pytest.raises(RecordFormatError, match=name):
             decode(rec.key, rec.value, headers)
+    no_headers: list[tuple[str, bytes]] | None
     for no_headers in (None, []):
         with pytest.raises(RecordFormatError, match="no headers"):
             decode(rec.key, rec.value, no_headers)
