@@ -1,0 +1,212 @@
+"""The consumer-side core: one vbucket's records in, complete snapshots and rollbacks out.
+
+Pure and synchronous (no Kafka here): the Kafka client (``connectors.client.consumer``) and the Spark source
+(``connectors.spark``) both run every record of a partition through a :class:`VBucketReplayer` per vbucket, so
+both apply exactly the same rules (docs/record-format.md, "What consumers must do"):
+
+* **snapshot-atomic** (seed 002: never expose a partial snapshot): data records are buffered until the
+  snapshot's end seqno arrives, or until a snapshot record starting after the current range shows the previous
+  snapshot completed (its last items were filtered out by the gateway);
+* a snapshot record that **repeats the start of an incomplete snapshot** (the gateway resumed mid-snapshot
+  after a crash) keeps the buffer and only extends the range;
+* **duplicates** (same vbuuid, seqno at or below what was applied) are skipped: exactly once even if the topic
+  holds duplicates;
+* a **rollback record** to R with restart point B (its ``snap_end``) discards the buffer and yields a
+  :class:`Rollback` to B when the consumer applied anything above B;
+* a **failover-log record** whose log diverges from the consumer's own (the engine's rollback rule run over the
+  two logs, seed 001 "How clients roll back changes") yields a :class:`Rollback` to the common point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.failover_log import FailoverEntry, FailoverLog
+from gateway.records import DecodedRecord, RecordType
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One data record of a complete snapshot."""
+
+    type: RecordType  # MUTATION, DELETION or EXPIRATION
+    key: bytes
+    value: bytes | None
+    vbucket: int
+    vbuuid: int
+    seqno: int
+    rev_seqno: int
+    cas: int
+    flags: int
+    expiry: int
+    datatype: int
+    offset: int
+
+    @property
+    def deleted(self) -> bool:
+        return self.type is not RecordType.MUTATION
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A complete snapshot of one vbucket: applying all its changes gives a consistent state at ``end``."""
+
+    vbucket: int
+    vbuuid: int
+    start: int
+    end: int
+    changes: tuple[Change, ...]
+    #: Kafka offset of the last record belonging to this snapshot: resume from ``offset + 1``
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """The application must return the vbucket to its state at ``restart_seqno`` (a snapshot boundary)."""
+
+    vbucket: int
+    rollback_seqno: int
+    restart_seqno: int
+    #: what was applied before the rollback (everything in (restart_seqno, applied_seqno] must be undone)
+    applied_seqno: int
+    failover_log: tuple[FailoverEntry, ...]
+    offset: int
+    reason: str  # "rollback-record" or "failover-log-divergence"
+
+
+Event = Snapshot | Rollback
+
+
+@dataclass(slots=True)
+class VBucketState:
+    """What a consumer keeps per vbucket (persisted by the state stores)."""
+
+    vbucket: int
+    vbuuid: int = 0
+    #: end of the last complete snapshot applied
+    applied_seqno: int = 0
+    snap_start: int = 0
+    snap_end: int = 0
+    failover_log: list[FailoverEntry] = field(default_factory=list)
+    #: Kafka offset of the last record of the last complete snapshot (-1: none)
+    offset: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"vbucket": self.vbucket, "vbuuid": self.vbuuid, "applied_seqno": self.applied_seqno,
+                "snap_start": self.snap_start, "snap_end": self.snap_end, "offset": self.offset,
+                "failover_log": [[e.vbuuid, e.seqno] for e in self.failover_log]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VBucketState:
+        return cls(int(d["vbucket"]), int(d["vbuuid"]), int(d["applied_seqno"]), int(d["snap_start"]),
+                   int(d["snap_end"]), [FailoverEntry(int(u), int(s)) for u, s in d["failover_log"]],
+                   int(d["offset"]))
+
+
+class VBucketReplayer:
+    """Turns one vbucket's records (in partition order) into :class:`Snapshot` and :class:`Rollback` events.
+
+    ``state`` only moves when an event is produced; feeding the same records again after restoring a saved
+    state produces the same events (deterministic replay, which Spark's recovery relies on).
+    """
+
+    def __init__(self, state: VBucketState) -> None:
+        self.state = state
+        self._pending: list[Change] = []
+        self._range: tuple[int, int] | None = None
+        self._vbuuid = state.vbuuid
+        self._last_offset = state.offset
+
+    @property
+    def has_partial(self) -> bool:
+        return bool(self._pending)
+
+    def feed(self, rec: DecodedRecord, offset: int) -> list[Event]:
+        st = self.state
+        t = rec.type
+        out: list[Event] = []
+        if t is RecordType.SNAPSHOT:
+            rng = self._range
+            if rng is not None and rec.snap_start > rng[1]:
+                # The previous snapshot is complete even if its tail was filtered out.
+                ev = self._complete(self._last_offset)
+                if ev is not None:
+                    out.append(ev)
+                self._range = (rec.snap_start, rec.snap_end)
+            elif rng is not None and self._pending:
+                # Resumed mid-snapshot: keep buffering, the range grows.
+                self._range = (min(rng[0], rec.snap_start), max(rng[1], rec.snap_end))
+            else:
+                self._range = (rec.snap_start, rec.snap_end)
+            self._vbuuid = rec.vbuuid or self._vbuuid
+        elif rec.is_data:
+            rng = self._range
+            if rng is None:
+                return out  # data outside any snapshot cannot be applied (invariant violation upstream)
+            if rec.seqno <= st.applied_seqno and rec.vbuuid == st.vbuuid:
+                return out  # a duplicate of what was applied: exactly once
+            if self._pending and rec.seqno <= self._pending[-1].seqno:
+                return out  # a duplicate inside the buffer
+            assert rec.key is not None
+            self._pending.append(Change(
+                rec.type, rec.key, rec.value, rec.vbucket, rec.vbuuid, rec.seqno, rec.rev_seqno or 0,
+                rec.cas or 0, rec.flags or 0, rec.expiry or 0, rec.datatype or 0, offset))
+            self._vbuuid = rec.vbuuid
+            self._last_offset = offset
+            if rec.seqno >= rng[1]:
+                ev = self._complete(offset)
+                if ev is not None:
+                    out.append(ev)
+        elif t is RecordType.ROLLBACK:
+            self._pending.clear()
+            self._range = None
+            restart = rec.snap_end
+            log = list(rec.failover_log or ())
+            if st.applied_seqno > restart:
+                out.append(Rollback(st.vbucket, rec.seqno, restart, st.applied_seqno, tuple(log), offset,
+                                    "rollback-record"))
+                st.applied_seqno = restart
+            st.snap_start = st.snap_end = st.applied_seqno
+            st.failover_log = [e for e in st.failover_log if e.seqno <= rec.seqno] or log
+            st.vbuuid = self._vbuuid = rec.vbuuid
+            st.offset = offset
+        elif t is RecordType.FAILOVER_LOG:
+            log = list(rec.failover_log or ())
+            if st.failover_log and st.applied_seqno > 0 and log:
+                server = FailoverLog(log, high_seqno=rec.seqno)
+                point = server.rollback_point(st.applied_seqno, rec.seqno,
+                                              st.failover_log, st.applied_seqno, st.applied_seqno, 0)
+                if point is not None and point < st.applied_seqno:
+                    self._pending.clear()
+                    self._range = None
+                    out.append(Rollback(st.vbucket, point, point, st.applied_seqno, tuple(log), offset,
+                                        "failover-log-divergence"))
+                    st.applied_seqno = st.snap_start = st.snap_end = point
+            st.failover_log = log
+            if log:
+                st.vbuuid = self._vbuuid = log[0].vbuuid
+            if not self._pending:
+                st.offset = offset
+        # stream-end: nothing to do (a later restart repeats the snapshot start if it was incomplete)
+        return out
+
+    def _complete(self, offset: int) -> Snapshot | None:
+        rng = self._range
+        if rng is None:
+            return None
+        st = self.state
+        changes = tuple(self._pending)
+        self._pending.clear()
+        if rng[1] <= st.applied_seqno and not changes:
+            return None
+        st.applied_seqno = max(st.applied_seqno, rng[1])
+        st.snap_start, st.snap_end = rng
+        st.vbuuid = self._vbuuid
+        st.offset = offset
+        return Snapshot(st.vbucket, self._vbuuid, rng[0], rng[1], changes, offset)
+
+    def flush_complete(self) -> Snapshot | None:
+        """Called when the partition end is reached: nothing partial is ever released (returns None unless
+        the buffered snapshot is provably complete)."""
+        return None
