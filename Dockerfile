@@ -1,4 +1,4 @@
-# The dcp-gateway service image (compose.yaml builds it). `dcpgw up` arrives with the gateway issue.
+# The dcp-gateway service image (compose.yaml builds it): engine + gateway + HTTP API.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -13,8 +13,9 @@ COPY gateway ./gateway
 COPY connectors ./connectors
 COPY bench ./bench
 COPY schemas ./schemas
-RUN pip install . && useradd --create-home --uid 10001 dcpgw
+RUN pip install . && useradd --create-home --uid 10001 dcpgw && mkdir /data && chown dcpgw /data
 
 USER dcpgw
 EXPOSE 8080
-CMD ["dcpgw", "up"]
+VOLUME /data
+CMD ["dcpgw", "up", "--no-progress"]
