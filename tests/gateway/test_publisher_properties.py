@@ -5,6 +5,7 @@ engine; with mitigation on, no rollback record and no (vbucket, seqno) twice."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -63,10 +64,8 @@ def test_random_crash_histories_converge(kafka_broker: Broker, tmp_path_factory:
             for key, delete in s[1]:
                 n += 1
                 if delete:
-                    try:
+                    with contextlib.suppress(KeyNotFound):
                         bucket.delete(key)
-                    except KeyNotFound:
-                        pass
                 else:
                     bucket.set(key, f"v{n}".encode())
         elif kind == "pump":
