@@ -4,6 +4,7 @@
 * ``dcpgw load``    write generator (through the HTTP API), with a progress bar
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
+* ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
 * ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
 """
 
@@ -275,6 +276,39 @@ def status(
             vt.add_row(*(str(s[c]) for c in ("vbucket", "partition", "engine_high_seqno", "published_seqno",
                                               "acknowledged_seqno", "lag")))
         con.print(vt)
+
+
+# ---------------------------------------------------------------------- replicate
+@app.command()
+def replicate(
+    topic: str | None = typer.Option(None, help="Topic to replicate (default: the running gateway's)."),
+    db: Path = typer.Option(Path("replica.sqlite"), help="SQLite file: table docs + consumer state."),
+    bootstrap: str | None = typer.Option(None, envvar="KAFKA_BOOTSTRAP_SERVERS",
+                                         help="Kafka bootstrap servers (default: the running gateway's)."),
+    data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    group_id: str | None = typer.Option(None, "--group", help="Consumer group (default: manual assignment)."),
+    until_caught_up: bool = typer.Option(False, "--until-caught-up",
+                                         help="Stop once every partition is consumed to its end."),
+) -> None:
+    """Keep the SQLite table `docs` of DB equal to the bucket streamed into TOPIC (rollback-aware)."""
+    from connectors.exceptions import ConnectorError
+    from connectors.replicate import Replicator
+
+    st = _state(data_dir)
+    bootstrap = bootstrap or st.get("bootstrap_servers")
+    topic = topic or st.get("topic")
+    if not bootstrap or not topic:
+        _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with Replicator(bootstrap, topic, db, group_id=group_id) as rep:
+            with contextlib.suppress(KeyboardInterrupt):
+                rep.run(until_caught_up=until_caught_up)
+            n = rep.conn.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
+            typer.echo(json.dumps({"topic": topic, "db": str(db), "docs": n, "snapshots": rep.snapshots,
+                                   "changes": rep.changes, "rollbacks": len(rep.rollbacks)}))
+    except ConnectorError as e:
+        _fail(str(e))
 
 
 # ---------------------------------------------------------------------- tail

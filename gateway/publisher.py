@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,7 +112,16 @@ class Publisher:
         self.flow_control_bytes = flow_control_bytes
         self.connection_name = connection_name
         self._on_event = on_event
-        self.kafka = Producer({**producer_config, "on_delivery": self._on_delivery})
+        # The producer must not keep the publisher alive (a reference cycle would leave librdkafka's threads
+        # running until a cyclic GC): its delivery callback holds a weak reference.
+        ref = weakref.ref(self)
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            pub = ref()
+            if pub is not None:
+                pub._on_delivery(err, msg)
+
+        self.kafka = Producer({**producer_config, "on_delivery": on_delivery})
         self.dcp: DcpProducer | None = None
         nvb = bucket.num_vbuckets
         # position after the last record produced (sent) and after the last record acknowledged
@@ -347,5 +357,6 @@ class Publisher:
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)
         if self.dcp is not None:
-            self.bucket.close_producer(self.connection_name)
+            if self.bucket.producers.get(self.connection_name) is self.dcp:
+                self.bucket.close_producer(self.connection_name)
             self.dcp = None

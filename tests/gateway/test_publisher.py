@@ -35,9 +35,13 @@ class Harness:
         self.bucket = Bucket(self.cfg)
         self.partitions = ensure_topics(self.client, self.topic, NVB)
         self.pub_kw = pub_kw
+        self.old: list[Publisher] = []
+        self.pub: Publisher | None = None
         self.pub = self.new_publisher()
 
     def new_publisher(self, **kw: Any) -> Publisher:
+        if getattr(self, "pub", None) is not None:
+            self.old.append(self.pub)  # replaced (or abandoned, as after kill -9): closed at teardown
         positions = recover_positions(self.client, self.topic, self.partitions, NVB)
         args = {**self.pub_kw, **kw}
         fmt = args.pop("value_format", ValueFormat.AVRO)
@@ -88,6 +92,9 @@ def harness(kafka_broker: Broker, tmp_path: Path):
 
     yield make
     for h in hs:
+        for old in h.old:
+            old.kafka.flush(1)
+        h.old.clear()
         h.pub.close(timeout=5)
         if not h.bucket.closed:
             h.bucket.close(clean=False)

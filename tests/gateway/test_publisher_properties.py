@@ -98,4 +98,7 @@ def test_random_crash_histories_converge(kafka_broker: Broker, tmp_path_factory:
         c = Counter((r.vbucket, r.seqno) for _p, _o, r in recs if r.is_data)
         assert all(v == 1 for v in c.values())
     pub.close(timeout=5)
+    for old in abandoned:
+        old.kafka.flush(1)
+    abandoned.clear()
     bucket.close(clean=False)
