@@ -19,6 +19,7 @@ both apply exactly the same rules (docs/record-format.md, "What consumers must d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,8 @@ class Snapshot:
     changes: tuple[Change, ...]
     #: Kafka offset of the last record belonging to this snapshot: resume from ``offset + 1``
     offset: int
+    #: the consumer state right after this snapshot (what a state store persists when it is confirmed)
+    state: VBucketState | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,8 @@ class Rollback:
     failover_log: tuple[FailoverEntry, ...]
     offset: int
     reason: str  # "rollback-record" or "failover-log-divergence"
+    #: the consumer state right after this rollback
+    state: VBucketState | None = field(default=None, compare=False, repr=False)
 
 
 Event = Snapshot | Rollback
@@ -91,6 +96,9 @@ class VBucketState:
     failover_log: list[FailoverEntry] = field(default_factory=list)
     #: Kafka offset of the last record of the last complete snapshot (-1: none)
     offset: int = -1
+
+    def copy(self) -> VBucketState:
+        return dataclasses.replace(self, failover_log=list(self.failover_log))
 
     def to_dict(self) -> dict[str, Any]:
         return {"vbucket": self.vbucket, "vbuuid": self.vbuuid, "applied_seqno": self.applied_seqno,
@@ -117,6 +125,10 @@ class VBucketReplayer:
         self._range: tuple[int, int] | None = None
         self._vbuuid = state.vbuuid
         self._last_offset = state.offset
+        #: data records accepted into the snapshot buffer so far (not skipped as duplicates)
+        self.accepted = 0
+        #: the data record accepted last (per-record consumers expose it before its snapshot completes)
+        self.last_change: Change | None = None
 
     @property
     def has_partial(self) -> bool:
@@ -154,35 +166,64 @@ class VBucketReplayer:
                 rec.cas or 0, rec.flags or 0, rec.expiry or 0, rec.datatype or 0, offset))
             self._vbuuid = rec.vbuuid
             self._last_offset = offset
+            self.accepted += 1
+            self.last_change = self._pending[-1]
             if rec.seqno >= rng[1]:
                 ev = self._complete(offset)
                 if ev is not None:
                     out.append(ev)
         elif t is RecordType.ROLLBACK:
+            restart = rec.snap_end
+            rng = self._range
+            if rng is not None and self._pending and rng[1] <= restart:
+                # The gateway published this snapshot completely (its restart point B is a boundary at or
+                # above its end): its tail was filtered out. It is complete, not discarded.
+                ev = self._complete(self._last_offset)
+                if ev is not None:
+                    out.append(ev)
             self._pending.clear()
             self._range = None
-            restart = rec.snap_end
             log = list(rec.failover_log or ())
-            if st.applied_seqno > restart:
-                out.append(Rollback(st.vbucket, rec.seqno, restart, st.applied_seqno, tuple(log), offset,
-                                    "rollback-record"))
+            rolled_back = st.applied_seqno > restart
+            applied = st.applied_seqno
+            if rolled_back:
                 st.applied_seqno = restart
             st.snap_start = st.snap_end = st.applied_seqno
             st.failover_log = [e for e in st.failover_log if e.seqno <= rec.seqno] or log
             st.vbuuid = self._vbuuid = rec.vbuuid
-            st.offset = offset
+            st.offset = self._last_offset = offset
+            if rolled_back:
+                out.append(Rollback(st.vbucket, rec.seqno, restart, applied, tuple(log), offset,
+                                    "rollback-record", st.copy()))
         elif t is RecordType.FAILOVER_LOG:
             log = list(rec.failover_log or ())
-            if st.failover_log and st.applied_seqno > 0 and log:
+            rng = self._range
+            pending = bool(self._pending) and rng is not None
+            if st.failover_log and log and (st.applied_seqno > 0 or pending):
+                # Seed 001 "How clients roll back changes": where the two logs' shared history ends.
                 server = FailoverLog(log, high_seqno=rec.seqno)
-                point = server.rollback_point(st.applied_seqno, rec.seqno,
-                                              st.failover_log, st.applied_seqno, st.applied_seqno, 0)
+                if pending:
+                    # The gateway resumes an incomplete snapshot where it stopped (a repeated snapshot
+                    # start follows), so the buffer stays -- unless it holds seqnos above the shared history.
+                    seen = self._pending[-1].seqno
+                    if server.rollback_point(seen, rec.seqno, st.failover_log, seen, seen, 0) is not None:
+                        self._pending.clear()
+                        self._range = None
+                point = None
+                if st.applied_seqno > 0:
+                    a = st.applied_seqno
+                    point = server.rollback_point(a, rec.seqno, st.failover_log, a, a, 0)
                 if point is not None and point < st.applied_seqno:
                     self._pending.clear()
                     self._range = None
-                    out.append(Rollback(st.vbucket, point, point, st.applied_seqno, tuple(log), offset,
-                                        "failover-log-divergence"))
+                    applied = st.applied_seqno
                     st.applied_seqno = st.snap_start = st.snap_end = point
+                    st.failover_log = log
+                    st.vbuuid = self._vbuuid = log[0].vbuuid
+                    st.offset = self._last_offset = offset
+                    out.append(Rollback(st.vbucket, point, point, applied, tuple(log), offset,
+                                        "failover-log-divergence", st.copy()))
+                    return out
             st.failover_log = log
             if log:
                 st.vbuuid = self._vbuuid = log[0].vbuuid
@@ -204,7 +245,7 @@ class VBucketReplayer:
         st.snap_start, st.snap_end = rng
         st.vbuuid = self._vbuuid
         st.offset = offset
-        return Snapshot(st.vbucket, self._vbuuid, rng[0], rng[1], changes, offset)
+        return Snapshot(st.vbucket, self._vbuuid, rng[0], rng[1], changes, offset, st.copy())
 
     def flush_complete(self) -> Snapshot | None:
         """Called when the partition end is reached: nothing partial is ever released (returns None unless

@@ -1,0 +1,550 @@
+"""The rollback-aware Kafka client of a dcp-gateway topic (docs/client.md).
+
+:class:`ChangeStreamConsumer` reads the partitions of a gateway topic, demultiplexes them by ``dcp.vbucket``
+and runs every vbucket's records through a :class:`~connectors.client.replay.VBucketReplayer`. The application
+sees three kinds of events:
+
+* :class:`~connectors.client.replay.Snapshot`: a complete snapshot of one vbucket (never a partial one,
+  unless ``per_record=True``);
+* :class:`RollbackInstruction`: return the vbucket to its state at ``to_seqno`` -- the exact ``undo`` list
+  from the mutation log, or ``rebuild_from_zero`` (wipe the vbucket; the consumer replays it from the start
+  of its partition);
+* :class:`PartialChange` (``per_record=True`` only): one data record before its snapshot completed.
+
+Every event is confirmed with :meth:`ChangeStreamConsumer.commit` (or by returning from the callback of
+:meth:`ChangeStreamConsumer.run`): only then are the consumer state, the mutation log and the partition's
+resume offset saved (one SQLite transaction) and the Kafka group offset committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior, Undo
+from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
+from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
+from connectors.exceptions import ConnectorError, DecodeError
+from gateway.exceptions import RecordFormatError
+from gateway.records import decode
+
+__all__ = ["ChangeStreamConsumer", "ClientEvent", "DeadLetter", "PartialChange", "PriorLookup",
+           "RollbackInstruction"]
+
+log = logging.getLogger(__name__)
+
+#: ``prior_lookup(vbucket, keys)`` -> {key: (value, seqno)} of the keys that exist in the application now
+PriorLookup = Callable[[int, Sequence[bytes]], Mapping[bytes, Prior]]
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackInstruction:
+    """Return ``vbucket`` to its state at ``to_seqno``.
+
+    ``rebuild_from_zero`` False: restore every :class:`Undo` of ``undo`` (``prior_value`` None: delete the
+    key). True: the mutation log does not reach back to ``to_seqno`` (or there is none): delete every document
+    of the vbucket; the consumer then replays the vbucket from the start of its partition.
+    """
+
+    vbucket: int
+    to_seqno: int
+    undo: list[Undo]
+    rebuild_from_zero: bool
+    rollback: Rollback
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartialChange:
+    """``per_record=True``: one data record, exposed *before* its snapshot is complete (see docs/client.md:
+    a prefix of a snapshot is not a consistent state; a rollback may take it back)."""
+
+    change: Change
+    partition: int
+
+    @property
+    def vbucket(self) -> int:
+        return self.change.vbucket
+
+
+ClientEvent = Snapshot | RollbackInstruction | PartialChange
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A record that could not be decoded, as handed to a dead-letter callback."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    error: str
+
+
+@dataclass(slots=True)
+class _VB:
+    replayer: VBucketReplayer
+    partition: int
+    #: records at or below this offset were already applied (state loaded from the store)
+    skip_through: int
+    #: offset of the state last confirmed (what the store holds)
+    confirmed: int
+    last_fed: int = -1
+    #: while rebuilding from zero: the offset of the rollback that asked for it (the log is not trimmed)
+    rebuild_until: int = -1
+
+
+@dataclass(slots=True)
+class _Open:
+    event: ClientEvent
+    vbucket: int
+    partition: int
+    state: VBucketState | None
+    rebuild: bool = False
+
+
+class ChangeStreamConsumer:
+    """Consume a dcp-gateway topic as snapshot-atomic, rollback-aware events (docs/client.md).
+
+    ``kafka``: bootstrap servers or a librdkafka config dict. ``group_id`` None: manual assignment of every
+    partition; else a consumer group (eager ``range`` assignor). ``state_path``: the SQLite file of the
+    default state store and mutation log (None: a memory store, nothing survives the process, no mutation
+    log). ``state_store``: another :class:`~connectors.client.state.StateStore`. ``prior_lookup``: how the
+    mutation log learns the application's prior versions (without it, every rollback that must undo
+    something is a rebuild from zero). ``dead_letter``: a topic name (``{topic}`` is replaced), a callback
+    taking a :class:`DeadLetter`, or None (no copy; :class:`DecodeError` is raised all the same).
+    """
+
+    def __init__(
+        self,
+        kafka: str | Mapping[str, Any],
+        topic: str,
+        *,
+        group_id: str | None = None,
+        state_path: str | Path | None = None,
+        state_store: StateStore | None = None,
+        per_record: bool = False,
+        dead_letter: str | Callable[[DeadLetter], None] | None = "{topic}.dlq",
+        prior_lookup: PriorLookup | None = None,
+        mutation_log_max: int = DEFAULT_MAX_ENTRIES,
+        batch_size: int = 2000,
+        poll_timeout: float = 0.2,
+    ) -> None:
+        self.topic = topic
+        self.group_id = group_id
+        self.per_record = per_record
+        self.prior_lookup = prior_lookup
+        self.poll_timeout = poll_timeout
+        self._batch = batch_size
+        conf: dict[str, Any] = ({"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka))
+        self._client_conf = {k: v for k, v in conf.items() if not k.startswith(("group.", "enable.", "auto."))}
+        conf.update({"group.id": group_id or f"dcpgw-client-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                     "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+        # partition EOF (caught_up) is only reported after an empty fetch: keep that wait short
+        conf.setdefault("fetch.wait.max.ms", 100)
+        if group_id is not None:
+            conf.setdefault("partition.assignment.strategy", "range")
+        self._owns_store = state_store is None
+        if state_store is not None:
+            self.store: StateStore = state_store
+        elif state_path is not None:
+            self.store = SqliteStateStore(state_path, topic)
+        else:
+            self.store = MemoryStateStore()
+        self.mutation_log: MutationLog | None = None
+        if isinstance(self.store, SqliteStateStore):
+            self.mutation_log = MutationLog(self.store.conn, mutation_log_max)
+        if isinstance(dead_letter, str):
+            self._dlq_topic: str | None = dead_letter.format(topic=topic)
+            self._dlq_callback: Callable[[DeadLetter], None] | None = None
+        else:
+            self._dlq_topic = None
+            self._dlq_callback = dead_letter
+        self._dlq_producer: Producer | None = None
+        self._vbs: dict[int, _VB] = {}
+        self._by_part: dict[int, dict[int, _VB]] = {}
+        self._assigned: set[int] = set()
+        self._eof: dict[int, bool] = {}
+        self._backlog: deque[Any] = deque()
+        self._queue: deque[tuple[int, int, Snapshot | Rollback | PartialChange]] = deque()
+        self._open: _Open | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.records_consumed = 0
+        self.dead_letters = 0
+        self._closed = False
+        self.consumer = Consumer(conf)
+        try:
+            if group_id is None:
+                md = self.consumer.list_topics(topic, timeout=30)
+                t = md.topics.get(topic)
+                if t is None or t.error is not None or not t.partitions:
+                    raise ConnectorError(f"topic {topic!r} not found")
+                self._assign(sorted(t.partitions))
+            else:
+                self.consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                        on_lost=self._on_revoke)
+        except KafkaException as e:
+            self.consumer.close()
+            raise ConnectorError(f"cannot consume {topic!r}: {e}") from e
+
+    # ------------------------------------------------------------------------------------- assignment
+    def _start_offsets(self, parts: Sequence[int]) -> list[TopicPartition]:
+        stored = self.store.partition_offsets()
+        out = []
+        for p in parts:
+            o = stored.get(p)
+            out.append(TopicPartition(self.topic, p, OFFSET_BEGINNING if o is None or o <= 0 else o))
+        return out
+
+    def _assign(self, parts: Sequence[int]) -> None:
+        tps = self._start_offsets(parts)
+        self.consumer.assign(tps)
+        self._assigned = set(parts)
+        self._eof = dict.fromkeys(parts, False)
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        parts = [tp.partition for tp in partitions]
+        tps = self._start_offsets(parts)
+        consumer.assign(tps)
+        self._assigned = set(parts)
+        self._eof = dict.fromkeys(parts, False)
+        log.info("assigned partitions %s of %s", parts, self.topic)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        parts = {tp.partition for tp in partitions}
+        # Drop partial buffers: nothing partial is flushed; the next owner resumes from the stored state.
+        for p in parts:
+            for vb in self._by_part.pop(p, {}):
+                self._vbs.pop(vb, None)
+        self._backlog = deque(m for m in self._backlog if m.partition() not in parts)
+        self._queue = deque(q for q in self._queue if q[1] not in parts)
+        self._assigned -= parts
+        for p in parts:
+            self._eof.pop(p, None)
+        with _suppress_kafka():
+            consumer.unassign()
+        log.info("revoked partitions %s of %s", sorted(parts), self.topic)
+
+    @property
+    def assignment(self) -> set[int]:
+        return set(self._assigned)
+
+    # ------------------------------------------------------------------------------------------ state
+    def _vb(self, vb: int, partition: int, offset: int) -> _VB:
+        s = self._vbs.get(vb)
+        if s is None:
+            st = self.store.load(vb)
+            if st is None:
+                s = _VB(VBucketReplayer(VBucketState(vb, offset=offset - 1)), partition, -1, offset - 1)
+            else:
+                s = _VB(VBucketReplayer(st), partition, st.offset, st.offset)
+            self._vbs[vb] = s
+            self._by_part.setdefault(partition, {})[vb] = s
+        return s
+
+    def caught_up(self) -> bool:
+        """Every assigned partition reached its end (partition EOF) and no snapshot is pending."""
+        if not self._assigned or self._backlog or self._queue or self._open is not None:
+            return False
+        if not all(self._eof.get(p, False) for p in self._assigned):
+            return False
+        return not any(s.replayer.has_partial for s in self._vbs.values())
+
+    # -------------------------------------------------------------------------------------- consuming
+    def _next_message(self, timeout: float) -> Any | None:
+        if not self._backlog:
+            try:
+                # what is already fetched, without waiting; else wait for the first record only
+                msgs = self.consumer.consume(self._batch, 0)
+                if not msgs:
+                    first = self.consumer.poll(timeout)
+                    if first is not None:
+                        msgs = [first, *self.consumer.consume(self._batch - 1, 0)] if self._batch > 1 else [first]
+            except KafkaException as e:
+                raise ConnectorError(f"consuming {self.topic!r} failed: {e}") from e
+            self._backlog.extend(msgs)
+        return self._backlog.popleft() if self._backlog else None
+
+    def _handle(self, m: Any) -> None:
+        p = m.partition()
+        err = m.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                self._eof[p] = True
+                return
+            if err.retriable() or not err.fatal():
+                log.warning("consumer error on %s: %s", self.topic, err)
+                return
+            raise ConnectorError(f"consuming {self.topic!r} failed: {err}")
+        if p not in self._assigned:
+            return
+        self._eof[p] = False
+        off = m.offset()
+        self.records_consumed += 1
+        try:
+            rec = decode(m.key(), m.value(), m.headers())
+        except RecordFormatError as e:
+            self._dead_letter(m, e)
+            raise DecodeError(f"{self.topic}[{p}]@{off}: {e} (copied to the dead-letter destination)",
+                              self.topic, p, off) from e
+        s = self._vb(rec.vbucket, p, off)
+        if off <= s.skip_through:
+            return
+        s.last_fed = off
+        before = s.replayer.accepted
+        events = s.replayer.feed(rec, off)
+        if self.per_record and s.replayer.accepted != before and s.replayer.last_change is not None:
+            self._queue.append((rec.vbucket, p, PartialChange(s.replayer.last_change, p)))
+        for ev in events:
+            self._queue.append((rec.vbucket, p, ev))
+
+    def _dead_letter(self, m: Any, e: Exception) -> None:
+        self.dead_letters += 1
+        headers: list[tuple[str, bytes]] = [(str(k), v if isinstance(v, bytes) else b"" if v is None else str(v).encode())
+                   for k, v in (m.headers() or [])]
+        dl = DeadLetter(self.topic, m.partition(), m.offset(), m.key(), m.value(), headers, str(e))
+        if self._dlq_callback is not None:
+            self._dlq_callback(dl)
+            return
+        if self._dlq_topic is None:
+            return
+        if self._dlq_producer is None:
+            admin = AdminClient(self._client_conf)
+            fut = admin.create_topics([NewTopic(self._dlq_topic, num_partitions=1, replication_factor=1)])
+            for f in fut.values():
+                try:
+                    f.result(timeout=30)
+                except KafkaException as ke:
+                    if ke.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise ConnectorError(f"cannot create the dead-letter topic {self._dlq_topic}: {ke}") from ke
+            self._dlq_producer = Producer({**self._client_conf, "acks": "all"})
+        extra = [("dlq.topic", self.topic.encode()), ("dlq.partition", str(dl.partition).encode()),
+                 ("dlq.offset", str(dl.offset).encode()), ("dlq.error", dl.error.encode()[:1000])]
+        out_headers: list[tuple[str, str | bytes | None]] = [*headers, *extra]
+        self._dlq_producer.produce(self._dlq_topic, key=dl.key, value=dl.value, headers=out_headers)
+        if self._dlq_producer.flush(30) != 0:
+            raise ConnectorError(f"could not copy {self.topic}[{dl.partition}]@{dl.offset} to {self._dlq_topic}")
+
+    def _next_event(self, timeout: float) -> ClientEvent | None:
+        """The next event, opened (its transaction begun); None when nothing arrived within ``timeout``."""
+        while True:
+            if self._queue:
+                vb, p, ev = self._queue.popleft()
+                return self._begin(vb, p, ev)
+            m = self._next_message(timeout)
+            if m is None:
+                return None
+            self._handle(m)
+
+    def _begin(self, vb: int, p: int, ev: Snapshot | Rollback | PartialChange) -> ClientEvent:
+        self.store.begin()
+        mlog = self.mutation_log if self.prior_lookup is not None else None
+        try:
+            if isinstance(ev, Rollback):
+                rebuild = False
+                undo: list[Undo] = []
+                if mlog is None:
+                    rebuild = True
+                else:
+                    try:
+                        undo = mlog.undo_to(vb, ev.restart_seqno)
+                    except LogTooShort:
+                        rebuild = True
+                if rebuild and self.mutation_log is not None:
+                    self.mutation_log.clear(vb)
+                out: ClientEvent = RollbackInstruction(vb, 0 if rebuild else ev.restart_seqno, undo, rebuild, ev, p)
+                self._open = _Open(out, vb, p, ev.state, rebuild)
+                return out
+            if isinstance(ev, PartialChange):
+                if mlog is not None and self.prior_lookup is not None:
+                    c = ev.change
+                    mlog.record(vb, [(c.seqno, c.key)], self.prior_lookup(vb, [c.key]))
+                self._open = _Open(ev, vb, p, None)
+                return ev
+            if mlog is not None and self.prior_lookup is not None and ev.changes:
+                keys = list(dict.fromkeys(c.key for c in ev.changes))
+                mlog.record(vb, [(c.seqno, c.key) for c in ev.changes], self.prior_lookup(vb, keys))
+            if self.per_record:
+                ev = dataclasses.replace(ev, changes=())
+            self._open = _Open(ev, vb, p, ev.state)
+            return ev
+        except BaseException:
+            self.store.rollback()
+            raise
+
+    # -------------------------------------------------------------------------------------- confirming
+    def commit(self, ev: ClientEvent) -> None:
+        """Confirm that the application applied ``ev``: saves the consumer state (and the mutation log) in
+        the store's transaction, then commits the Kafka group offset of its partition."""
+        op = self._open
+        if op is None or op.event is not ev:
+            raise ConnectorError("commit(ev): ev is not the event being applied (commit each event once, "
+                                 "in order)")
+        self._open = None
+        p = op.partition
+        states: list[VBucketState] = []
+        s = self._vbs.get(op.vbucket)
+        if s is None:  # revoked meanwhile: nothing to save
+            self.store.rollback()
+            return
+        if op.rebuild:
+            fresh = VBucketState(op.vbucket)
+            if op.state is not None and op.state.applied_seqno == 0 and op.state.offset >= 0:
+                # rolled back to zero by the gateway itself: it republishes everything after this record
+                fresh = op.state.copy()
+                s.confirmed = fresh.offset
+            else:
+                s.replayer = VBucketReplayer(fresh)
+                s.skip_through = -1
+                s.confirmed = -1
+                s.rebuild_until = s.last_fed
+                self._rewind(p, op.vbucket)
+            states.append(fresh)
+        elif op.state is not None:
+            states.append(op.state)
+            s.confirmed = op.state.offset
+        if op.state is not None or op.rebuild:
+            queued = {q[0] for q in self._queue}
+            for vb, o in self._by_part.get(p, {}).items():
+                if (vb != op.vbucket and vb not in queued and not o.replayer.has_partial
+                        and o.replayer.state.offset == o.last_fed and o.last_fed > o.confirmed):
+                    states.append(o.replayer.state.copy())
+                    o.confirmed = o.last_fed
+        offsets: dict[int, int] = {}
+        if states:
+            offsets[p] = min(o.confirmed + 1 for o in self._by_part.get(p, {}).values())
+            if self.mutation_log is not None and s.last_fed > s.rebuild_until:
+                self.mutation_log.trim(op.vbucket)
+        self.store.save(states, offsets)
+        if self.group_id is not None and offsets:
+            with _suppress_kafka():
+                self.consumer.commit(offsets=[TopicPartition(self.topic, q, o) for q, o in offsets.items()],
+                                     asynchronous=True)
+
+    def _rewind(self, p: int, vb: int) -> None:
+        """Replay partition ``p`` from its start for ``vb`` (rebuild from zero); the other vbuckets of the
+        partition skip what they already consumed."""
+        for other, o in self._by_part.get(p, {}).items():
+            if other != vb:
+                o.skip_through = max(o.skip_through, o.last_fed)
+        self._backlog = deque(m for m in self._backlog if m.partition() != p)
+        self._queue = deque(q for q in self._queue if q[1] != p)
+        self._eof[p] = False
+        try:
+            self.consumer.seek(TopicPartition(self.topic, p, OFFSET_BEGINNING))
+        except KafkaException:
+            # seek needs a fetch position: re-assign the partition at its start instead
+            self.consumer.incremental_unassign([TopicPartition(self.topic, p)])
+            self.consumer.incremental_assign([TopicPartition(self.topic, p, OFFSET_BEGINNING)])
+
+    def abandon(self) -> None:
+        """Give up the event being applied (the application failed): nothing is saved; the consumer must be
+        closed and recreated to see the event again."""
+        self._open = None
+        self.store.rollback()
+
+    # -------------------------------------------------------------------------------------------- APIs
+    def events(self, *, until_caught_up: bool = False) -> Iterator[ClientEvent]:
+        """Events in order; ``commit(ev)`` each one before asking for the next. Stops when
+        ``until_caught_up`` and :meth:`caught_up`. A :class:`DecodeError` ends the iteration; calling
+        ``events()`` again continues after the bad record."""
+        while True:
+            if self._open is not None:
+                raise ConnectorError("commit(ev) the previous event before asking for the next one")
+            if until_caught_up and not self._queue and not self._backlog and self.caught_up():
+                return
+            ev = self._next_event(self.poll_timeout)
+            if ev is None:
+                continue
+            yield ev
+
+    async def aevents(self, *, until_caught_up: bool = False) -> AsyncIterator[ClientEvent]:
+        """``async for ev in consumer.aevents(): ...; consumer.commit(ev)`` -- Kafka polling runs in a
+        worker thread, the event loop is never blocked by it."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dcpgw-client")
+        while True:
+            if self._open is not None:
+                raise ConnectorError("commit(ev) the previous event before asking for the next one")
+            if until_caught_up and not self._queue and not self._backlog and self.caught_up():
+                return
+            ev = await loop.run_in_executor(self._executor, self._next_event, self.poll_timeout)
+            if ev is not None:
+                yield ev
+
+    def run(
+        self,
+        on_snapshot: Callable[[Snapshot], None],
+        on_rollback: Callable[[RollbackInstruction], None],
+        *,
+        until_caught_up: bool = True,
+        on_change: Callable[[PartialChange], None] | None = None,
+        on_error: Callable[[DecodeError], None] | None = None,
+    ) -> None:
+        """Callback API: each event is confirmed when its callback returns. A :class:`DecodeError` goes to
+        ``on_error`` (then consumption continues) or, without it, is raised."""
+        while True:
+            try:
+                for ev in self.events(until_caught_up=until_caught_up):
+                    if isinstance(ev, Snapshot):
+                        on_snapshot(ev)
+                    elif isinstance(ev, RollbackInstruction):
+                        on_rollback(ev)
+                    elif on_change is not None:
+                        on_change(ev)
+                    self.commit(ev)
+                return
+            except DecodeError as e:
+                if on_error is None:
+                    raise
+                on_error(e)
+            except BaseException:
+                if self._open is not None:
+                    self.abandon()
+                raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._open is not None:
+            self.abandon()
+        with _suppress_kafka():
+            self.consumer.close()
+        if self._dlq_producer is not None:
+            self._dlq_producer.flush(10)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> ChangeStreamConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _suppress_kafka:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: object) -> bool:
+        if ev is not None and isinstance(ev, KafkaException):
+            log.warning("ignored Kafka error: %s", ev)
+            return True
+        return False

@@ -1,0 +1,153 @@
+"""Consumer state stores: where a :class:`~connectors.client.consumer.ChangeStreamConsumer` keeps, per
+vbucket, the :class:`~connectors.client.replay.VBucketState` of the last confirmed event and, per partition,
+the offset to resume from.
+
+:class:`StateStore` is the pluggable protocol; :class:`SqliteStateStore` the default. It shares its SQLite file
+(and connection) with the :class:`~connectors.client.mutation_log.MutationLog`, so one transaction per
+confirmed event covers the state, the mutation log and -- when the application keeps its data in the same file
+(``connectors.replicate``) -- the application's change.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from connectors.client.replay import VBucketState
+from connectors.exceptions import StateStoreError
+
+__all__ = ["MemoryStateStore", "SqliteStateStore", "StateStore"]
+
+
+@runtime_checkable
+class StateStore(Protocol):
+    """Per-vbucket consumer state and per-partition resume offsets of one topic."""
+
+    def load(self, vbucket: int) -> VBucketState | None:
+        """The state saved for ``vbucket``, or None (never confirmed anything: start from the beginning)."""
+        ...
+
+    def partition_offsets(self) -> dict[int, int]:
+        """partition -> the offset to resume from (every record below it is settled)."""
+        ...
+
+    def begin(self) -> None:
+        """Start the transaction of one event (before the application applies it)."""
+        ...
+
+    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int]) -> None:
+        """Save ``states`` and ``partition_offsets`` and commit the transaction started by :meth:`begin`,
+        atomically."""
+        ...
+
+    def rollback(self) -> None:
+        """Abandon the transaction started by :meth:`begin`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SqliteStateStore:
+    """The default store: tables ``dcp_consumer_state`` and ``dcp_consumer_offsets`` of a SQLite file.
+
+    ``conn`` is public: the mutation log and applications that want their writes in the same transaction use
+    it between :meth:`begin` and :meth:`save`.
+    """
+
+    def __init__(self, path: str | Path, topic: str) -> None:
+        self.path = Path(path)
+        self.topic = topic
+        try:
+            self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS dcp_consumer_state (topic TEXT NOT NULL, "
+                              "vbucket INTEGER NOT NULL, state TEXT NOT NULL, PRIMARY KEY (topic, vbucket))")
+            self.conn.execute("CREATE TABLE IF NOT EXISTS dcp_consumer_offsets (topic TEXT NOT NULL, "
+                              "partition INTEGER NOT NULL, offset INTEGER NOT NULL, "
+                              "PRIMARY KEY (topic, partition))")
+        except sqlite3.Error as e:
+            raise StateStoreError(f"cannot open the state store {path}: {e}") from e
+
+    def load(self, vbucket: int) -> VBucketState | None:
+        try:
+            row = self.conn.execute("SELECT state FROM dcp_consumer_state WHERE topic = ? AND vbucket = ?",
+                                    (self.topic, vbucket)).fetchone()
+            return None if row is None else VBucketState.from_dict(json.loads(row[0]))
+        except (sqlite3.Error, ValueError, KeyError) as e:
+            raise StateStoreError(f"cannot load the state of vbucket {vbucket}: {e}") from e
+
+    def load_all(self) -> dict[int, VBucketState]:
+        rows = self.conn.execute("SELECT vbucket, state FROM dcp_consumer_state WHERE topic = ?",
+                                 (self.topic,)).fetchall()
+        return {int(vb): VBucketState.from_dict(json.loads(s)) for vb, s in rows}
+
+    def partition_offsets(self) -> dict[int, int]:
+        try:
+            rows = self.conn.execute("SELECT partition, offset FROM dcp_consumer_offsets WHERE topic = ?",
+                                     (self.topic,)).fetchall()
+        except sqlite3.Error as e:
+            raise StateStoreError(f"cannot load the partition offsets: {e}") from e
+        return {int(p): int(o) for p, o in rows}
+
+    def begin(self) -> None:
+        try:
+            if not self.conn.in_transaction:
+                self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise StateStoreError(f"cannot begin a transaction on {self.path}: {e}") from e
+
+    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int]) -> None:
+        try:
+            self.begin()
+            self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_state VALUES (?, ?, ?)",
+                                  [(self.topic, s.vbucket, json.dumps(s.to_dict())) for s in states])
+            self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_offsets VALUES (?, ?, ?)",
+                                  [(self.topic, p, o) for p, o in partition_offsets.items()])
+            self.conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self.rollback()
+            raise StateStoreError(f"cannot save the consumer state to {self.path}: {e}") from e
+
+    def rollback(self) -> None:
+        try:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+        except sqlite3.Error as e:
+            raise StateStoreError(f"cannot roll back the transaction on {self.path}: {e}") from e
+
+    def close(self) -> None:
+        self.rollback()
+        self.conn.close()
+
+
+class MemoryStateStore:
+    """A store that keeps nothing across processes (tests, throw-away consumers). No mutation log."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, VBucketState] = {}
+        self.offsets: dict[int, int] = {}
+
+    def load(self, vbucket: int) -> VBucketState | None:
+        s = self.states.get(vbucket)
+        return None if s is None else s.copy()
+
+    def partition_offsets(self) -> dict[int, int]:
+        return dict(self.offsets)
+
+    def begin(self) -> None:
+        pass
+
+    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int]) -> None:
+        for s in states:
+            self.states[s.vbucket] = s.copy()
+        self.offsets.update(partition_offsets)
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,108 @@
+"""Reference application of the client library: keep a SQLite table equal to the source bucket.
+
+``docs(key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER, seqno INTEGER)`` holds every live document
+(deletions and expirations remove the row). Each snapshot is applied in one SQLite transaction together with
+the consumer state and the mutation log (they share the file): a crash leaves the replica at a snapshot
+boundary of every vbucket, and the consumer resumes exactly there. Rollbacks restore the undo list of the
+mutation log, or wipe the vbucket's rows when it must be rebuilt from zero.
+
+CLI: ``dcpgw replicate --topic dcp.default --db replica.sqlite [--until-caught-up]``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
+from connectors.client.replay import Snapshot
+
+__all__ = ["Replicator"]
+
+_SCHEMA = "CREATE TABLE IF NOT EXISTS docs (key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER, seqno INTEGER)"
+
+
+def _k(key: bytes) -> str:
+    return key.decode("utf-8", "surrogateescape")
+
+
+class Replicator:
+    """Replicates ``topic`` into the ``docs`` table of ``db`` (see the module docstring)."""
+
+    def __init__(self, kafka: str | Mapping[str, Any], topic: str, db: str | Path, *,
+                 group_id: str | None = None, mutation_log_max: int = DEFAULT_MAX_ENTRIES,
+                 dead_letter: str | None = "{topic}.dlq") -> None:
+        self.consumer = ChangeStreamConsumer(kafka, topic, group_id=group_id, state_path=db,
+                                             prior_lookup=self._priors, mutation_log_max=mutation_log_max,
+                                             dead_letter=dead_letter)
+        store = self.consumer.store
+        assert hasattr(store, "conn")
+        self.conn: sqlite3.Connection = store.conn
+        self.conn.execute(_SCHEMA)
+        self.snapshots = 0
+        self.changes = 0
+        self.rollbacks: list[RollbackInstruction] = []
+
+    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+        out: dict[bytes, Prior] = {}
+        for i in range(0, len(keys), 500):
+            chunk = keys[i:i + 500]
+            q = f"SELECT key, value, seqno FROM docs WHERE key IN ({','.join('?' * len(chunk))})"
+            for k, v, s in self.conn.execute(q, [_k(x) for x in chunk]):
+                out[k.encode("utf-8", "surrogateescape")] = (bytes(v), int(s))
+        return out
+
+    def on_snapshot(self, snap: Snapshot) -> None:
+        # inside the consumer's transaction: committed together with the state by consumer.commit()
+        ups = []
+        dels = []
+        for c in snap.changes:
+            if c.deleted:
+                dels.append((_k(c.key),))
+            else:
+                assert c.value is not None
+                ups.append((_k(c.key), c.value, c.vbucket, c.seqno))
+        # changes are in seqno order; the last change of a key wins, so apply them in order
+        if not dels:
+            self.conn.executemany("INSERT OR REPLACE INTO docs VALUES (?, ?, ?, ?)", ups)
+        else:
+            for c in snap.changes:
+                if c.deleted:
+                    self.conn.execute("DELETE FROM docs WHERE key = ?", (_k(c.key),))
+                else:
+                    self.conn.execute("INSERT OR REPLACE INTO docs VALUES (?, ?, ?, ?)",
+                                      (_k(c.key), c.value, c.vbucket, c.seqno))
+        self.snapshots += 1
+        self.changes += len(snap.changes)
+
+    def on_rollback(self, rb: RollbackInstruction) -> None:
+        self.rollbacks.append(rb)
+        if rb.rebuild_from_zero:
+            self.conn.execute("DELETE FROM docs WHERE vbucket = ?", (rb.vbucket,))
+            return
+        for u in rb.undo:
+            if u.prior_value is None:
+                self.conn.execute("DELETE FROM docs WHERE key = ?", (_k(u.key),))
+            else:
+                self.conn.execute("INSERT OR REPLACE INTO docs VALUES (?, ?, ?, ?)",
+                                  (_k(u.key), u.prior_value, rb.vbucket, u.prior_seqno))
+
+    def run(self, until_caught_up: bool = True) -> None:
+        self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up)
+
+    def docs(self) -> dict[bytes, tuple[bytes, int]]:
+        """key -> (value, vbucket), like ``engine.Bucket.state_snapshot()``."""
+        return {k.encode("utf-8", "surrogateescape"): (bytes(v), int(vb))
+                for k, v, vb in self.conn.execute("SELECT key, value, vbucket FROM docs")}
+
+    def close(self) -> None:
+        self.consumer.close()
+
+    def __enter__(self) -> Replicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,393 @@
+"""ChangeStreamConsumer against a real broker and the real in-process gateway publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from connectors.client.consumer import ChangeStreamConsumer, DeadLetter, PartialChange, RollbackInstruction
+from connectors.client.replay import Snapshot
+from connectors.exceptions import ConnectorError, DecodeError
+from connectors.replicate import Replicator
+from gateway.broker import Broker
+from tests.connectors.harness import Harness, write
+
+
+@pytest.fixture
+def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Any]:
+    hs: list[Harness] = []
+
+    def make(**kw: Any) -> Harness:
+        h = Harness(kafka_broker, tmp_path / f"h{len(hs)}", **kw)
+        hs.append(h)
+        return h
+
+    yield make
+    for h in hs:
+        h.close()
+
+
+class CountingReplicator(Replicator):
+    """Also counts every (vbucket, vbuuid, seqno) applied -- exactly once across restarts."""
+
+    def __init__(self, *a: Any, applied: Counter[tuple[int, int]] | None = None, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.applied: Counter[tuple[int, int]] = Counter() if applied is None else applied
+
+    def on_snapshot(self, snap: Snapshot) -> None:
+        super().on_snapshot(snap)
+        for c in snap.changes:
+            self.applied[(c.vbucket, c.seqno)] += 1
+
+    def on_rollback(self, rb: RollbackInstruction) -> None:
+        super().on_rollback(rb)
+        for k in [k for k in self.applied if k[0] == rb.vbucket and k[1] > rb.to_seqno]:
+            del self.applied[k]
+
+
+def replicate(h: Harness, db: Path, **kw: Any) -> Replicator:
+    rep = Replicator(h.broker.bootstrap_servers, h.topic, db, **kw)
+    rep.run(until_caught_up=True)
+    return rep
+
+
+def test_replica_equals_engine_after_writes_and_deletes(harness: Any, tmp_path: Path) -> None:
+    h = harness()
+    write(h.bucket, 300)
+    h.settle()
+    with replicate(h, tmp_path / "r.sqlite") as rep:
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert rep.rollbacks == []
+    # more writes, overwrites and deletes; a new process resumes from the stored state
+    write(h.bucket, 200, start=250)
+    for i in range(1, 100, 3):
+        if i % 5:
+            h.bucket.delete(f"k{i}")
+    h.settle()
+    with replicate(h, tmp_path / "r.sqlite") as rep:
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert 0 < rep.changes <= 200 + 200 // 5 + 34
+
+
+def test_sync_iterator_and_asyncio_apis(harness: Any) -> None:
+    h = harness()
+    write(h.bucket, 100)
+    h.settle()
+    expected = h.bucket.state_snapshot()
+
+    def apply(docs: dict[bytes, tuple[bytes, int]], ev: Any) -> None:
+        assert isinstance(ev, Snapshot)
+        for c in ev.changes:
+            if c.deleted:
+                docs.pop(c.key, None)
+            else:
+                assert c.value is not None
+                docs[c.key] = (c.value, c.vbucket)
+
+    docs: dict[bytes, tuple[bytes, int]] = {}
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
+        it = c.events(until_caught_up=True)
+        for ev in it:
+            apply(docs, ev)
+            c.commit(ev)
+        assert c.caught_up()
+    assert docs == expected
+
+    async def main() -> dict[bytes, tuple[bytes, int]]:
+        out: dict[bytes, tuple[bytes, int]] = {}
+        with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
+            async for ev in c.aevents(until_caught_up=True):
+                apply(out, ev)
+                c.commit(ev)
+        return out
+
+    assert asyncio.run(main()) == expected
+
+
+def test_commit_is_required_before_the_next_event(harness: Any) -> None:
+    h = harness()
+    write(h.bucket, 20)
+    h.settle()
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
+        it = c.events()
+        ev = next(it)
+        with pytest.raises(ConnectorError):
+            next(it)
+        c.commit(ev)  # still open: confirming it works
+        with pytest.raises(ConnectorError):
+            c.commit(ev)  # but only once
+        ev2 = next(c.events())  # a new iterator continues
+        assert isinstance(ev2, Snapshot) and ev2 != ev
+        c.commit(ev2)
+
+
+def test_engine_crash_rollback_undoes_exactly_the_lost_keys(harness: Any, tmp_path: Path) -> None:
+    h = harness(rollback_mitigation=False)
+    write(h.bucket, 100)
+    h.bucket.flush_all()
+    h.settle()
+    db = tmp_path / "r.sqlite"
+    with replicate(h, db):
+        pass
+    write(h.bucket, 60, start=100)  # published from memory, never persisted
+    h.publish_unpersisted()
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db) as rep:
+        rep.run()
+        lost = {k for (k, _v) in rep.docs().items()} - set(h.bucket.state_snapshot())
+        lost_seqnos = set(rep.applied)
+    assert lost_seqnos, "the replica applied unpersisted items"
+    h.crash_engine()
+    survivors = h.bucket.state_snapshot()
+    assert not lost & set(survivors)
+    write(h.bucket, 30, start=1000)
+    h.bucket.flush_all()
+    h.settle()
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db) as rep:
+        rep.run()
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert rep.rollbacks and not any(r.rebuild_from_zero for r in rep.rollbacks)
+        undone = {u.key for r in rep.rollbacks for u in r.undo}
+        # exactly the keys the lost writes touched (k100..k159 that were applied), all restored to absence
+        assert lost <= undone <= {f"k{i}".encode() for i in range(100, 160)}
+        assert all(u.prior_value is None for r in rep.rollbacks for u in r.undo)
+        for r in rep.rollbacks:
+            # back to a snapshot boundary at or below the engine's new branch point
+            assert r.to_seqno <= r.rollback.rollback_seqno == h.bucket.failover_log(r.vbucket)[0].seqno
+
+
+def test_rollback_beyond_a_short_mutation_log_rebuilds_from_zero(harness: Any, tmp_path: Path) -> None:
+    h = harness(rollback_mitigation=False)
+    write(h.bucket, 100)
+    h.bucket.flush_all()
+    h.settle()
+    write(h.bucket, 60, start=100)
+    h.publish_unpersisted()
+    db = tmp_path / "r.sqlite"
+    with replicate(h, db, mutation_log_max=1):
+        pass
+    h.crash_engine()
+    write(h.bucket, 30, start=1000)
+    h.bucket.flush_all()
+    h.settle()
+    applied: Counter[tuple[int, int]] = Counter()
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db, mutation_log_max=1,
+                            applied=applied) as rep:
+        rep.run()
+        assert rep.rollbacks and any(r.rebuild_from_zero for r in rep.rollbacks)
+        assert rep.docs() == h.bucket.state_snapshot()
+
+
+def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(harness: Any,
+                                                                             tmp_path: Path) -> None:
+    h = harness(nvb=4)
+    for r in range(4):
+        write(h.bucket, 100, start=100 * r)
+        h.settle()
+    db = tmp_path / "r.sqlite"
+    applied: Counter[tuple[int, int]] = Counter()
+    rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied)
+    c = rep.consumer
+    handled = 0
+    real_handle = c._handle
+
+    class Killed(Exception):
+        pass
+
+    def handle(m: Any) -> None:
+        nonlocal handled
+        handled += 1
+        if handled == 250:
+            raise Killed  # the process dies here, in the middle of a snapshot
+        real_handle(m)
+
+    c._handle = handle  # type: ignore[method-assign]
+    exposed: list[Snapshot] = []
+    with pytest.raises(Killed):
+        for ev in c.events():
+            assert isinstance(ev, Snapshot)
+            exposed.append(ev)
+            rep.on_snapshot(ev)
+            c.commit(ev)
+    assert exposed and any(s.replayer.has_partial for s in c._vbs.values())
+    # every exposed snapshot was complete: its changes end at its end seqno
+    assert all(ev.changes[-1].seqno == ev.end for ev in exposed if ev.changes)
+    # one more event applied but never confirmed: rolled back with the dying process
+    c._handle = real_handle  # type: ignore[method-assign]
+    ev = next(c.events())
+    rep.on_snapshot(ev)
+    unconfirmed = {(ch.vbucket, ch.seqno) for ch in ev.changes}
+    rep.close()  # dropped without committing
+    for k in unconfirmed:
+        applied[k] -= 1
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied) as rep2:
+        rep2.run()
+        assert rep2.docs() == h.bucket.state_snapshot()
+    assert max(applied.values()) == 1, "a change was applied twice"
+    assert min(applied.values()) == 1
+
+
+def _dlq_records(bootstrap: str, topic: str) -> list[Any]:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4()}", "enable.partition.eof": True,
+                  "auto.offset.reset": "earliest"})
+    out = []
+    try:
+        c.assign([TopicPartition(topic, 0, 0)])
+        for _ in range(200):
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            if m.error() is not None:
+                assert m.error().code() == KafkaError._PARTITION_EOF
+                break
+            out.append(m)
+    finally:
+        c.close()
+    return out
+
+
+@pytest.mark.parametrize("bad", [b"\xc3\x01garbage-not-avro", b"\xc3\x01" + b"\x00" * 8 + b"\x00"])
+def test_corrupt_record_raises_and_lands_in_the_dead_letter_topic(harness: Any, tmp_path: Path,
+                                                                   bad: bytes) -> None:
+    h = harness(nvb=2)
+    write(h.bucket, 10)
+    h.settle()
+    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    hdrs = [("dcp.type", b"mutation"), ("dcp.format", b"avro"), ("dcp.vbucket", b"0"), ("dcp.vbuuid", b"1"),
+            ("dcp.seqno", b"99"), ("dcp.snap.start", b"99"), ("dcp.snap.end", b"99")]
+    p.produce(h.topic, key=b"bad", value=bad, partition=0, headers=hdrs)
+    p.flush(10)
+    write(h.bucket, 10, start=10)
+    h.settle()
+    db = tmp_path / "r.sqlite"
+    rep = Replicator(h.broker.bootstrap_servers, h.topic, db)
+    with pytest.raises(DecodeError) as ei:
+        rep.run()
+    assert ei.value.partition == 0
+    rep.run()  # the stream continues after the bad record
+    assert rep.docs() == h.bucket.state_snapshot()
+    rep.close()
+    dlq = _dlq_records(h.broker.bootstrap_servers, f"{h.topic}.dlq")
+    assert len(dlq) == 1 and dlq[0].value() == bad and dlq[0].key() == b"bad"
+    hd = dict(dlq[0].headers())
+    assert hd["dlq.topic"] == h.topic.encode() and hd["dlq.offset"] == str(ei.value.offset).encode()
+
+
+def test_dead_letter_callback(harness: Any) -> None:
+    h = harness(nvb=2)
+    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    p.produce(h.topic, key=b"x", value=b"junk", partition=1, headers=[("dcp.type", b"nonsense")])
+    p.flush(10)
+    write(h.bucket, 10)
+    h.settle()
+    seen: list[DeadLetter] = []
+    errors: list[DecodeError] = []
+    docs: dict[bytes, bytes] = {}
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, dead_letter=seen.append) as c:
+        c.run(lambda s: docs.update({ch.key: ch.value or b"" for ch in s.changes if not ch.deleted}),
+              lambda r: None, on_error=errors.append)
+    assert len(seen) == 1 and seen[0].value == b"junk" and seen[0].partition == 1 and len(errors) == 1
+    assert {k: v for k, v in docs.items() if k in h.bucket.state_snapshot()} == {
+        k: v for k, (v, _vb) in h.bucket.state_snapshot().items()}
+
+
+def test_per_record_mode_exposes_partial_changes_then_boundaries(harness: Any) -> None:
+    h = harness(nvb=2)
+    write(h.bucket, 30)
+    h.settle()
+    kinds: list[str] = []
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, per_record=True) as c:
+        for ev in c.events(until_caught_up=True):
+            if isinstance(ev, PartialChange):
+                kinds.append("c")
+            else:
+                assert isinstance(ev, Snapshot) and ev.changes == ()
+                kinds.append("s")
+            c.commit(ev)
+    assert kinds.count("c") >= 24 and kinds[-1] == "s" and "s" in kinds
+
+
+def test_consumer_group_resumes_from_stored_state(harness: Any, tmp_path: Path) -> None:
+    h = harness(nvb=4)
+    write(h.bucket, 80)
+    h.settle()
+    db = tmp_path / "r.sqlite"
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    # the embedded broker lets a closed member go only at its session timeout: keep it short
+    kafka = {"bootstrap.servers": h.broker.bootstrap_servers, "session.timeout.ms": 6000,
+             "heartbeat.interval.ms": 500}
+    applied: Counter[tuple[int, int]] = Counter()
+    with CountingReplicator(kafka, h.topic, db, group_id=group, applied=applied) as rep:
+        rep.run()
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert rep.consumer.assignment == set(range(4))
+    write(h.bucket, 40, start=80)
+    h.settle()
+    with CountingReplicator(kafka, h.topic, db, group_id=group, applied=applied) as rep:
+        rep.run()
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert 0 < rep.changes <= 48
+    assert max(applied.values()) == 1  # the second process applied only new changes
+
+
+def test_revoke_drops_partial_buffers(harness: Any) -> None:
+    h = harness(nvb=2)
+    write(h.bucket, 50)
+    h.settle()
+    c = ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, batch_size=1)
+    try:
+        ev = next(c.events())
+        c.commit(ev)
+        for _ in range(3):
+            m = c._next_message(1.0)
+            if m is not None:
+                c._handle(m)
+        c._on_revoke(c.consumer, [TopicPartition(h.topic, p) for p in range(2)])
+        assert not c._vbs and not c._queue and c.assignment == set()
+    finally:
+        c.close()
+
+
+OPS = st.lists(st.sampled_from(["write", "write", "crash", "gateway", "consume"]), min_size=1, max_size=5)
+
+
+@pytest.mark.slow
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS, log_max=st.sampled_from([2, 10_000]))
+def test_random_crashes_and_restarts_converge(kafka_broker: Broker, tmp_path_factory: Any, ops: list[str],
+                                             log_max: int) -> None:
+    tmp = tmp_path_factory.mktemp("hyp")
+    h = Harness(kafka_broker, tmp, nvb=4, rollback_mitigation=False)
+    db = tmp / "r.sqlite"
+    n = 0
+    try:
+        for op in ops:
+            if op == "write":
+                write(h.bucket, 15, start=n)
+                n += 15
+                if n % 2:
+                    h.bucket.flush_all()
+                h.publish_unpersisted(20)
+            elif op == "crash":
+                h.crash_engine()
+            elif op == "gateway":
+                h.restart_gateway()
+            else:
+                h.pub.kafka.flush(10)
+                with replicate(h, db, mutation_log_max=log_max):
+                    pass
+        write(h.bucket, 5, start=10_000)
+        h.bucket.flush_all()
+        h.settle()
+        with replicate(h, db, mutation_log_max=log_max) as rep:
+            assert rep.docs() == h.bucket.state_snapshot()
+    finally:
+        h.close()

@@ -1,0 +1,87 @@
+"""A gateway topic written by the in-process publisher (pattern of tests/gateway/test_publisher.py)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engine import Bucket, BucketConfig
+from gateway.broker import Broker
+from gateway.publisher import Publisher
+from gateway.records import RecordEncoder, ValueFormat
+from gateway.resume import ensure_topics, recover_positions
+
+
+def producer_conf(broker: Broker) -> dict[str, Any]:
+    return {"bootstrap.servers": broker.bootstrap_servers, "enable.idempotence": True, "acks": "all",
+            "linger.ms": 5}
+
+
+class Harness:
+    def __init__(self, broker: Broker, tmp: Path, nvb: int = 8, **pub_kw: Any) -> None:
+        self.broker = broker
+        self.nvb = nvb
+        self.client = {"bootstrap.servers": broker.bootstrap_servers}
+        self.topic = f"dcp.c{uuid.uuid4().hex[:10]}"
+        self.cfg = BucketConfig(data_dir=tmp / "data", num_vbuckets=nvb, seed=None)
+        self.bucket = Bucket(self.cfg)
+        self.partitions = ensure_topics(self.client, self.topic, nvb)
+        self.pub_kw = pub_kw
+        self.old: list[Publisher] = []
+        self.pub: Publisher = self.new_publisher()
+
+    def new_publisher(self, **kw: Any) -> Publisher:
+        prev = getattr(self, "pub", None)
+        if prev is not None:
+            self.old.append(prev)  # replaced (or abandoned, as after kill -9): closed at teardown
+        # short fetch waits: partition EOF comes sooner (recovery reads every partition to its end)
+        fast = {**self.client, "fetch.wait.max.ms": 20}
+        positions = recover_positions(fast, self.topic, self.partitions, self.nvb)
+        args = {**self.pub_kw, **kw}
+        fmt = args.pop("value_format", ValueFormat.AVRO)
+        p = Publisher(self.bucket, producer_conf(self.broker), self.topic, self.partitions, RecordEncoder(fmt),
+                      positions, **args)
+        p.open()
+        return p
+
+    def settle(self, rounds: int = 10_000) -> None:
+        for _ in range(rounds):
+            n = self.pub.pump()
+            if n == 0 and self.pub.inflight == 0 and not self.bucket.dirty_vbuckets:
+                return
+            if n == 0:
+                self.pub.kafka.poll(0.01)
+        raise AssertionError("publisher never settled")
+
+    def publish_unpersisted(self, rounds: int = 50) -> None:
+        for _ in range(rounds):
+            self.pub.pump()
+        self.pub.flush(10)
+        self.pub.kafka.flush(10)
+
+    def crash_engine(self) -> None:
+        """kill -9 of engine and gateway: unpersisted items are lost; a new publisher recovers from Kafka."""
+        self.pub.kafka.flush(10)
+        self.bucket.close(clean=False)
+        self.bucket = Bucket(self.cfg)
+        self.pub = self.new_publisher()
+
+    def restart_gateway(self) -> None:
+        self.pub.kafka.flush(10)
+        self.pub = self.new_publisher()
+
+    def close(self) -> None:
+        for old in self.old:
+            old.kafka.flush(1)
+        self.old.clear()
+        self.pub.close(timeout=5)
+        if not self.bucket.closed:
+            self.bucket.close(clean=False)
+
+
+def write(bucket: Bucket, n: int, prefix: str = "k", start: int = 0) -> None:
+    for i in range(start, start + n):
+        bucket.set(f"{prefix}{i}", f'{{"n": {i}}}'.encode())
+        if i % 5 == 0:
+            bucket.delete(f"{prefix}{i}")

@@ -1,0 +1,319 @@
+"""The ``dcp`` PySpark data source and the materialize helper against a real broker and engine."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[spark]')")
+
+from engine import Bucket, BucketConfig  # noqa: E402
+from gateway.broker import Broker  # noqa: E402
+from gateway.publisher import Publisher  # noqa: E402
+from gateway.records import RecordEncoder, RecordType, ValueFormat  # noqa: E402
+from gateway.resume import ensure_topics, recover_positions  # noqa: E402
+from tests.gateway.kafka_util import read_topic  # noqa: E402
+
+# One SparkSession (a JVM) per worker process: under pytest-xdist, `--dist loadgroup` keeps these on one worker.
+pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.xdist_group("spark")]
+
+NVB = 8
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    from connectors.spark import DcpDataSource
+
+    s = (SparkSession.builder.master("local[2]").appName("dcp-tests")
+         .config("spark.sql.shuffle.partitions", "2")
+         .config("spark.default.parallelism", "2")
+         .config("spark.ui.enabled", "false")
+         .config("spark.sql.streaming.stopTimeout", "5s")
+         .getOrCreate())
+    s.sparkContext.setLogLevel("ERROR")
+    s.dataSource.register(DcpDataSource)
+    yield s
+    s.stop()
+
+
+class Gw:
+    """An engine bucket published into a fresh topic by the in-process gateway."""
+
+    def __init__(self, broker: Broker, tmp: Path, partitions: int = NVB, **pub_kw: Any) -> None:
+        self.broker = broker
+        self.client = {"bootstrap.servers": broker.bootstrap_servers}
+        self.topic = f"dcp.s{uuid.uuid4().hex[:10]}"
+        self.cfg = BucketConfig(data_dir=tmp / "data", num_vbuckets=NVB, seed=None)
+        self.bucket = Bucket(self.cfg)
+        self.partitions = ensure_topics(self.client, self.topic, partitions)
+        self.pub_kw = pub_kw
+        self.pub = self.new_publisher()
+
+    def new_publisher(self) -> Publisher:
+        positions = recover_positions(self.client, self.topic, self.partitions, NVB)
+        conf = {"bootstrap.servers": self.broker.bootstrap_servers, "enable.idempotence": True, "acks": "all",
+                "linger.ms": 5}
+        p = Publisher(self.bucket, conf, self.topic, self.partitions, RecordEncoder(ValueFormat.AVRO), positions,
+                      **self.pub_kw)
+        p.open()
+        return p
+
+    def settle(self) -> None:
+        for _ in range(10_000):
+            n = self.pub.pump()
+            if n == 0 and self.pub.inflight == 0 and not self.bucket.dirty_vbuckets:
+                self.pub.kafka.flush(10)
+                return
+            if n == 0:
+                self.pub.kafka.poll(0.01)
+        raise AssertionError("publisher never settled")
+
+    def reader(self, spark: Any, stream: bool = False, **opts: str) -> Any:
+        r = (spark.readStream if stream else spark.read).format("dcp")
+        r = r.option("bootstrap.servers", self.broker.bootstrap_servers).option("topic", self.topic)
+        for k, v in opts.items():
+            r = r.option(k, v)
+        return r.load()
+
+
+@pytest.fixture
+def gw(kafka_broker: Broker, tmp_path: Path) -> Iterator[Any]:
+    made: list[Gw] = []
+
+    def make(**kw: Any) -> Gw:
+        g = Gw(kafka_broker, tmp_path / f"g{len(made)}", **kw)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.pub.close(timeout=5)
+        if not g.bucket.closed:
+            g.bucket.close(clean=False)
+
+
+def write(bucket: Bucket, n: int, prefix: str = "k", start: int = 0) -> None:
+    for i in range(start, start + n):
+        bucket.set(f"{prefix}{i}", f'{{"n": {i}}}'.encode())
+        if i % 5 == 0:
+            bucket.delete(f"{prefix}{i}")
+        if i % 7 == 0:
+            bucket.set(f"{prefix}{i // 2}", f'{{"again": {i}}}'.encode())
+
+
+def apply_rows(rows: list[Any]) -> dict[bytes, tuple[bytes, int]]:
+    """The engine state from the rows in order, rollbacks reverted exactly (per-vbucket history)."""
+    hist: dict[int, list[tuple[int, bytes, bytes | None]]] = {}
+    for r in rows:
+        if r.op == "rollback":
+            hist[r.vbucket] = [h for h in hist.get(r.vbucket, []) if h[0] <= r.seqno]
+        else:
+            hist.setdefault(r.vbucket, []).append((r.seqno, bytes(r.key), None if r.op != "mutation" else bytes(r.value)))
+    out: dict[bytes, tuple[bytes, int]] = {}
+    for vb, hs in hist.items():
+        cur: dict[bytes, bytes | None] = {}
+        for _s, k, v in hs:
+            cur[k] = v
+        out.update({k: (v, vb) for k, v in cur.items() if v is not None})
+    return out
+
+
+def ordered(rows: list[Any]) -> list[Any]:
+    # per vbucket, rows are in Kafka offset order (a vbucket lives in one partition); stable across vbuckets
+    return sorted(rows, key=lambda r: (r.kafka_partition, r.kafka_offset))
+
+
+def table_state(spark: Any, path: Path) -> dict[bytes, tuple[bytes, int]]:
+    from connectors.spark import read_table
+
+    return {bytes(r.key): (bytes(r.value), r.vbucket) for r in read_table(spark, str(path)).collect()}
+
+
+def test_batch_read_equals_engine_state(spark: Any, gw: Any) -> None:
+    g = gw(partitions=3)  # vbuckets share partitions (v mod 3)
+    write(g.bucket, 300)
+    g.settle()
+    rows = g.reader(spark).collect()
+    assert rows and {r.op for r in rows} <= {"mutation", "deletion", "expiration"}
+    assert apply_rows(ordered(rows)) == g.bucket.state_snapshot()
+    assert {r.kafka_partition for r in rows} == set(range(3))
+    assert all(r.vbucket % 3 == r.kafka_partition for r in rows)
+    for r in rows:
+        assert r.snap_start <= r.seqno <= r.snap_end
+
+
+def run_stream(g: Gw, spark: Any, table: Path, chk: Path, **opts: str) -> list[int]:
+    """One availableNow run of the stream into the materialized table; the batch ids it ran."""
+    from connectors.spark import materialize
+
+    seen: list[int] = []
+    batches: dict[int, list[Any]] = getattr(g, "batches", {})
+    g.batches = batches  # type: ignore[attr-defined]
+
+    def each(df: Any, batch_id: int) -> None:
+        seen.append(batch_id)
+        batches[batch_id] = df.collect()
+        materialize(df, batch_id, str(table))
+
+    q = (g.reader(spark, stream=True, **opts).writeStream.foreachBatch(each)
+         .option("checkpointLocation", str(chk)).trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None, q.exception()
+    return seen
+
+
+def test_stream_materialize_equals_engine(spark: Any, gw: Any, tmp_path: Path) -> None:
+    g = gw()
+    write(g.bucket, 200)
+    g.settle()
+    table, chk = tmp_path / "table", tmp_path / "chk"
+    assert run_stream(g, spark, table, chk)
+    assert table_state(spark, table) == g.bucket.state_snapshot()
+    # a second run of the same query continues from its checkpoint
+    write(g.bucket, 100, start=500)
+    g.settle()
+    assert run_stream(g, spark, table, chk)
+    assert table_state(spark, table) == g.bucket.state_snapshot()
+
+
+def test_engine_crash_rollback_rows_keep_the_table_exact(spark: Any, gw: Any, tmp_path: Path) -> None:
+    g = gw(rollback_mitigation=False)
+    write(g.bucket, 100)
+    g.bucket.flush_all()
+    g.settle()
+    table, chk = tmp_path / "table", tmp_path / "chk"
+    run_stream(g, spark, table, chk)
+    write(g.bucket, 60, start=100)  # published from memory, never persisted
+    for _ in range(50):
+        g.pub.pump()
+    g.pub.flush(10)
+    g.pub.kafka.flush(10)
+    run_stream(g, spark, table, chk)  # the table now holds items the engine is about to lose
+    g.bucket.close(clean=False)
+    g.bucket = Bucket(g.cfg)
+    g.pub = g.new_publisher()
+    write(g.bucket, 30, start=1000)
+    g.bucket.flush_all()
+    g.settle()
+    assert any(r.type is RecordType.ROLLBACK for _p, _o, r in read_topic(g.broker.bootstrap_servers, g.topic))
+    run_stream(g, spark, table, chk)
+    rows = [r for b in sorted(g.batches) for r in ordered(g.batches[b])]
+    assert any(r.op == "rollback" for r in rows)
+    assert table_state(spark, table) == g.bucket.state_snapshot()
+    # a batch read from the beginning applies the rollback rows in order and agrees too
+    assert apply_rows(ordered(g.reader(spark).collect())) == g.bucket.state_snapshot()
+
+
+def test_micro_batches_hold_only_complete_snapshots(spark: Any, gw: Any, tmp_path: Path) -> None:
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from connectors.spark.core import SourceOptions
+    from connectors.spark.source import DcpStreamReader
+
+    g = gw(partitions=2)
+    write(g.bucket, 120)
+    g.settle()
+    run_stream(g, spark, tmp_path / "t", tmp_path / "c", maxRecordsPerPartitionPerBatch="60")
+    write(g.bucket, 120, start=300)
+    g.settle()
+    run_stream(g, spark, tmp_path / "t", tmp_path / "c", maxRecordsPerPartitionPerBatch="60")
+    assert len(g.batches) >= 2
+    # the per-partition limit splits the topic into several boundary-to-boundary ranges
+    reader = DcpStreamReader(SourceOptions.parse({"bootstrap.servers": g.broker.bootstrap_servers,
+                                                  "topic": g.topic}))
+    cut = reader.latestOffset(reader.initialOffset(), ReadMaxRows(60))
+    full = reader.latestOffset(reader.initialOffset(), None)
+    assert 0 < sum(cut["partitions"].values()) < sum(full["partitions"].values())
+    snaps = {(r.vbucket, r.snap_start, r.snap_end, r.seqno) for _p, _o, r in read_topic(
+        g.broker.bootstrap_servers, g.topic) if r.is_data}
+    ends: dict[tuple[int, int, int], int] = {}
+    for vb, s0, s1, seq in snaps:
+        ends[(vb, s0, s1)] = max(ends.get((vb, s0, s1), 0), seq)
+    for rows in g.batches.values():
+        by_snap: dict[tuple[int, int, int], int] = {}
+        for r in rows:
+            k = (r.vbucket, r.snap_start, r.snap_end)
+            by_snap[k] = max(by_snap.get(k, 0), r.seqno)
+        # every snapshot in the batch is there up to its last item in the topic (nothing is split)
+        assert by_snap == {k: ends[k] for k in by_snap}
+        for r in rows:
+            assert r.seqno <= r.snap_end
+    assert table_state(spark, tmp_path / "t") == g.bucket.state_snapshot()
+
+
+def test_same_offsets_read_twice_give_identical_rows(spark: Any, gw: Any) -> None:
+    from connectors.spark.core import SourceOptions, from_offset, replay_rows
+    from connectors.spark.source import DcpStreamReader
+
+    g = gw(partitions=3)
+    write(g.bucket, 150)
+    g.settle()
+    opts = SourceOptions.parse({"bootstrap.servers": g.broker.bootstrap_servers, "topic": g.topic})
+    reader = DcpStreamReader(opts)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, None)
+    assert end == DcpStreamReader(opts).latestOffset(start, None)  # boundaries are deterministic
+    def rows_by_kafka_partition() -> dict[int, list[Any]]:
+        # Kafka partitions grouped into one input partition interleave; each one's rows are deterministic
+        out: dict[int, list[Any]] = {}
+        for part in reader.partitions(start, end):
+            for batch in reader.read(part):
+                for r in batch.to_pylist():
+                    out.setdefault(r["kafka_partition"], []).append(r)
+        return out
+
+    first = rows_by_kafka_partition()
+    assert first == rows_by_kafka_partition() and set(first) == {0, 1, 2}
+    s, e = from_offset(start, 3), from_offset(end, 3)
+    a = list(replay_rows(opts, 1, s[1], e[1].offset))
+    assert a == list(replay_rows(opts, 1, s[1], e[1].offset)) and a
+    # and through Spark, twice
+    df1 = sorted(g.reader(spark).collect())
+    assert df1 == sorted(g.reader(spark).collect())
+
+
+def test_bad_options_give_clear_errors(spark: Any, kafka_broker: Broker) -> None:
+    from connectors.spark.core import DcpSourceError, SourceOptions
+
+    with pytest.raises(DcpSourceError, match="topic"):
+        SourceOptions.parse({"bootstrap.servers": "x:1"})
+    with pytest.raises(DcpSourceError, match=r"bootstrap\.servers"):
+        SourceOptions.parse({"topic": "t"})
+    with pytest.raises(DcpSourceError, match="startingOffsets"):
+        SourceOptions.parse({"topic": "t", "bootstrap.servers": "x:1", "startingOffsets": '{"0": 5}'})
+    with pytest.raises(Exception, match="option 'topic' is required"):
+        spark.read.format("dcp").option("bootstrap.servers", kafka_broker.bootstrap_servers).load().collect()
+    with pytest.raises(Exception, match=r"bootstrap\.servers"):
+        spark.read.format("dcp").option("topic", "x").load().collect()
+
+
+def test_materialize_reverts_rollbacks_exactly_and_is_idempotent(spark: Any, tmp_path: Path) -> None:
+    from connectors.spark import materialize
+    from connectors.spark.core import SCHEMA_DDL
+
+    def row(op: str, key: str | None, value: str | None, seqno: int, off: int) -> tuple[Any, ...]:
+        return (op, None if key is None else key.encode(), None if value is None else value.encode(), 0, 7,
+                seqno, seqno, seqno, 1, 1, 0, off)
+
+    path = str(tmp_path / "t")
+    b0 = [row("mutation", "a", "a1", 1, 1), row("mutation", "b", "b1", 2, 2), row("deletion", "c", None, 3, 3)]
+    # batch 1: a changes at 4, b is deleted at 5, then a rollback to 3 undoes both, then a re-sent history
+    b1 = [row("mutation", "a", "a4", 4, 4), row("deletion", "b", None, 5, 5), row("rollback", None, None, 3, 6),
+          row("mutation", "d", "d4", 4, 7)]
+    materialize(spark.createDataFrame(b0, SCHEMA_DDL), 0, path)
+    materialize(spark.createDataFrame(b1, SCHEMA_DDL), 1, path)
+    want = {b"a": (b"a1", 0), b"b": (b"b1", 0), b"d": (b"d4", 0)}
+    assert table_state(spark, Path(path)) == want
+    # Spark re-running batch 1 (or an older one) changes nothing
+    materialize(spark.createDataFrame(b1, SCHEMA_DDL), 1, path)
+    materialize(spark.createDataFrame(b0, SCHEMA_DDL), 0, path)
+    assert table_state(spark, Path(path)) == want
+    # a later rollback below an earlier batch's changes reverts them too
+    materialize(spark.createDataFrame([row("rollback", None, None, 1, 8)], SCHEMA_DDL), 2, path)
+    assert table_state(spark, Path(path)) == {b"a": (b"a1", 0)}
