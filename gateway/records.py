@@ -881,7 +881,7 @@ _MISMATCH: Final = object()
 def _fast_change_body(
     value: bytes, rtype: RecordType, key: bytes, vbucket: int, vbuuid: int, seqno: int, rev: int, cas: int,
     flags: int, expiry: int, datatype: int, snap_start: int, snap_end: int,
-) -> bytes | None | object:
+) -> bytes | object | None:
     """The document body of a ChangeEvent value, checked by re-encoding: the value must be byte-for-byte the
     encoding of the headers' fields, the Kafka key and the body it carries (the encoder is canonical), so one
     comparison validates every field. Returns ``_MISMATCH`` when it is not (the slow path then reports what
