@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gateway.broker import Broker
-from tests.connectors.harness import Harness, write
+from tests.harness import Harness, write
 
 ROOT = Path(__file__).resolve().parents[2]
 

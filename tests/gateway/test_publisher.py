@@ -10,54 +10,21 @@ from typing import Any
 
 import pytest
 
-from engine import Bucket, BucketConfig
+from engine import Bucket
 from gateway.broker import Broker
 from gateway.invariants import check_partition
-from gateway.publisher import KeyFilter, Publisher
-from gateway.records import RecordEncoder, RecordType, ValueFormat
-from gateway.resume import CheckpointWriter, ensure_topics, load_checkpoints, recover_positions
+from gateway.publisher import KeyFilter
+from gateway.records import RecordType, ValueFormat
+from gateway.resume import CheckpointWriter, ensure_topics, load_checkpoints
 from tests.gateway.kafka_util import TopicReplica, read_topic
+from tests.harness import Harness as BaseHarness
+from tests.harness import producer_conf, write
 
 NVB = 8
 
 
-def producer_conf(broker: Broker) -> dict[str, Any]:
-    return {"bootstrap.servers": broker.bootstrap_servers, "enable.idempotence": True, "acks": "all",
-            "linger.ms": 5}
-
-
-class Harness:
-    def __init__(self, broker: Broker, tmp: Path, **pub_kw: Any) -> None:
-        self.broker = broker
-        self.client = {"bootstrap.servers": broker.bootstrap_servers}
-        self.topic = f"dcp.t{uuid.uuid4().hex[:10]}"
-        self.cfg = BucketConfig(data_dir=tmp / "data", num_vbuckets=NVB, seed=None)
-        self.bucket = Bucket(self.cfg)
-        self.partitions = ensure_topics(self.client, self.topic, NVB)
-        self.pub_kw = pub_kw
-        self.old: list[Publisher] = []
-        self.pub: Publisher | None = None
-        self.pub = self.new_publisher()
-
-    def new_publisher(self, **kw: Any) -> Publisher:
-        if getattr(self, "pub", None) is not None:
-            self.old.append(self.pub)  # replaced (or abandoned, as after kill -9): closed at teardown
-        positions = recover_positions(self.client, self.topic, self.partitions, NVB)
-        args = {**self.pub_kw, **kw}
-        fmt = args.pop("value_format", ValueFormat.AVRO)
-        p = Publisher(self.bucket, producer_conf(self.broker), self.topic, self.partitions, RecordEncoder(fmt),
-                      positions, **args)
-        p.open()
-        return p
-
-    def settle(self, rounds: int = 10_000) -> None:
-        for _ in range(rounds):
-            n = self.pub.pump()
-            if n == 0 and self.pub.inflight == 0 and not self.bucket.dirty_vbuckets:
-                return
-            if n == 0:
-                self.pub.kafka.poll(0.01)
-        raise AssertionError("publisher never settled")
+class Harness(BaseHarness):
+    """The shared harness plus reading the topic back and checking it."""
 
     def records(self) -> list:
         return read_topic(self.broker.bootstrap_servers, self.topic)
@@ -92,19 +59,7 @@ def harness(kafka_broker: Broker, tmp_path: Path):
 
     yield make
     for h in hs:
-        for old in h.old:
-            old.kafka.flush(1)
-        h.old.clear()
-        h.pub.close(timeout=5)
-        if not h.bucket.closed:
-            h.bucket.close(clean=False)
-
-
-def write(bucket: Bucket, n: int, prefix: str = "k", start: int = 0) -> None:
-    for i in range(start, start + n):
-        bucket.set(f"{prefix}{i}", f'{{"n": {i}}}'.encode())
-        if i % 5 == 0:
-            bucket.delete(f"{prefix}{i}")
+        h.close()
 
 
 def test_publishes_every_vbucket_into_its_partition(harness) -> None:

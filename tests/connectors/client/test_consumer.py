@@ -19,7 +19,7 @@ from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
-from tests.connectors.harness import Harness, write
+from tests.harness import Harness, write
 
 
 @pytest.fixture

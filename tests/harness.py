@@ -1,4 +1,5 @@
-"""A gateway topic written by the in-process publisher (pattern of tests/gateway/test_publisher.py)."""
+"""A gateway topic written by an in-process engine + publisher on the test broker (shared by the gateway,
+client and Spark tests)."""
 
 from __future__ import annotations
 
