@@ -883,6 +883,9 @@ def _decode_data(
 
 
 _MISMATCH: Final = object()
+#: encodings of (vbucket, vbuuid) and (snap_start, snap_end), which repeat across a snapshot's records
+_VB_ENC: dict[tuple[int, int], bytes] = {}
+_SNAP_ENC: dict[tuple[int, int], bytes] = {}
 _DATA_NUMS: Final = (H_VBUCKET, H_VBUUID, H_SEQNO, H_SNAP_START, H_SNAP_END, H_REV, H_CAS, H_FLAGS, H_EXPIRY,
                      H_DATATYPE)
 
@@ -910,10 +913,16 @@ def _decode_data_fast(key: bytes, value: bytes | None, headers: list[tuple[str, 
         raw = [h[n] for n in _DATA_NUMS]
     except KeyError:
         return None
-    for v in raw:
-        # < 20 digits: below 2**64 without a comparison; isdigit: no sign, space or underscore for int()
-        if v.__class__ is not bytes or not 0 < len(v) < 20 or not v.isdigit():
+    # All bytes, all ASCII digits (no sign, space or underscore int() would accept), 1..19 digits (< 2**64
+    # without a comparison) -- checked with C-level calls rather than a Python loop.
+    try:
+        if not b"".join(raw).isdigit():
             return None
+    except TypeError:
+        return None
+    lens = list(map(len, raw))
+    if min(lens) == 0 or max(lens) > 19:
+        return None
     vbucket, vbuuid, seqno, snap_start, snap_end, rev, cas, flags, expiry, datatype = map(int, raw)
     if vbucket > _VBUCKET_MAX or datatype > _I32_MAX:
         return None
@@ -969,10 +978,19 @@ def _fast_change_body(
             vpart = bytes(value[p:q - length])
         else:
             return _MISMATCH
+        vb_enc = _VB_ENC.get((vbucket, vbuuid))
+        if vb_enc is None:
+            if len(_VB_ENC) > 8192:
+                _VB_ENC.clear()
+            vb_enc = _VB_ENC[(vbucket, vbuuid)] = _int(vbucket, "vbucket") + _long(vbuuid)
+        snap_enc = _SNAP_ENC.get((snap_start, snap_end))
+        if snap_enc is None:
+            if len(_SNAP_ENC) > 8192:
+                _SNAP_ENC.clear()
+            snap_enc = _SNAP_ENC[(snap_start, snap_end)] = _long(snap_start) + _long(snap_end)
         expected = b"".join((
-            _CHANGE_PREFIX, _OP_AVRO[op], klen, key, vpart, body or b"",
-            _int(vbucket, "vbucket"), _long(vbuuid), _long(seqno), _long(rev), _long(cas), _long(flags),
-            _long(expiry), _int(datatype, "datatype"), _long(snap_start), _long(snap_end),
+            _CHANGE_PREFIX, _OP_AVRO[op], klen, key, vpart, body or b"", vb_enc, _long(seqno), _long(rev),
+            _long(cas), _long(flags), _long(expiry), _int(datatype, "datatype"), snap_enc,
         ))
     except (IndexError, RecordFormatError, TypeError):
         return _MISMATCH
