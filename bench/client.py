@@ -20,6 +20,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from bench.report import figure
 from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
 from connectors.client.replay import Snapshot
 from engine import Bucket, BucketConfig
@@ -31,12 +32,6 @@ from gateway.records import RecordEncoder, ValueFormat
 from gateway.resume import ensure_topics
 
 NVB = 1024
-
-
-def figure(name: str, value: float, unit: str, baseline: float, target: float, better: str) -> None:
-    ratio = value / baseline if baseline else 0.0
-    print(json.dumps({"figure": name, "value": round(value, 1), "unit": unit, "baseline": round(baseline, 1),
-                      "ratio": round(ratio, 3), "target": target, "better": better}), flush=True)
 
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> str:

@@ -22,27 +22,10 @@ import time
 import zlib
 from pathlib import Path
 
+from bench.report import figure
 from engine import Bucket, BucketConfig, Item
 
 VALUE_SIZE = 256
-
-
-def figure(name: str, value: float, unit: str, baseline: float, target: float, better: str) -> None:
-    ratio = value / baseline if baseline else 0.0
-    print(
-        json.dumps(
-            {
-                "figure": name,
-                "value": round(value, 1),
-                "unit": unit,
-                "baseline": round(baseline, 1),
-                "ratio": round(ratio, 3),
-                "target": target,
-                "better": better,
-            }
-        ),
-        flush=True,
-    )
 
 
 def keys_values(n: int) -> tuple[list[bytes], bytes]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from bench.report import figure
 from engine import Bucket, BucketConfig
 from gateway.broker import select_broker
 from gateway.config import load_settings
@@ -34,12 +35,6 @@ from gateway.records import RecordEncoder, ValueFormat
 from gateway.resume import ensure_topics
 
 NVB = 1024
-
-
-def figure(name: str, value: float, unit: str, baseline: float, target: float, better: str) -> None:
-    ratio = value / baseline if baseline else 0.0
-    print(json.dumps({"figure": name, "value": round(value, 1), "unit": unit, "baseline": round(baseline, 1),
-                      "ratio": round(ratio, 3), "target": target, "better": better}), flush=True)
 
 
 def raw_baseline(conf: dict[str, Any], client: dict[str, Any], n: int, value: bytes) -> float:

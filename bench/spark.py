@@ -22,6 +22,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from bench.report import figure
 from engine import Bucket, BucketConfig
 from gateway.broker import select_broker
 from gateway.config import load_settings
@@ -29,12 +30,6 @@ from gateway.position import PublishPosition
 from gateway.publisher import Publisher
 from gateway.records import RecordEncoder, ValueFormat
 from gateway.resume import ensure_topics
-
-
-def figure(name: str, value: float, unit: str, baseline: float, target: float, better: str) -> None:
-    ratio = value / baseline if baseline else 0.0
-    print(json.dumps({"figure": name, "value": round(value, 1), "unit": unit, "baseline": round(baseline, 1),
-                      "ratio": round(ratio, 3), "target": target, "better": better}), flush=True)
 
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, nvb: int, tmp: Path) -> str:
