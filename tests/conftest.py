@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaException
@@ -17,6 +18,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from gateway.broker import Broker, select_broker
 from gateway.exceptions import BrokerError
+from tests.harness import Harness, harnesses
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -43,6 +45,14 @@ def kafka_broker() -> Iterator[Broker]:
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    """``harness(**publisher_options)``: an engine bucket published by the in-process gateway into a fresh
+    topic (tests/harness.py); everything is closed after the test."""
+    with harnesses(kafka_broker, tmp_path, Harness) as make:
+        yield make
 
 
 @pytest.fixture

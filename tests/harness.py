@@ -4,8 +4,10 @@ client and Spark tests)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from engine import Bucket, BucketConfig
 from gateway.broker import Broker
@@ -20,14 +22,16 @@ def producer_conf(broker: Broker) -> dict[str, Any]:
 
 
 class Harness:
-    def __init__(self, broker: Broker, tmp: Path, nvb: int = 8, **pub_kw: Any) -> None:
+    def __init__(self, broker: Broker, tmp: Path, nvb: int = 8, partitions: int | None = None,
+                 **pub_kw: Any) -> None:
         self.broker = broker
         self.nvb = nvb
         self.client = {"bootstrap.servers": broker.bootstrap_servers}
         self.topic = f"dcp.c{uuid.uuid4().hex[:10]}"
         self.cfg = BucketConfig(data_dir=tmp / "data", num_vbuckets=nvb, seed=None)
         self.bucket = Bucket(self.cfg)
-        self.partitions = ensure_topics(self.client, self.topic, nvb)
+        # fewer partitions than vbuckets: vbucket v goes to partition v mod P
+        self.partitions = ensure_topics(self.client, self.topic, partitions or nvb)
         self.pub_kw = pub_kw
         self.old: list[Publisher] = []
         self.pub: Publisher = self.new_publisher()
@@ -86,3 +90,24 @@ def write(bucket: Bucket, n: int, prefix: str = "k", start: int = 0) -> None:
         bucket.set(f"{prefix}{i}", f'{{"n": {i}}}'.encode())
         if i % 5 == 0:
             bucket.delete(f"{prefix}{i}")
+
+
+H = TypeVar("H", bound=Harness)
+
+
+@contextmanager
+def harnesses(broker: Broker, tmp: Path, cls: type[H]) -> Iterator[Callable[..., H]]:
+    """A factory of harnesses (each in its own folder under ``tmp``), all closed on exit: the body of the
+    ``harness`` fixtures (tests/conftest.py, and the subclasses' fixtures)."""
+    made: list[H] = []
+
+    def make(**kw: Any) -> H:
+        h = cls(broker, tmp / f"h{len(made)}", **kw)
+        made.append(h)
+        return h
+
+    try:
+        yield make
+    finally:
+        for h in made:
+            h.close()

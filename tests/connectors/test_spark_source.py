@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,17 +10,15 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[spark]')")
 
-from engine import Bucket, BucketConfig  # noqa: E402
+from engine import Bucket  # noqa: E402
 from gateway.broker import Broker  # noqa: E402
-from gateway.publisher import Publisher  # noqa: E402
-from gateway.records import RecordEncoder, RecordType, ValueFormat  # noqa: E402
-from gateway.resume import ensure_topics, recover_positions  # noqa: E402
+from gateway.records import RecordType  # noqa: E402
 from tests.gateway.kafka_util import read_topic  # noqa: E402
+from tests.harness import Harness, harnesses  # noqa: E402
 
 # One SparkSession (a JVM) per worker process: under pytest-xdist, `--dist loadgroup` keeps these on one worker.
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.xdist_group("spark")]
 
-NVB = 8
 
 
 @pytest.fixture(scope="session")
@@ -42,37 +39,8 @@ def spark() -> Iterator[Any]:
     s.stop()
 
 
-class Gw:
-    """An engine bucket published into a fresh topic by the in-process gateway."""
-
-    def __init__(self, broker: Broker, tmp: Path, partitions: int = NVB, **pub_kw: Any) -> None:
-        self.broker = broker
-        self.client = {"bootstrap.servers": broker.bootstrap_servers}
-        self.topic = f"dcp.s{uuid.uuid4().hex[:10]}"
-        self.cfg = BucketConfig(data_dir=tmp / "data", num_vbuckets=NVB, seed=None)
-        self.bucket = Bucket(self.cfg)
-        self.partitions = ensure_topics(self.client, self.topic, partitions)
-        self.pub_kw = pub_kw
-        self.pub = self.new_publisher()
-
-    def new_publisher(self) -> Publisher:
-        positions = recover_positions(self.client, self.topic, self.partitions, NVB)
-        conf = {"bootstrap.servers": self.broker.bootstrap_servers, "enable.idempotence": True, "acks": "all",
-                "linger.ms": 5}
-        p = Publisher(self.bucket, conf, self.topic, self.partitions, RecordEncoder(ValueFormat.AVRO), positions,
-                      **self.pub_kw)
-        p.open()
-        return p
-
-    def settle(self) -> None:
-        for _ in range(10_000):
-            n = self.pub.pump()
-            if n == 0 and self.pub.inflight == 0 and not self.bucket.dirty_vbuckets:
-                self.pub.kafka.flush(10)
-                return
-            if n == 0:
-                self.pub.kafka.poll(0.01)
-        raise AssertionError("publisher never settled")
+class Gw(Harness):
+    """The shared harness (an engine bucket published by the in-process gateway) plus a `dcp` reader."""
 
     def reader(self, spark: Any, stream: bool = False, **opts: str) -> Any:
         r = (spark.readStream if stream else spark.read).format("dcp")
@@ -84,18 +52,8 @@ class Gw:
 
 @pytest.fixture
 def gw(kafka_broker: Broker, tmp_path: Path) -> Iterator[Any]:
-    made: list[Gw] = []
-
-    def make(**kw: Any) -> Gw:
-        g = Gw(kafka_broker, tmp_path / f"g{len(made)}", **kw)
-        made.append(g)
-        return g
-
-    yield make
-    for g in made:
-        g.pub.close(timeout=5)
-        if not g.bucket.closed:
-            g.bucket.close(clean=False)
+    with harnesses(kafka_broker, tmp_path, Gw) as make:
+        yield make
 
 
 def write(bucket: Bucket, n: int, prefix: str = "k", start: int = 0) -> None:
@@ -195,9 +153,7 @@ def test_engine_crash_rollback_rows_keep_the_table_exact(spark: Any, gw: Any, tm
     g.pub.flush(10)
     g.pub.kafka.flush(10)
     run_stream(g, spark, table, chk)  # the table now holds items the engine is about to lose
-    g.bucket.close(clean=False)
-    g.bucket = Bucket(g.cfg)
-    g.pub = g.new_publisher()
+    g.crash_engine()
     write(g.bucket, 30, start=1000)
     g.bucket.flush_all()
     g.settle()

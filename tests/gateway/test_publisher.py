@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,7 +18,7 @@ from gateway.records import RecordType, ValueFormat
 from gateway.resume import CheckpointWriter, ensure_topics, load_checkpoints
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.harness import Harness as BaseHarness
-from tests.harness import producer_conf, write
+from tests.harness import harnesses, producer_conf, write
 
 NVB = 8
 
@@ -49,17 +49,9 @@ class Harness(BaseHarness):
 
 
 @pytest.fixture
-def harness(kafka_broker: Broker, tmp_path: Path):
-    hs: list[Harness] = []
-
-    def make(**kw: Any) -> Harness:
-        h = Harness(kafka_broker, tmp_path / f"h{len(hs)}", **kw)
-        hs.append(h)
-        return h
-
-    yield make
-    for h in hs:
-        h.close()
+def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    with harnesses(kafka_broker, tmp_path, Harness) as make:
+        yield make
 
 
 def test_publishes_every_vbucket_into_its_partition(harness) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,6 @@ from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
 from tests.harness import Harness, write
-
-
-@pytest.fixture
-def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Any]:
-    hs: list[Harness] = []
-
-    def make(**kw: Any) -> Harness:
-        h = Harness(kafka_broker, tmp_path / f"h{len(hs)}", **kw)
-        hs.append(h)
-        return h
-
-    yield make
-    for h in hs:
-        h.close()
 
 
 class CountingReplicator(Replicator):
