@@ -222,18 +222,6 @@ class CheckpointManager:
         self.remove_cursor(name)
         return True
 
-    def items_remaining(self, cursor: Cursor) -> int:
-        """Live items the cursor has not read yet."""
-        n = 0
-        started = False
-        for ck in self.checkpoints:
-            if ck is cursor.ckpt:
-                started = True
-                n += sum(1 for it in ck.items[cursor.pos :] if it is not None)
-            elif started:
-                n += ck.live
-        return n
-
     # ------------------------------------------------------------------ reading
     def read(self, cursor: Cursor, max_items: int = 10_000) -> list[Segment]:
         """Read whole checkpoint remainders for ``cursor`` until at least ``max_items`` were read.
@@ -319,5 +307,3 @@ class CheckpointManager:
     def mem(self) -> int:
         return sum(ck.mem for ck in self.checkpoints)
 
-    def oldest_cursor_ckpt_id(self, cursor: Cursor) -> int:
-        return cursor.ckpt.id

@@ -102,10 +102,9 @@ class PublishPosition:
         elif t is RecordType.FAILOVER_LOG:
             self.on_failover_log(list(rec.failover_log or ()))
         elif t is RecordType.ROLLBACK:
+            # Our own log, pruned above the rollback seqno, is what the re-request sends; the engine's new log
+            # arrives with the failover-log record at stream OK.
             self.on_rollback(rec.seqno)
-            if rec.failover_log:
-                # keep our own (pruned) log for the re-request; the engine's new log arrives on stream OK
-                pass
         elif t is RecordType.STREAM_END:
             pass
         else:

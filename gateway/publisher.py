@@ -43,13 +43,13 @@ from engine import (
     StreamFlags,
 )
 from engine.failover_log import FailoverEntry
+from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
 from gateway.position import PublishPosition
 from gateway.records import KafkaRecord, RecordEncoder, partition_for
 
 log = logging.getLogger(__name__)
 
-StreamFrom = str  # "saved-offset-or-beginning" | "saved-offset-or-now" | "beginning" | "now"
 
 
 class PublishError(GatewayError):

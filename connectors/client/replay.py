@@ -247,7 +247,3 @@ class VBucketReplayer:
         st.offset = offset
         return Snapshot(st.vbucket, self._vbuuid, rng[0], rng[1], changes, offset, st.copy())
 
-    def flush_complete(self) -> Snapshot | None:
-        """Called when the partition end is reached: nothing partial is ever released (returns None unless
-        the buffered snapshot is provably complete)."""
-        return None

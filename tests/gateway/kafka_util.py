@@ -59,8 +59,6 @@ class TopicReplica:
     def apply_all(self, records: list[tuple[int, int, DecodedRecord]]) -> None:
         for _p, _o, r in records:
             self.apply(r)
-        for st in self.vbs.values():
-            self._maybe_commit(st, final=True)
 
     def apply(self, r: DecodedRecord) -> None:
         st = self.vbs.setdefault(r.vbucket, _VB())
@@ -97,9 +95,6 @@ class TopicReplica:
         st.pending.clear()
         assert st.snap is not None
         st.history.append((st.snap[1], dict(st.docs)))
-
-    def _maybe_commit(self, st: _VB, final: bool) -> None:
-        pass
 
     def state(self) -> dict[bytes, tuple[bytes, int]]:
         out: dict[bytes, tuple[bytes, int]] = {}
