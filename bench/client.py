@@ -5,7 +5,8 @@ broker the product would use (gateway.broker.select_broker), then measures, in t
 
 * ``client.throughput``  records/s through the rollback-aware client (connectors.client): decode + per-vbucket
   snapshot buffering + duplicate checks + SQLite state per confirmed snapshot, callback API, until caught up --
-  vs a raw confluent-kafka Consumer reading the same partitions to EOF (no decoding) (target >= 0.7x)
+  vs a raw confluent-kafka Consumer reading the same partitions to EOF (no decoding) (target >= 0.7x);
+  both readers run ``--rounds`` times, alternating, and each keeps its best round
 """
 
 from __future__ import annotations
@@ -55,15 +56,19 @@ def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> 
 
 
 def raw_consume(client: dict[str, Any], topic: str) -> tuple[float, int]:
+    t = time.perf_counter()  # from nothing to caught up, as the client is timed
     c = Consumer({**client, "group.id": f"bench-raw-{uuid.uuid4().hex}", "enable.auto.commit": False,
                   "enable.partition.eof": True, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100})
     parts = sorted(c.list_topics(topic, timeout=30).topics[topic].partitions)
-    t = time.perf_counter()
     c.assign([TopicPartition(topic, p, 0) for p in parts])
     pending = set(parts)
     n = 0
     while pending:
-        for m in c.consume(2000, 0.2):
+        msgs = c.consume(2000, 0)  # what is fetched, without waiting for a full batch (as the client does)
+        if not msgs:
+            first = c.poll(0.2)
+            msgs = [first, *c.consume(1999, 0)] if first is not None else []
+        for m in msgs:
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
@@ -100,6 +105,7 @@ def client_consume(client: dict[str, Any], topic: str, tmp: Path) -> tuple[float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=200_000)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both readers; best of each")
     args = ap.parse_args()
     n = args.docs
     with select_broker() as broker, tempfile.TemporaryDirectory() as td:
@@ -107,10 +113,15 @@ def main() -> None:
         conf = {**settings.producer_config(), "bootstrap.servers": broker.bootstrap_servers}
         client = {"bootstrap.servers": broker.bootstrap_servers}
         topic = publish(conf, client, n, Path(td))
-        base, raw_n = raw_consume(client, topic)
-        rate, records, changes = client_consume(client, topic, Path(td))
-        assert records == raw_n, (records, raw_n)
-        assert changes == n, (changes, n)
+        # Alternate the two readers and keep each one's best round: on a shared 2-core machine one round
+        # can be slowed by anything else running; the broker serves the same records every round.
+        base = rate = 0.0
+        for _ in range(args.rounds):
+            b, raw_n = raw_consume(client, topic)
+            r, records, changes = client_consume(client, topic, Path(td))
+            assert records == raw_n, (records, raw_n)
+            assert changes == n, (changes, n)
+            base, rate = max(base, b), max(rate, r)
         figure("client.throughput", rate, "records/s", base, 0.7, "higher")
         print(json.dumps({"info": "client.records", "records": records, "changes": changes}), flush=True)
 

@@ -62,7 +62,11 @@ def raw_read(spark: Any, bootstrap: str, topic: str, parts: int) -> int:
         c.assign([TopicPartition(topic, p, 0) for p in range(parts)])
         pending = set(range(parts))
         while pending:
-            for m in c.consume(10_000, 0.5):
+            msgs = c.consume(10_000, 0)  # what is fetched, without waiting for a full batch
+            if not msgs:
+                first = c.poll(0.5)
+                msgs = [first, *c.consume(9_999, 0)] if first is not None else []
+            for m in msgs:
                 if m.error() is not None:
                     if m.error().code() == KafkaError._PARTITION_EOF:
                         pending.discard(m.partition())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -58,6 +59,7 @@ __all__ = [
     "decode",
     "load_schema",
     "partition_for",
+    "read_change_value",
     "schema_fingerprint",
     "single_object_decode",
     "single_object_encode",
@@ -939,6 +941,155 @@ def _decode_data_fast(key: bytes, value: bytes | None, headers: list[tuple[str, 
         rtype, vbucket, vbuuid, seqno, snap_start, snap_end, key, body,  # type: ignore[arg-type]
         rev, cas, flags, expiry, datatype, None, None, None, None, fmt,
     )
+
+
+#: canonical varint of zigzag value z < 2**14 -> the u64 the Avro long holds (two's complement)
+_VARINT_U64: Final = {_VARINT[z]: ((z >> 1) ^ -(z & 1)) & _U64_MAX for z in range(1 << 14)}
+_V: Final = rb"[\x80-\xff]{0,9}[\x00-\x7f]"  # one varint
+_VARINT_RE: Final = re.compile(_V, re.S)
+#: what follows a ChangeEvent's value, in five groups: (vbucket, vbuuid) -- the same for a whole branch of a
+#: vbucket --, seqno, rev_seqno, cas, and (flags, expiry, datatype, snap_start, snap_end) -- mostly the same for
+#: a whole snapshot; nothing may follow
+_CHANGE_TAIL: Final = re.compile(b"(" + _V * 2 + b")(" + _V + b")(" + _V + b")(" + _V + b")(" + _V * 5 + b")", re.S)
+_CHANGE_TYPES: Final = (RecordType.MUTATION, None, RecordType.DELETION, None, RecordType.EXPIRATION)
+#: decoded (vbucket, vbuuid) and (flags, expiry, datatype, snap_start, snap_end) groups, by their bytes
+_HEAD_CACHE: dict[bytes, tuple[int, ...]] = {}
+_REST_CACHE: dict[bytes, tuple[int, ...]] = {}
+
+
+def _varint_z(g: bytes) -> int:
+    """The unsigned (still zigzag-encoded) value of one varint of 1..10 bytes."""
+    x = int.from_bytes(g, "little")
+    # drop the continuation bits: byte i's 7 payload bits move to bits 7i..7i+6
+    return ((x & 0x7F) | (x >> 1 & 0x3F80) | (x >> 2 & 0x1FC000) | (x >> 3 & 0xFE00000) | (x >> 4 & 0x7F0000000)
+            | (x >> 5 & 0x3F800000000) | (x >> 6 & 0x1FC0000000000) | (x >> 7 & 0xFE000000000000)
+            | (x >> 8 & 0x7F00000000000000) | (x >> 9 & 0x3F8000000000000000))
+
+
+#: two varint bytes, both with the continuation bit -> their 14 payload bits
+_CONT14: Final = {c: z for z, c in enumerate(_VARINT_CONT)}
+#: the bytes after the first four of a 9-byte CAS varint -> their payload bits, shifted into place
+_CAS_HI: dict[bytes, int] = {}
+
+
+def _varint_u64(g: bytes) -> int | None:
+    """The u64 of one Avro long varint of 1..10 bytes; None when it does not fit a signed 64-bit long."""
+    z = _varint_z(g)
+    if z >> 64:
+        return None
+    return ((z >> 1) ^ -(z & 1)) & _U64_MAX
+
+
+def _varint_group(g: bytes, cache: dict[bytes, tuple[int, ...]], limits: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The u64s of consecutive varints ``g``, each at most its limit; remembered in ``cache``."""
+    nums = []
+    for v, limit in zip(_VARINT_RE.findall(g), limits, strict=True):
+        n = _VARINT_U64.get(v)
+        if n is None:
+            n = _varint_u64(v)
+        if n is None or n > limit:
+            return None
+        nums.append(n)
+    if len(cache) > 8192:
+        cache.clear()
+    out = cache[g] = tuple(nums)
+    return out
+
+
+_HEAD_LIMITS: Final = (_VBUCKET_MAX, _U64_MAX)
+_REST_LIMITS: Final = (_U64_MAX, _U64_MAX, _I32_MAX, _U64_MAX, _U64_MAX)
+
+
+ChangeFields = tuple[RecordType, bytes, "bytes | None", int, int, int, int, int, int, int, int, int, int]
+
+
+def read_change_value(value: bytes) -> ChangeFields | None:
+    """Decode a ChangeEvent value from the value alone, without the ``dcp.*`` headers (consumers' hot path).
+
+    Returns ``(type, key, value, vbucket, vbuuid, seqno, rev_seqno, cas, flags, expiry, datatype,
+    snap_start, snap_end)`` -- u64s restored -- when ``value`` is a well-formed single-object ChangeEvent: the
+    ChangeEvent fingerprint, a valid op, key and body exactly as long as their lengths say, ten longs/ints in
+    range, and no byte after them. Anything else -- another schema, a control record, a corrupt or
+    truncated value, a key of 8 KiB or more -- returns None, and :func:`decode` (with the headers) decodes it
+    or raises the precise :class:`RecordFormatError`.
+
+    The Avro value is the authoritative copy of a change; the headers repeat its fields for header-only
+    consumers (docs/record-format.md). :func:`decode` checks the two agree; this reads the value only.
+    """
+    if not value.startswith(_CHANGE_PREFIX):
+        return None
+    try:
+        rtype = _CHANGE_TYPES[value[10]]
+        kz = value[11]
+        if kz < 0x80:
+            p = 12
+        else:
+            kz = (kz & 0x7F) | (value[12] << 7)
+            p = 13
+            if kz >= 0x4000:
+                return None
+        if rtype is None or kz & 1:
+            return None
+        q = p + (kz >> 1)
+        key = value[p:q]
+        branch = value[q]
+        if branch == 2:
+            a = value[q + 1]
+            if a < 0x80:
+                q += 2
+                n = a
+            elif value[q + 2] < 0x80:
+                n = (a & 0x7F) | (value[q + 2] << 7)
+                q += 3
+            else:
+                m = _VARINT_RE.match(value, q + 1)  # the length: one varint, any size
+                if m is None:
+                    return None
+                n_u = _varint_u64(m.group())
+                if n_u is None or n_u >= _I64_SIGN:
+                    return None
+                q = m.end()
+                n = n_u << 1
+            if n & 1:
+                return None
+            n >>= 1
+            body: bytes | None = value[q:q + n]
+            q += n
+        elif branch == 0:
+            body = None
+            q += 1
+        else:
+            return None
+    except IndexError:
+        return None
+    m = _CHANGE_TAIL.fullmatch(value, q)
+    if m is None or len(key) != kz >> 1:
+        return None
+    g_head, g_seqno, g_rev, g_cas, g_rest = m.groups()
+    head = _HEAD_CACHE.get(g_head) or _varint_group(g_head, _HEAD_CACHE, _HEAD_LIMITS)
+    rest = _REST_CACHE.get(g_rest) or _varint_group(g_rest, _REST_CACHE, _REST_LIMITS)
+    get = _VARINT_U64.get
+    seqno = get(g_seqno)
+    if seqno is None:
+        seqno = _varint_u64(g_seqno)
+    rev = get(g_rev)
+    if rev is None:
+        rev = _varint_u64(g_rev)
+    if len(g_cas) == 9:
+        # an HLC CAS (wall-clock ns, 9 varint bytes): the low 28 bits of its zigzag value from two 14-bit
+        # tables, the slow-moving high bits cached
+        hi = _CAS_HI.get(g_cas[4:])
+        if hi is None:
+            if len(_CAS_HI) > 8192:
+                _CAS_HI.clear()
+            hi = _CAS_HI[g_cas[4:]] = _varint_z(g_cas[4:]) << 28
+        z = hi | _CONT14[g_cas[0:2]] | (_CONT14[g_cas[2:4]] << 14)
+        cas: int | None = None if z >> 64 else ((z >> 1) ^ -(z & 1)) & _U64_MAX
+    else:
+        cas = _varint_u64(g_cas)
+    if head is None or rest is None or seqno is None or rev is None or cas is None:
+        return None
+    return (rtype, key, body, head[0], head[1], seqno, rev, cas, *rest)  # type: ignore[return-value]
 
 
 def _fast_change_body(

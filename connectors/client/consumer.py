@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -37,7 +38,7 @@ from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
-from gateway.records import decode
+from gateway.records import decode, read_change_value
 
 __all__ = ["ChangeStreamConsumer", "ClientEvent", "DeadLetter", "PartialChange", "PriorLookup",
            "RollbackInstruction"]
@@ -126,6 +127,8 @@ class ChangeStreamConsumer:
     mutation log learns the application's prior versions (without it, every rollback that must undo
     something is a rebuild from zero). ``dead_letter``: a topic name (``{topic}`` is replaced), a callback
     taking a :class:`DeadLetter`, or None (no copy; :class:`DecodeError` is raised all the same).
+    ``batch_size``: records taken from the Kafka client at a time. ``group_commit``: confirmed events per
+    store transaction in :meth:`run` (the iterator APIs commit each event in :meth:`commit`).
     """
 
     def __init__(
@@ -142,6 +145,7 @@ class ChangeStreamConsumer:
         mutation_log_max: int = DEFAULT_MAX_ENTRIES,
         batch_size: int = 2000,
         poll_timeout: float = 0.2,
+        group_commit: int = 64,
     ) -> None:
         self.topic = topic
         self.group_id = group_id
@@ -149,6 +153,11 @@ class ChangeStreamConsumer:
         self.prior_lookup = prior_lookup
         self.poll_timeout = poll_timeout
         self._batch = batch_size
+        if group_commit < 1:
+            raise ConnectorError(f"group_commit must be >= 1, got {group_commit}")
+        self.group_commit = group_commit
+        self._unflushed = 0
+        self._unflushed_offsets: dict[int, int] = {}
         conf: dict[str, Any] = ({"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka))
         self._client_conf = {k: v for k, v in conf.items() if not k.startswith(("group.", "enable.", "auto."))}
         conf.update({"group.id": group_id or f"dcpgw-client-{uuid.uuid4().hex}", "enable.auto.commit": False,
@@ -264,19 +273,70 @@ class ChangeStreamConsumer:
         return not any(s.replayer.has_partial for s in self._vbs.values())
 
     # -------------------------------------------------------------------------------------- consuming
-    def _next_message(self, timeout: float) -> Any | None:
-        if not self._backlog:
-            try:
-                # what is already fetched, without waiting; else wait for the first record only
-                msgs = self.consumer.consume(self._batch, 0)
-                if not msgs:
-                    first = self.consumer.poll(timeout)
-                    if first is not None:
-                        msgs = [first, *self.consumer.consume(self._batch - 1, 0)] if self._batch > 1 else [first]
-            except KafkaException as e:
-                raise ConnectorError(f"consuming {self.topic!r} failed: {e}") from e
-            self._backlog.extend(msgs)
-        return self._backlog.popleft() if self._backlog else None
+    def _fetch(self, timeout: float) -> bool:
+        """Append what the consumer already fetched to the backlog, waiting up to ``timeout`` for the first
+        record only; False when nothing came."""
+        try:
+            msgs = self.consumer.consume(self._batch, 0)
+            if not msgs:
+                first = self.consumer.poll(timeout)
+                if first is None:
+                    return False
+                msgs = [first, *self.consumer.consume(self._batch - 1, 0)] if self._batch > 1 else [first]
+        except KafkaException as e:
+            raise ConnectorError(f"consuming {self.topic!r} failed: {e}") from e
+        self._backlog.extend(msgs)
+        return True
+
+    def _feed_backlog(self) -> None:
+        """Feed the backlog to the vbuckets' replayers, stopping after a record that produced a rollback (its
+        confirmation may rewind the partition) or, in per-record mode, after any event.
+
+        Hot path: a well-formed data record is decoded from its Avro value alone (``read_change_value``) and
+        fed as a :class:`Change`; every other record (control records, raw values, anything the fast reader
+        does not accept, errors) goes through :meth:`_handle` and the full, header-checking decoder.
+        """
+        backlog = self._backlog
+        queue = self._queue
+        if self.per_record:
+            while backlog and not queue:
+                self._handle(backlog.popleft())
+            return
+        read = read_change_value
+        new_tuple = tuple.__new__
+        vbs = self._vbs
+        assigned = self._assigned
+        eof = self._eof
+        pop = backlog.popleft
+        n = 0
+        try:
+            while backlog:
+                m = pop()
+                if m.error() is None:
+                    v = m.value()
+                    f = read(v) if v is not None else None
+                    if f is not None:
+                        p = m.partition()
+                        if p in assigned:
+                            n += 1
+                            eof[p] = False
+                            off = m.offset()
+                            vb = f[3]
+                            s = vbs.get(vb)
+                            if s is None:
+                                s = self._vb(vb, p, off)
+                            if off > s.skip_through:
+                                s.last_fed = off
+                                # Change(type, key, value, vbucket, ..., datatype) + offset: the reader's order
+                                snap = s.replayer.feed_change(new_tuple(Change, (*f[:11], off)))
+                                if snap is not None:
+                                    queue.append((vb, p, snap))
+                        continue
+                self._handle(m)
+                if queue and queue[-1][2].__class__ is Rollback:
+                    return
+        finally:
+            self.records_consumed += n
 
     def _handle(self, m: Any) -> None:
         p = m.partition()
@@ -344,10 +404,9 @@ class ChangeStreamConsumer:
             if self._queue:
                 vb, p, ev = self._queue.popleft()
                 return self._begin(vb, p, ev)
-            m = self._next_message(timeout)
-            if m is None:
+            if not self._backlog and not self._fetch(timeout):
                 return None
-            self._handle(m)
+            self._feed_backlog()
 
     def _begin(self, vb: int, p: int, ev: Snapshot | Rollback | PartialChange) -> ClientEvent:
         self.store.begin()
@@ -388,7 +447,22 @@ class ChangeStreamConsumer:
     # -------------------------------------------------------------------------------------- confirming
     def commit(self, ev: ClientEvent) -> None:
         """Confirm that the application applied ``ev``: saves the consumer state (and the mutation log) in
-        the store's transaction, then commits the Kafka group offset of its partition."""
+        the store's transaction and commits it, then commits the Kafka group offset of its partition."""
+        self._confirm(ev, durable=True)
+
+    def flush(self) -> None:
+        """Commit the events confirmed so far (the callback API groups up to ``group_commit`` of them per
+        transaction), then their Kafka group offsets."""
+        self.store.flush()
+        self._unflushed = 0
+        offsets = self._unflushed_offsets
+        if self.group_id is not None and offsets:
+            with _suppress_kafka():
+                self.consumer.commit(offsets=[TopicPartition(self.topic, q, o) for q, o in offsets.items()],
+                                     asynchronous=True)
+        offsets.clear()
+
+    def _confirm(self, ev: ClientEvent, durable: bool) -> None:
         op = self._open
         if op is None or op.event is not ev:
             raise ConnectorError("commit(ev): ev is not the event being applied (commit each event once, "
@@ -428,11 +502,11 @@ class ChangeStreamConsumer:
             offsets[p] = min(o.confirmed + 1 for o in self._by_part.get(p, {}).values())
             if self.mutation_log is not None and s.last_fed > s.rebuild_until:
                 self.mutation_log.trim(op.vbucket)
-        self.store.save(states, offsets)
-        if self.group_id is not None and offsets:
-            with _suppress_kafka():
-                self.consumer.commit(offsets=[TopicPartition(self.topic, q, o) for q, o in offsets.items()],
-                                     asynchronous=True)
+        self.store.save(states, offsets, durable=durable)
+        self._unflushed += 1
+        self._unflushed_offsets.update(offsets)
+        if durable:
+            self.flush()
 
     def _rewind(self, p: int, vb: int) -> None:
         """Replay partition ``p`` from its start for ``vb`` (rebuild from zero); the other vbuckets of the
@@ -495,27 +569,37 @@ class ChangeStreamConsumer:
         on_change: Callable[[PartialChange], None] | None = None,
         on_error: Callable[[DecodeError], None] | None = None,
     ) -> None:
-        """Callback API: each event is confirmed when its callback returns. A :class:`DecodeError` goes to
-        ``on_error`` (then consumption continues) or, without it, is raised."""
-        while True:
-            try:
-                for ev in self.events(until_caught_up=until_caught_up):
-                    if isinstance(ev, Snapshot):
-                        on_snapshot(ev)
-                    elif isinstance(ev, RollbackInstruction):
-                        on_rollback(ev)
-                    elif on_change is not None:
-                        on_change(ev)
-                    self.commit(ev)
-                return
-            except DecodeError as e:
-                if on_error is None:
+        """Callback API: each event is confirmed when its callback returns; confirmed events are committed
+        in groups of up to ``group_commit`` per store transaction (and always before the consumer waits for
+        records, and when ``run`` returns or raises), so a crash redelivers at most the last group -- exactly
+        once for applications that write into the state store's transaction (``store.conn``), whose writes
+        roll back with it. A :class:`DecodeError` goes to ``on_error`` (then consumption continues) or,
+        without it, is raised."""
+        try:
+            while True:
+                try:
+                    for ev in self.events(until_caught_up=until_caught_up):
+                        if isinstance(ev, Snapshot):
+                            on_snapshot(ev)
+                        elif isinstance(ev, RollbackInstruction):
+                            on_rollback(ev)
+                        elif on_change is not None:
+                            on_change(ev)
+                        self._confirm(ev, durable=False)
+                        if self._unflushed >= self.group_commit or not self._queue:
+                            self.flush()  # before the consumer may wait for records
+                    return
+                except DecodeError as e:
+                    self.flush()
+                    if on_error is None:
+                        raise
+                    on_error(e)
+                except BaseException:
+                    if self._open is not None:
+                        self.abandon()
                     raise
-                on_error(e)
-            except BaseException:
-                if self._open is not None:
-                    self.abandon()
-                raise
+        finally:
+            self.flush()  # what the application confirmed stays confirmed
 
     def close(self) -> None:
         if self._closed:
@@ -523,6 +607,8 @@ class ChangeStreamConsumer:
         self._closed = True
         if self._open is not None:
             self.abandon()
+        with contextlib.suppress(ConnectorError):
+            self.flush()
         with _suppress_kafka():
             self.consumer.close()
         if self._dlq_producer is not None:

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.failover_log import FailoverEntry, FailoverLog
 from gateway.records import DecodedRecord, RecordType
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One data record of a complete snapshot."""
+class Change(NamedTuple):
+    """One data record of a complete snapshot (a named tuple: built once per record on the hot path)."""
 
     type: RecordType  # MUTATION, DELETION or EXPIRATION
     key: bytes
@@ -153,25 +152,12 @@ class VBucketReplayer:
                 self._range = (rec.snap_start, rec.snap_end)
             self._vbuuid = rec.vbuuid or self._vbuuid
         elif rec.is_data:
-            rng = self._range
-            if rng is None:
-                return out  # data outside any snapshot cannot be applied (invariant violation upstream)
-            if rec.seqno <= st.applied_seqno and rec.vbuuid == st.vbuuid:
-                return out  # a duplicate of what was applied: exactly once
-            if self._pending and rec.seqno <= self._pending[-1].seqno:
-                return out  # a duplicate inside the buffer
             assert rec.key is not None
-            self._pending.append(Change(
+            snap = self.feed_change(Change(
                 rec.type, rec.key, rec.value, rec.vbucket, rec.vbuuid, rec.seqno, rec.rev_seqno or 0,
                 rec.cas or 0, rec.flags or 0, rec.expiry or 0, rec.datatype or 0, offset))
-            self._vbuuid = rec.vbuuid
-            self._last_offset = offset
-            self.accepted += 1
-            self.last_change = self._pending[-1]
-            if rec.seqno >= rng[1]:
-                ev = self._complete(offset)
-                if ev is not None:
-                    out.append(ev)
+            if snap is not None:
+                out.append(snap)
         elif t is RecordType.ROLLBACK:
             restart = rec.snap_end
             rng = self._range
@@ -231,6 +217,28 @@ class VBucketReplayer:
                 st.offset = offset
         # stream-end: nothing to do (a later restart repeats the snapshot start if it was incomplete)
         return out
+
+    def feed_change(self, ch: Change) -> Snapshot | None:
+        """Feed one data record (as a :class:`Change` carrying its offset): the consumers' hot path, the same
+        rules as :meth:`feed`. Returns the snapshot this record completes, if any."""
+        rng = self._range
+        if rng is None:
+            return None  # data outside any snapshot cannot be applied (invariant violation upstream)
+        seqno = ch.seqno
+        st = self.state
+        if seqno <= st.applied_seqno and ch.vbuuid == st.vbuuid:
+            return None  # a duplicate of what was applied: exactly once
+        pending = self._pending
+        if pending and seqno <= pending[-1].seqno:
+            return None  # a duplicate inside the buffer
+        pending.append(ch)
+        self._vbuuid = ch.vbuuid
+        self._last_offset = ch.offset
+        self.accepted += 1
+        self.last_change = ch
+        if seqno >= rng[1]:
+            return self._complete(ch.offset)
+        return None
 
     def _complete(self, offset: int) -> Snapshot | None:
         rng = self._range

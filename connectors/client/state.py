@@ -4,12 +4,13 @@ the offset to resume from.
 
 :class:`StateStore` is the pluggable protocol; :class:`SqliteStateStore` the default. It shares its SQLite file
 (and connection) with the :class:`~connectors.client.mutation_log.MutationLog`, so one transaction per
-confirmed event covers the state, the mutation log and -- when the application keeps its data in the same file
+confirmed event (or group of events) covers the state, the mutation log and -- when the application keeps its data in the same file
 (``connectors.replicate``) -- the application's change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from collections.abc import Iterable, Mapping
@@ -35,16 +36,23 @@ class StateStore(Protocol):
         ...
 
     def begin(self) -> None:
-        """Start the transaction of one event (before the application applies it)."""
+        """Start one event's part of the transaction (before the application applies it)."""
         ...
 
-    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int]) -> None:
-        """Save ``states`` and ``partition_offsets`` and commit the transaction started by :meth:`begin`,
-        atomically."""
+    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int], *,
+             durable: bool = True) -> None:
+        """Save ``states`` and ``partition_offsets``, ending the event begun by :meth:`begin`. ``durable``:
+        commit now, with every event saved before; else the store may keep the transaction open until
+        :meth:`flush` (group commit: one commit for several events, all or none of them)."""
+        ...
+
+    def flush(self) -> None:
+        """Commit every event saved so far."""
         ...
 
     def rollback(self) -> None:
-        """Abandon the transaction started by :meth:`begin`."""
+        """Abandon the event begun by :meth:`begin` (events saved before it stay, :meth:`flush` commits
+        them)."""
         ...
 
     def close(self) -> None: ...
@@ -60,6 +68,7 @@ class SqliteStateStore:
     def __init__(self, path: str | Path, topic: str) -> None:
         self.path = Path(path)
         self.topic = topic
+        self._in_event = False
         try:
             self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")
@@ -97,30 +106,52 @@ class SqliteStateStore:
         try:
             if not self.conn.in_transaction:
                 self.conn.execute("BEGIN IMMEDIATE")
+            if not self._in_event:
+                self.conn.execute("SAVEPOINT dcp_event")
+                self._in_event = True
         except sqlite3.Error as e:
             raise StateStoreError(f"cannot begin a transaction on {self.path}: {e}") from e
 
-    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int]) -> None:
+    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int], *,
+             durable: bool = True) -> None:
         try:
             self.begin()
             self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_state VALUES (?, ?, ?)",
                                   [(self.topic, s.vbucket, json.dumps(s.to_dict())) for s in states])
-            self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_offsets VALUES (?, ?, ?)",
-                                  [(self.topic, p, o) for p, o in partition_offsets.items()])
-            self.conn.execute("COMMIT")
+            if partition_offsets:
+                self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_offsets VALUES (?, ?, ?)",
+                                      [(self.topic, p, o) for p, o in partition_offsets.items()])
+            self.conn.execute("RELEASE dcp_event")
+            self._in_event = False
+            if durable:
+                self.conn.execute("COMMIT")
         except sqlite3.Error as e:
             self.rollback()
             raise StateStoreError(f"cannot save the consumer state to {self.path}: {e}") from e
 
+    def flush(self) -> None:
+        try:
+            if self._in_event:
+                raise StateStoreError("flush() inside an event: save() or rollback() it first")
+            if self.conn.in_transaction:
+                self.conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            raise StateStoreError(f"cannot commit the consumer state to {self.path}: {e}") from e
+
     def rollback(self) -> None:
         try:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
+            if self._in_event:
+                self._in_event = False
+                self.conn.execute("ROLLBACK TO dcp_event")
+                self.conn.execute("RELEASE dcp_event")
         except sqlite3.Error as e:
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.execute("ROLLBACK")
             raise StateStoreError(f"cannot roll back the transaction on {self.path}: {e}") from e
 
     def close(self) -> None:
         self.rollback()
+        self.flush()
         self.conn.close()
 
 
@@ -141,10 +172,14 @@ class MemoryStateStore:
     def begin(self) -> None:
         pass
 
-    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int]) -> None:
+    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int], *,
+             durable: bool = True) -> None:
         for s in states:
             self.states[s.vbucket] = s.copy()
         self.offsets.update(partition_offsets)
+
+    def flush(self) -> None:
+        pass
 
     def rollback(self) -> None:
         pass

@@ -35,6 +35,7 @@ from gateway.records import (
     crc64_avro,
     decode,
     partition_for,
+    read_change_value,
     schema_fingerprint,
     single_object_decode,
     single_object_encode,
@@ -337,6 +338,58 @@ def test_hand_rolled_avro_equals_fastavro(
     assert d.value == (value if op is Op.MUTATION else None)
     raw = decode(*_parts(RecordEncoder(ValueFormat.RAW).data(item, vbuuid, snap_start, snap_end)))
     assert replace(raw, value_format=ValueFormat.AVRO) == d
+    # the consumers' value-only reader reads exactly what decode() reads
+    assert read_change_value(rec.value) == (d.type, d.key, d.value, d.vbucket, d.vbuuid, d.seqno, d.rev_seqno,
+                                            d.cas, d.flags, d.expiry, d.datatype, d.snap_start, d.snap_end)
+
+
+def test_read_change_value_rejects_what_is_not_a_well_formed_change_event() -> None:
+    enc = RecordEncoder()
+    rec = enc.data(mutation(), 5, 40, 45)
+    v = rec.value
+    assert v is not None and read_change_value(v) is not None
+    control = enc.snapshot(SnapshotMarker(7, 40, 45, SnapshotFlags.MEMORY), 5).value
+    assert control is not None
+    bad = {
+        "control record": control,
+        "empty": b"",
+        "truncated": v[:-1],
+        "trailing byte": v + b"\x00",
+        "unknown op": v[:10] + b"\x06" + v[11:],
+        "negative key length": v[:11] + b"\x01" + v[12:],
+        "bad union branch": v[:12 + len(rec.key or b"")] + b"\x04" + v[13 + len(rec.key or b""):],
+        "raw value": b"not avro",
+    }
+    big = io.BytesIO()
+    schemaless_writer(big, CHANGE_EVENT_SCHEMA, {**avro_record(mutation(), 5, 40, 45), "vbucket": 70_000})
+    bad["vbucket above u16"] = b"\xc3\x01" + CHANGE_EVENT_FINGERPRINT + big.getvalue()
+    for what, value in bad.items():
+        assert read_change_value(value) is None, what
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_read_change_value_accepts_only_what_fastavro_reads_the_same(data: st.DataObject) -> None:
+    """On arbitrary corruption the fast reader returns None, or exactly the ChangeEvent fastavro reads (every
+    byte consumed)."""
+    rec = RecordEncoder().data(Item(data.draw(st.binary(min_size=1, max_size=100)),
+                                    data.draw(st.binary(max_size=300)), data.draw(st.integers(0, 1023)),
+                                    data.draw(u64s), data.draw(u64s), data.draw(u64s)), data.draw(u64s), 40, 45)
+    value = bytearray(rec.value or b"")
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(value) - 1))
+        value[i] = data.draw(st.integers(0, 255))
+    got = read_change_value(bytes(value))
+    if got is None:
+        return
+    buf = io.BytesIO(bytes(value[10:]))
+    d = schemaless_reader(buf, CHANGE_EVENT_SCHEMA, None)
+    assert buf.tell() == len(value) - 10
+    m = 2**64 - 1
+    assert got[1:] == (d["key"], d["value"], d["vbucket"], d["vbuuid"] & m, d["seqno"] & m, d["rev_seqno"] & m,
+                       d["cas"] & m, d["flags"] & m, d["expiry"] & m, d["datatype"], d["snap_start"] & m,
+                       d["snap_end"] & m)
+    assert got[0].name == d["op"]
 
 
 def test_single_object_encode_decode_generic() -> None:

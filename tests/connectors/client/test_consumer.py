@@ -13,11 +13,13 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from connectors.client import consumer as consumer_module
 from connectors.client.consumer import ChangeStreamConsumer, DeadLetter, PartialChange, RollbackInstruction
 from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
+from gateway.records import read_change_value
 from tests.harness import Harness, write
 
 
@@ -171,8 +173,8 @@ def test_rollback_beyond_a_short_mutation_log_rebuilds_from_zero(harness: Any, t
         assert rep.docs() == h.bucket.state_snapshot()
 
 
-def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(harness: Any,
-                                                                             tmp_path: Path) -> None:
+def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
+        harness: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     h = harness(nvb=4)
     for r in range(4):
         write(h.bucket, 100, start=100 * r)
@@ -182,19 +184,18 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(harn
     rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied)
     c = rep.consumer
     handled = 0
-    real_handle = c._handle
 
     class Killed(Exception):
         pass
 
-    def handle(m: Any) -> None:
+    def read(value: bytes) -> Any:
         nonlocal handled
         handled += 1
         if handled == 250:
             raise Killed  # the process dies here, in the middle of a snapshot
-        real_handle(m)
+        return read_change_value(value)
 
-    c._handle = handle  # type: ignore[method-assign]
+    monkeypatch.setattr(consumer_module, "read_change_value", read)
     exposed: list[Snapshot] = []
     with pytest.raises(Killed):
         for ev in c.events():
@@ -206,7 +207,7 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(harn
     # every exposed snapshot was complete: its changes end at its end seqno
     assert all(ev.changes[-1].seqno == ev.end for ev in exposed if ev.changes)
     # one more event applied but never confirmed: rolled back with the dying process
-    c._handle = real_handle  # type: ignore[method-assign]
+    monkeypatch.setattr(consumer_module, "read_change_value", read_change_value)
     ev = next(c.events())
     rep.on_snapshot(ev)
     unconfirmed = {(ch.vbucket, ch.seqno) for ch in ev.changes}
@@ -332,9 +333,8 @@ def test_revoke_drops_partial_buffers(harness: Any) -> None:
         ev = next(c.events())
         c.commit(ev)
         for _ in range(3):
-            m = c._next_message(1.0)
-            if m is not None:
-                c._handle(m)
+            if c._fetch(1.0):
+                c._feed_backlog()
         c._on_revoke(c.consumer, [TopicPartition(h.topic, p) for p in range(2)])
         assert not c._vbs and not c._queue and c.assignment == set()
     finally:
@@ -376,3 +376,44 @@ def test_random_crashes_and_restarts_converge(kafka_broker: Broker, tmp_path_fac
             assert rep.docs() == h.bucket.state_snapshot()
     finally:
         h.close()
+
+
+def test_group_commit_keeps_what_was_confirmed_when_the_application_fails(harness: Any, tmp_path: Path) -> None:
+    """run() commits confirmed events in groups; a callback that fails mid-group loses only its own event:
+    the events confirmed before it are committed, the failed one is redelivered, nothing twice."""
+    h = harness(nvb=4)
+    for r in range(6):
+        write(h.bucket, 20, start=20 * r)
+        h.settle()
+    db = tmp_path / "r.sqlite"
+    applied: Counter[tuple[int, int]] = Counter()
+
+    class AppFailed(Exception):
+        pass
+
+    class Failing(CountingReplicator):
+        snapshots = 0
+
+        def on_snapshot(self, snap: Snapshot) -> None:
+            Failing.snapshots += 1
+            if Failing.snapshots == 7:
+                self.conn.execute("INSERT OR REPLACE INTO docs VALUES ('half-applied', x'00', 0, 0)")
+                raise AppFailed
+            super().on_snapshot(snap)
+
+    rep = Failing(h.broker.bootstrap_servers, h.topic, db, applied=applied)
+    assert rep.consumer.group_commit == 64
+    with pytest.raises(AppFailed):
+        rep.run()
+    rep.close()
+    assert sum(applied.values()) > 0
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied) as rep2:
+        rep2.run()
+        assert rep2.docs() == h.bucket.state_snapshot()  # the failed event's own write rolled back
+    assert set(applied.values()) == {1}, "a change was applied twice or never"
+
+
+def test_group_commit_must_be_positive(harness: Any) -> None:
+    h = harness(nvb=2)
+    with pytest.raises(ConnectorError, match="group_commit"):
+        ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, group_commit=0)
