@@ -21,12 +21,18 @@ from zlib import crc32
 
 from engine.checkpoint import PERSISTENCE_CURSOR, MemoryCounter
 from engine.config import BucketConfig
-from engine.exceptions import EngineClosed, InvalidArgument, NotMyVBucket, TemporaryFailure
+from engine.exceptions import (
+    EngineClosed,
+    InvalidArgument,
+    NotMyVBucket,
+    StateCasMismatch,
+    TemporaryFailure,
+)
 from engine.failover_log import FailoverEntry, FailoverLog
 from engine.item import Item, Op
 from engine.producer import DcpProducer
 from engine.storage import Row, Storage, VBucketRecord
-from engine.stream import StreamEndReason, item_from_row
+from engine.stream import SnapshotMarker, StreamEndReason, item_from_row
 from engine.vbucket import (
     MAX_KEY_LEN,
     GetResult,
@@ -38,6 +44,7 @@ from engine.vbucket import (
 )
 
 CLEAN_SHUTDOWN = "clean_shutdown"
+_STATE_CAS_RNG = random.SystemRandom()
 _SET = StoreMode.SET
 
 #: cyclic-GC thresholds for a process that holds millions of long-lived, acyclic items (see tune_gc)
@@ -94,6 +101,8 @@ class Bucket:
         self.producers: dict[str, DcpProducer] = {}
         self.cursors_dropped = 0
         self.items_flushed = 0
+        self.replica_rollbacks = 0
+        self.replica_rebuilds = 0
         data_dir = Path(config.data_dir)
         self.storage = Storage(data_dir / f"{config.name}.sqlite3", synchronous=config.sqlite_synchronous)
         self.was_clean = self.storage.get_meta(CLEAN_SHUTDOWN) == "1"
@@ -140,11 +149,19 @@ class Bucket:
                 vb.history_start = rec.history_start
                 vb.max_cas = rec.max_cas
                 vb.persisted_snap = (rec.snap_start, rec.snap_end)
+                if vb.state is not VBucketState.ACTIVE:
+                    # Replica warmup: the last complete snapshot persisted, and a partial one to resume inside.
+                    b = self.storage.snapshot_boundary(vbid, rec.high_seqno)
+                    vb.snapshot_complete = vb.snapshot_persisted = b
+                    if rec.snap_start <= rec.high_seqno < rec.snap_end:
+                        vb.replica_snaps.append([rec.high_seqno, rec.snap_start, rec.snap_end])
                 if not self.was_clean and vb.state is VBucketState.ACTIVE:
                     # kv_engine warmup: entry at the last snapshot end if the high seqno equals it, else start.
                     at = rec.snap_end if rec.high_seqno == rec.snap_end else rec.snap_start
                     fo.create_entry(at)
                     new_records.append(self._record(vb))
+            # Seed 001 partition-state CAS, step 1: generated afresh on every startup.
+            vb.state_cas = self._new_state_cas()
             self._vbs.append(vb)
         for row in self.storage.current_all():
             self._vbs[row[0]].load(item_from_row(row))
@@ -155,6 +172,11 @@ class Bucket:
             self.storage.save_states(new_records)
         if self.first_open:
             self.storage.set_meta("created", str(int(self.clock())))
+
+    def _new_state_cas(self) -> int:
+        # System randomness even for seeded buckets: a restarted node must not hand out the CAS values of its
+        # previous run (and the vbuuid sequence of a seeded bucket stays what it was).
+        return _STATE_CAS_RNG.getrandbits(48) or 1
 
     def _record(self, vb: VBucket) -> VBucketRecord:
         return VBucketRecord(
@@ -303,12 +325,20 @@ class Bucket:
         if not touched:
             return 0
         records = []
+        boundaries: list[tuple[int, int]] = []
         for vb, _saved, _old, first, last in touched:
             vb.persisted_seqno = last
-            vb.persisted_snap = (first, last)
+            if vb.replica_snaps:
+                # A replica records the producer's marker range (possibly partial) and the complete
+                # snapshots' ends (seed 001: "the replica persists the mutation in sequence order").
+                snap, ends = vb.replica_persisted(last)
+                vb.persisted_snap = snap
+                boundaries.extend((vb.id, e) for e in ends)
+            else:
+                vb.persisted_snap = (first, last)
             records.append(self._record(vb))
         try:
-            self.storage.flush(rows, superseded, records)
+            self.storage.flush(rows, superseded, records, boundaries)
         except Exception:
             for vb, saved, old, _first, _last in touched:
                 cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]
@@ -317,7 +347,9 @@ class Bucket:
                 vb.dirty = True
                 dirty.add(vb.id)
             raise
-        for vb, *_ in touched:
+        for vb, _saved, _old, _first, last in touched:
+            if vb.replica_snaps:
+                vb.replica_flushed(last)
             vb.ckpt.remove_unreferenced()
         self.items_flushed += len(rows)
         return len(rows)
@@ -413,17 +445,137 @@ class Bucket:
             self.storage.save_states(records)
 
     # ------------------------------------------------------------------ vbucket state
-    def set_vbucket_state(self, vbucket: int, state: VBucketState | str) -> None:
-        """Change a vbucket's state; streams of a vbucket that stops being active end with STATE_CHANGED."""
+    def state_cas(self, vbucket: int) -> int:
+        """The vbucket's partition-state CAS (seed 001: the manager discovers it, then sends it with every
+        state command)."""
+        return self.vbucket(vbucket).state_cas
+
+    def _check_state_cas(self, vb: VBucket, cas: int | None) -> None:
+        # Seed 001 partition-state CAS, step 5/6: a stale CAS is rejected with the current one.
+        if cas is not None and cas != vb.state_cas:
+            raise StateCasMismatch(vb.id, vb.state_cas, cas)
+
+    def set_vbucket_state(self, vbucket: int, state: VBucketState | str, *, cas: int | None = None) -> int:
+        """Change a vbucket's state; returns the new partition-state CAS.
+
+        Streams of a vbucket that stops being active end with STATE_CHANGED. With ``cas``, the command is
+        rejected with :class:`StateCasMismatch` unless it matches the current state CAS (seed 001 "How
+        ns_server and ep-engine guarantee ordering of partition state transitions"); every accepted change
+        draws a new CAS. Replica/pending -> active is a promotion (:meth:`promote`, kv_engine adds a failover
+        entry).
+        """
         vb = self.vbucket(vbucket)
         new = VBucketState(state)
+        self._check_state_cas(vb, cas)
         if new is vb.state:
-            return
+            return vb.state_cas
         old = vb.state
+        if new is VBucketState.ACTIVE and old in (VBucketState.REPLICA, VBucketState.PENDING):
+            self.promote(vbucket)
+            return vb.state_cas
         vb.state = new
+        vb.state_cas = self._new_state_cas()
         if old is VBucketState.ACTIVE:
             vb.end_streams(StreamEndReason.STATE_CHANGED)
+        if not vb.replica_snaps:
+            # No partial snapshot (an active's history is complete at every seqno it wrote).
+            vb.snapshot_complete = vb.high_seqno
+            vb.snapshot_persisted = vb.persisted_seqno
         self.storage.save_states([self._record(vb)])
+        return vb.state_cas
+
+    def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None:
+        """Make a replica (or pending) vbucket active; returns the failover entry created (None on takeover).
+
+        kv_engine ``setVBucketState(active)`` of a replica: the failover table gets ``createEntry`` at the last
+        complete snapshot's end (dcp-reference.md "Failover table"); items of a partial snapshot above it are
+        an inconsistent state and are rolled back first. A takeover (``takeover=True``: rebalance or graceful
+        failover, the replica holds exactly the old active's history) adds no entry.
+        """
+        vb = self.vbucket(vbucket)
+        self._check_state_cas(vb, cas)
+        if vb.state is not VBucketState.REPLICA and vb.state is not VBucketState.PENDING:
+            raise NotMyVBucket(f"vbucket {vbucket} is {vb.state.value}: only a replica can be promoted")
+        if vb.high_seqno > vb.snapshot_complete:
+            self.rollback_vbucket(vbucket, vb.snapshot_complete)
+        vb.end_streams(StreamEndReason.STATE_CHANGED)  # replica-reading streams: the vbucket changes role
+        vb.replica_snaps.clear()
+        vb.ckpt.create_checkpoint()
+        entry = None if takeover else vb.failover.create_entry(vb.high_seqno)
+        vb.state = VBucketState.ACTIVE
+        vb.state_cas = self._new_state_cas()
+        self.storage.save_states([self._record(vb)])
+        return entry
+
+    # ------------------------------------------------------------------ replica side (engine/replication.py)
+    def _replica(self, vbucket: int) -> VBucket:
+        vb = self.vbucket(vbucket)
+        vb._check_replica()
+        return vb
+
+    def replica_position(self, vbucket: int) -> tuple[int, int, int]:
+        """``(start, snap_start, snap_end)`` a replica vbucket streams from (dcp-reference.md "Client rules")."""
+        return self._replica(vbucket).replica_position()
+
+    def apply_replica_message(self, message: SnapshotMarker | Item) -> None:
+        """Apply one DCP message from the active to a replica vbucket (kv_engine ``PassiveStream``).
+
+        A snapshot marker opens the replica's snapshot range; a mutation / deletion / expiration is stored
+        with the producer's seqno, rev seqno, CAS, flags and expiry (set-with-meta; no seqno or CAS is
+        generated here) and queued in the replica's checkpoint, so the normal flusher persists it in seqno
+        order. :class:`NotMyVBucket` for an unknown or non-replica vbucket, :class:`InvalidArgument` for a
+        message outside the open snapshot.
+        """
+        self._check_open()
+        if type(message) is SnapshotMarker:
+            self._replica(message.vbucket).replica_marker(message.start, message.end)
+        elif type(message) is Item:
+            self._replica(message.vbucket).replica_apply(message)
+        else:
+            raise InvalidArgument(f"not a DCP data message: {message!r}")
+
+    def replace_failover_log(self, vbucket: int, entries: list[FailoverEntry]) -> None:
+        """A replica adopts the producer's whole failover log on stream-request OK and persists it
+        (kv_engine ``replaceFailoverLog``)."""
+        vb = self._replica(vbucket)
+        vb.failover.replace(entries)
+        self.storage.save_states([self._record(vb)])
+
+    def rollback_vbucket(self, vbucket: int, seqno: int) -> int:
+        """Roll a replica vbucket back to its newest complete-snapshot boundary <= ``seqno``; returns the
+        seqno reached.
+
+        dcp-reference.md "Client rules": on ROLLBACK(s) discard what is above s back to a snapshot boundary
+        <= s and prune failover entries above it. Storage restores the exact state at that boundary from its
+        history of prior versions; when that history was purged the vbucket is rebuilt from zero (returns 0;
+        counted in ``replica_rebuilds``). The hash table and checkpoints are reloaded from storage; streams
+        reading the vbucket end with ROLLBACK. kv_engine rolls back replica (and pending) vbuckets only.
+        """
+        self._check_open()
+        vb = self._replica(vbucket)
+        if type(seqno) is not int or seqno < 0:
+            raise InvalidArgument(f"invalid rollback seqno {seqno!r}")
+        vb.end_streams(StreamEndReason.ROLLBACK)
+        self.flush_all()  # everything received reaches disk first; storage then cuts it back exactly
+        target = min(self.storage.snapshot_boundary(vbucket, seqno), vb.high_seqno)
+        vb.failover.prune_above(target)
+        record = VBucketRecord(
+            vb.id, vb.state.value, vb.failover.to_pairs(), target, target, target, vb.purge_seqno, vb.max_cas,
+            vb.history_start)
+        if target == 0 or not self.storage.rollback(vbucket, target, record):
+            if target != 0:
+                self.replica_rebuilds += 1
+            target = 0
+            vb.failover.prune_above(0)
+            vb.purge_seqno = vb.history_start = 0
+            record = VBucketRecord(vb.id, vb.state.value, vb.failover.to_pairs())
+            self.storage.reset_vbucket(vbucket, record)
+        vb.reset(target, map(item_from_row, self.storage.current(vbucket)))
+        self._dirty.discard(vbucket)
+        vb.dirty = False
+        self.replica_rollbacks += 1
+        self.storage.save_states([self._record(vb)])
+        return target
 
     def failover_log(self, vbucket: int) -> list[FailoverEntry]:
         return list(self.vbucket(vbucket).failover.entries)
@@ -456,6 +608,8 @@ class Bucket:
             "items_flushed": self.items_flushed,
             "cursors_dropped": self.cursors_dropped,
             "producers": len(self.producers),
+            "replica_rollbacks": self.replica_rollbacks,
+            "replica_rebuilds": self.replica_rebuilds,
             "clean_start": int(self.was_clean),
         }
 

@@ -54,6 +54,23 @@ class KeyExists(EngineError):
     status = Status.KEY_EEXISTS
 
 
+class StateCasMismatch(KeyExists):
+    """KEY_EEXISTS: a vbucket state change carried a stale partition-state CAS.
+
+    Seed 001 "How ns_server and ep-engine guarantee ordering of partition state transitions": every state
+    command carries the CAS the manager last saw; a mismatch is rejected with the current CAS so the manager
+    records it and retries (step 6). Retriable for that reason.
+    """
+
+    retriable = True
+
+    def __init__(self, vbucket: int, current_cas: int, given_cas: int) -> None:
+        super().__init__(f"vbucket {vbucket}: stale state cas {given_cas} (current {current_cas})")
+        self.vbucket = vbucket
+        self.current_cas = current_cas
+        self.given_cas = given_cas
+
+
 class ValueTooLarge(EngineError):
     """E2BIG: the value exceeds the bucket's configured maximum."""
 

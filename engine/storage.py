@@ -10,6 +10,9 @@ Layout: one database per bucket.
 * ``vbstate`` -- per vbucket: state, failover log, persisted high seqno, the last persisted snapshot range,
   purge seqno, max CAS and ``history_start`` (below it, older versions may have been purged).
 * ``meta`` -- the clean-shutdown marker.
+* ``snapshots`` -- for replica vbuckets, the end seqno of every complete snapshot received from the active and
+  persisted: the consistent points a replica can roll back to (dcp-reference.md "Client rules": roll back to a
+  snapshot boundary <= the rollback seqno; the items of a partial snapshot are an inconsistent state).
 
 Every flush is one transaction: a disk snapshot with its seqno range (seed 002 "Disk Snapshots").
 """
@@ -39,6 +42,8 @@ CREATE TABLE IF NOT EXISTS vbstate (
     snap_start INTEGER NOT NULL, snap_end INTEGER NOT NULL, purge_seqno INTEGER NOT NULL,
     max_cas INTEGER NOT NULL, history_start INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (
+    vb INTEGER NOT NULL, seqno INTEGER NOT NULL, PRIMARY KEY (vb, seqno)) WITHOUT ROWID;
 """
 
 _INSERT: Final = (
@@ -130,14 +135,18 @@ class Storage:
         rows: Sequence[Row],
         superseded: Sequence[tuple[int, int, int]],
         states: Iterable[VBucketRecord],
+        boundaries: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """Persist one batch atomically: new rows, superseded marks ``(newer_seqno, vb, old_seqno)``, states."""
+        """Persist one batch atomically: new rows, superseded marks ``(newer_seqno, vb, old_seqno)``, states
+        and replica snapshot boundaries ``(vb, end_seqno)``."""
         db = self._db
         try:
             db.execute("BEGIN")
             db.executemany(_INSERT, rows)
             if superseded:
                 db.executemany(_SUPERSEDE, superseded)
+            if boundaries:
+                db.executemany("INSERT OR IGNORE INTO snapshots (vb, seqno) VALUES (?, ?)", boundaries)
             db.executemany(_UPSERT_STATE, [r.as_params() for r in states])
             db.execute("COMMIT")
         except sqlite3.Error as e:
@@ -180,6 +189,12 @@ class Storage:
     def count(self, vb: int) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM items WHERE vb=?", (vb,)).fetchone()[0])
 
+    def snapshot_boundary(self, vb: int, seqno: int) -> int:
+        """The newest persisted complete-snapshot end of replica ``vb`` at or below ``seqno`` (0 if none)."""
+        (b,) = self._db.execute(
+            "SELECT COALESCE(MAX(seqno), 0) FROM snapshots WHERE vb=? AND seqno<=?", (vb, seqno)).fetchone()
+        return int(b)
+
     # ------------------------------------------------------------------ rollback / compaction
     def rollback(self, vb: int, seqno: int, record: VBucketRecord) -> bool:
         """Restore ``vb`` on disk to exactly its state at ``seqno``.
@@ -194,6 +209,7 @@ class Storage:
             db.execute("BEGIN")
             db.execute("DELETE FROM items WHERE vb=? AND seqno>?", (vb, seqno))
             db.execute("UPDATE items SET superseded=NULL WHERE vb=? AND superseded>?", (vb, seqno))
+            db.execute("DELETE FROM snapshots WHERE vb=? AND seqno>?", (vb, seqno))
             db.execute(_UPSERT_STATE, record.as_params())
             db.execute("COMMIT")
         except sqlite3.Error as e:
@@ -207,6 +223,7 @@ class Storage:
         db = self._db
         db.execute("BEGIN")
         db.execute("DELETE FROM items WHERE vb=?", (vb,))
+        db.execute("DELETE FROM snapshots WHERE vb=?", (vb,))
         if record is None:
             db.execute("DELETE FROM vbstate WHERE vb=?", (vb,))
         else:

@@ -7,7 +7,8 @@ key, ``(crc >> 16) & 0x7fff``, modulo the number of vbuckets.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from time import time_ns
@@ -147,6 +148,16 @@ class VBucket:
         self._on_dirty = on_dirty
         self.dirty = False  # has items the flusher has not read; set here, cleared by the flusher
         self.expirations = 0
+        # Replica side (engine/replication.py). Snapshot markers received and not yet wholly persisted, as
+        # [base, start, end]: the marker's items are those with seqno > base (base = high seqno when it arrived).
+        self.replica_snaps: deque[list[int]] = deque()
+        #: end of the last complete snapshot received / received and persisted (seed 001: durability waits for
+        #: "a complete snapshot from the master where the high snapshot sequence # is >= the client's")
+        self.snapshot_complete = high_seqno
+        self.snapshot_persisted = high_seqno
+        #: partition-state CAS (seed 001 "How ns_server and ep-engine guarantee ordering of partition state
+        #: transitions"); set by the bucket
+        self.state_cas = 0
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -355,6 +366,112 @@ class VBucket:
             self.max_deleted_rev = item.rev_seqno
         if item.cas > self.max_cas:
             self.max_cas = item.cas
+
+    # ------------------------------------------------------------------ replica side
+    def _check_replica(self) -> None:
+        # kv_engine PassiveStream: only a replica (or pending) vbucket accepts DCP data from a producer.
+        if self.state is not VBucketState.REPLICA and self.state is not VBucketState.PENDING:
+            raise NotMyVBucket(f"vbucket {self.id} is {self.state.value}, not replica: cannot apply DCP data")
+
+    def replica_marker(self, start: int, end: int) -> None:
+        """A snapshot marker from the active: opens the replica's snapshot range ``[start, end]``.
+
+        kv_engine: a replica checkpoint holds one snapshot (a marker opens a new checkpoint), so nothing is
+        de-duplicated across snapshots and the replica persists every item it received, in seqno order. A
+        marker arriving while the previous snapshot is incomplete (the stream was re-requested from inside it)
+        supersedes it: the new first marker starts at or below the old start (``min(snap_start, start)``).
+        """
+        self._check_replica()
+        if type(start) is not int or type(end) is not int or not 0 <= start <= end:
+            raise InvalidArgument(f"vbucket {self.id}: bad snapshot marker [{start!r}, {end!r}]")
+        if end <= self.high_seqno:
+            raise InvalidArgument(
+                f"vbucket {self.id}: snapshot marker [{start}, {end}] ends at or below high seqno {self.high_seqno}")
+        snaps = self.replica_snaps
+        base = self.high_seqno
+        if snaps and snaps[-1][2] > self.high_seqno:
+            base = snaps.pop()[0]
+        snaps.append([base, start, end])
+        self.ckpt.create_checkpoint()
+
+    def replica_apply(self, item: Item) -> Item:
+        """Apply a mutation / deletion / expiration from the active with its seqno, rev seqno, CAS, flags and
+        expiry (kv_engine ``setWithMeta`` / ``deleteWithMeta`` on a replica: no seqno or CAS is generated;
+        ``max_cas`` follows the producer). Returns the replica's own copy of the item."""
+        self._check_replica()
+        snaps = self.replica_snaps
+        if not snaps or snaps[-1][2] <= self.high_seqno:
+            raise InvalidArgument(f"vbucket {self.id}: {item!r} outside any open snapshot")
+        end = snaps[-1][2]
+        if item.vbucket != self.id or not self.high_seqno < item.seqno <= end:
+            raise InvalidArgument(
+                f"vbucket {self.id}: {item!r} not in ({self.high_seqno}, {end}] of the open snapshot")
+        key = item.key
+        old = self.ht.get(key)
+        # A copy: the producer's item is shared with its own checkpoint, and prev_seqno is per vbucket copy.
+        it = Item(key, item.value, self.id, item.seqno, item.rev_seqno, item.cas, item.flags, item.expiry,
+                  item.datatype, item.op, old.seqno if old is not None else 0)
+        if old is not None and old.op is Op.MUTATION:
+            self.num_items -= 1
+        if it.op is Op.MUTATION:
+            self.num_items += 1
+            if it.expiry:
+                self.expiring.add(key)
+            else:
+                self.expiring.discard(key)
+        else:
+            self.expiring.discard(key)
+            if it.rev_seqno > self.max_deleted_rev:
+                self.max_deleted_rev = it.rev_seqno
+        if it.cas > self.max_cas:
+            self.max_cas = it.cas
+        self._queue(it)
+        if it.seqno == end:
+            self.snapshot_complete = end
+        return it
+
+    def replica_position(self) -> tuple[int, int, int]:
+        """``(start, snap_start, snap_end)`` for this replica's stream request (dcp-reference.md "Client
+        rules": start = last seqno, snapshot = the current, possibly partial, snapshot's marker range)."""
+        high = self.high_seqno
+        snaps = self.replica_snaps
+        if snaps and snaps[-1][1] <= high < snaps[-1][2]:
+            return high, snaps[-1][1], snaps[-1][2]
+        return high, high, high
+
+    def replica_persisted(self, last: int) -> tuple[tuple[int, int], list[int]]:
+        """After the flusher persisted up to ``last``: the snapshot range to record with it and the ends of
+        the snapshots now wholly persisted (their boundaries)."""
+        snap = (last, last)
+        ends: list[int] = []
+        for base, start, end in self.replica_snaps:
+            if base < last:
+                snap = (start, end)
+            if end <= last:
+                ends.append(end)
+        return snap, ends
+
+    def replica_flushed(self, last: int) -> None:
+        """Forget the markers wholly persisted up to ``last``."""
+        snaps = self.replica_snaps
+        while snaps and snaps[0][2] <= last:
+            self.snapshot_persisted = snaps.popleft()[2]
+
+    def reset(self, high_seqno: int, items: Iterable[Item]) -> None:
+        """Rollback: reload the hash table from storage at ``high_seqno``; checkpoints and DCP cursors are
+        dropped (kv_engine rollback resets the checkpoint manager and reloads the vbucket from disk)."""
+        self.ht = {}
+        self.num_items = 0
+        self.max_deleted_rev = 0
+        self.max_cas = 0
+        self.expiring = set()
+        self.high_seqno = self.persisted_seqno = high_seqno
+        self.persisted_snap = (high_seqno, high_seqno)
+        self.snapshot_complete = self.snapshot_persisted = high_seqno
+        self.replica_snaps.clear()
+        self.ckpt.clear(high_seqno)
+        for it in items:
+            self.load(it)
 
     def end_streams(self, reason: int) -> None:
         for s in list(self.streams):

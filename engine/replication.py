@@ -1,0 +1,187 @@
+"""The replica side of DCP: a consumer connection feeding replica vbuckets from an active node's producer.
+
+kv_engine counterparts: ``dcp/consumer.cc`` (``DcpConsumer``) and ``dcp/passive_stream.cc`` (``PassiveStream``).
+Seed 001 "How KV mutations flow into Replicas": the replica preserves the master's seqnos and persists in seqno
+order. The rules applied (``/work/shared/dcp-reference.md``):
+
+* **Stream request from the replica's own position** ("Client rules"): start = the replica's high seqno,
+  vbuuid = its newest failover entry, snapshot = the current, possibly partial, snapshot's marker range.
+  The request also carries the replica's whole failover log (the product's common-ancestor extension,
+  docs/rollback.md), so a replica whose newest branch the producer never saw need not go back to 0.
+* **OK**: the replica replaces its whole failover log with the producer's and persists it (kv_engine
+  ``replaceFailoverLog``).
+* **ROLLBACK(s)**: the replica vbucket is rolled back to its newest complete-snapshot boundary <= s from storage
+  history (rebuilt from zero when the history was purged), its failover entries above that are pruned and the
+  request is repeated -- rollbacks can repeat.
+* **Data**: markers open the replica's snapshot; mutations, deletions and expirations are applied with the
+  producer's seqno, rev seqno, CAS, flags and expiry (``Bucket.apply_replica_message``).
+* **Flow control**: the consumer acknowledges the bytes of every message it applied (DCP buffer-ack).
+
+Everything is synchronous: :meth:`DcpConsumer.step` pulls one batch from the producer and applies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from enum import Enum
+
+from engine.bucket import Bucket
+from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
+from engine.failover_log import FailoverEntry
+from engine.item import Item
+from engine.producer import DcpProducer
+from engine.stream import MAX_SEQNO, SnapshotMarker, StreamEnd, StreamEndReason, StreamFlags
+
+#: a stream request that keeps being answered ROLLBACK this many times is an engine bug, not a history
+MAX_ROLLBACKS_PER_REQUEST = 64
+
+
+class PassiveState(Enum):
+    READING = "reading"
+    DEAD = "dead"
+
+
+@dataclass(slots=True)
+class PassiveStream:
+    """One replica vbucket's stream on a consumer connection (kv_engine ``PassiveStream``)."""
+
+    vbucket: int
+    state: PassiveState = PassiveState.READING
+    end_reason: StreamEndReason | None = None
+    items: int = 0
+    markers: int = 0
+    rollbacks: int = 0
+
+
+class DcpConsumer:
+    """A replication connection: one active node's producer -> replica vbuckets of another bucket.
+
+    ``replica`` is the bucket holding the replica vbuckets; ``producer`` is a DCP connection opened on the
+    active node's bucket (``active_bucket.dcp_producer(name)``). Streams are added per vbucket with
+    :meth:`add_stream`; :meth:`step` moves one batch.
+    """
+
+    def __init__(
+        self, name: str, replica: Bucket, producer: DcpProducer, *, use_client_log: bool = True
+    ) -> None:
+        if not name:
+            raise InvalidArgument("a DCP consumer needs a name")
+        self.name = name
+        self.replica = replica
+        self.producer = producer
+        self.use_client_log = use_client_log
+        self.streams: dict[int, PassiveStream] = {}
+        self.rollbacks = 0
+        self.messages = 0
+
+    def __repr__(self) -> str:
+        return f"DcpConsumer({self.name!r} streams={sorted(self.streams)})"
+
+    @property
+    def closed(self) -> bool:
+        return self.producer.closed or self.replica.closed
+
+    def is_open(self, vbucket: int) -> bool:
+        s = self.streams.get(vbucket)
+        return s is not None and s.state is PassiveState.READING
+
+    # ------------------------------------------------------------------ stream requests
+    def add_stream(self, vbucket: int) -> list[FailoverEntry]:
+        """Request vbucket ``vbucket`` from the producer at the replica's own position.
+
+        Handles ROLLBACK (roll the replica back, re-request; repeated as often as the producer asks) and, on
+        OK, replaces the replica's failover log with the producer's. Returns that log. Raises
+        :class:`NotMyVBucket` when the replica vbucket is not a replica (or unknown) or the producer's vbucket
+        is not active; other stream-request errors propagate.
+        """
+        if self.is_open(vbucket):
+            raise InvalidArgument(f"{self.name}: a stream for vbucket {vbucket} is already open")
+        stream = self.streams.get(vbucket) or PassiveStream(vbucket)
+        for _ in range(MAX_ROLLBACKS_PER_REQUEST):
+            start, snap_start, snap_end = self.replica.replica_position(vbucket)
+            log = self.replica.failover_log(vbucket)
+            try:
+                # A replication stream reads an active vbucket only (ACTIVE_VB_ONLY).
+                entries = self.producer.stream_request(
+                    vbucket, start, MAX_SEQNO, log[0].vbuuid, snap_start, snap_end,
+                    flags=StreamFlags.ACTIVE_VB_ONLY, failover_log=log if self.use_client_log else None)
+            except RollbackRequired as rb:
+                self.replica.rollback_vbucket(vbucket, rb.seqno)
+                stream.rollbacks += 1
+                self.rollbacks += 1
+                continue
+            self.replica.replace_failover_log(vbucket, entries)
+            stream.state = PassiveState.READING
+            stream.end_reason = None
+            self.streams[vbucket] = stream
+            return entries
+        raise InvalidArgument(f"{self.name}: vbucket {vbucket} still asked to roll back after "
+                              f"{MAX_ROLLBACKS_PER_REQUEST} rollbacks")
+
+    def close_stream(self, vbucket: int) -> None:
+        """Stop replicating ``vbucket`` on this connection (no error if it is not open)."""
+        s = self.streams.pop(vbucket, None)
+        p = self.producer
+        if s is not None and s.state is PassiveState.READING and not p.closed:
+            with contextlib.suppress(NotMyVBucket):
+                p.close_stream(vbucket)
+            # kv_engine sends no stream-end for a close the consumer asked for (unless the connection enabled
+            # send_stream_end_on_client_close_stream): forget the ended stream so a later request is clean.
+            old = p.streams.pop(vbucket, None)
+            if old is not None:
+                old.ready.clear()
+
+    # ------------------------------------------------------------------ data
+    def step(self, max_messages: int = 4096) -> int:
+        """Pull one batch of messages from the producer and apply them; returns how many were handled."""
+        if self.closed:
+            return 0
+        msgs = self.producer.step(max_messages)
+        if not msgs:
+            return 0
+        nbytes = 0
+        for m in msgs:
+            nbytes += m.dcp_size
+            self._handle(m)
+        self.producer.buffer_acknowledge(nbytes)
+        self.messages += len(msgs)
+        return len(msgs)
+
+    def drain(self, max_steps: int = 1_000_000) -> int:
+        """Step until the producer has nothing more to send; returns messages handled."""
+        n = 0
+        for _ in range(max_steps):
+            k = self.step()
+            if not k:
+                return n
+            n += k
+        return n
+
+    def _handle(self, m: SnapshotMarker | Item | StreamEnd) -> None:
+        s = self.streams.get(m.vbucket)
+        if isinstance(m, StreamEnd):
+            if s is not None:
+                s.state = PassiveState.DEAD
+                s.end_reason = m.reason
+            return
+        if s is None or s.state is not PassiveState.READING:
+            raise InvalidArgument(f"{self.name}: {m!r} for vbucket {m.vbucket} without an open stream")
+        self.replica.apply_replica_message(m)
+        if type(m) is SnapshotMarker:
+            s.markers += 1
+        else:
+            s.items += 1
+
+    def close(self) -> None:
+        """Disconnect: the producer side ends every stream."""
+        self.streams.clear()
+        if not self.producer.closed:
+            bucket = self.producer.bucket
+            if not bucket.closed and bucket.producers.get(self.producer.name) is self.producer:
+                bucket.close_producer(self.producer.name)
+            else:
+                self.producer.close()
+
+
+__all__ = ["DcpConsumer", "PassiveState", "PassiveStream"]
