@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -193,6 +194,7 @@ class ChangeStreamConsumer:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.records_consumed = 0
         self.dead_letters = 0
+        self._stop = threading.Event()
         self._closed = False
         self.consumer = Consumer(conf)
         try:
@@ -234,7 +236,11 @@ class ChangeStreamConsumer:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         parts = {tp.partition for tp in partitions}
-        # Drop partial buffers: nothing partial is flushed; the next owner resumes from the stored state.
+        # What the application confirmed is committed before the partitions go (group commit), so the next
+        # owner resumes after it; partial buffers are dropped: nothing partial is flushed.
+        if self._open is None:
+            with contextlib.suppress(ConnectorError):
+                self.flush()
         for p in parts:
             for vb in self._by_part.pop(p, {}):
                 self._vbs.pop(vb, None)
@@ -538,6 +544,9 @@ class ChangeStreamConsumer:
         while True:
             if self._open is not None:
                 raise ConnectorError("commit(ev) the previous event before asking for the next one")
+            if self._stop.is_set():
+                self._stop.clear()
+                return
             if until_caught_up and not self._queue and not self._backlog and self.caught_up():
                 return
             ev = self._next_event(self.poll_timeout)
@@ -554,6 +563,9 @@ class ChangeStreamConsumer:
         while True:
             if self._open is not None:
                 raise ConnectorError("commit(ev) the previous event before asking for the next one")
+            if self._stop.is_set():
+                self._stop.clear()
+                return
             if until_caught_up and not self._queue and not self._backlog and self.caught_up():
                 return
             ev = await loop.run_in_executor(self._executor, self._next_event, self.poll_timeout)
@@ -600,6 +612,11 @@ class ChangeStreamConsumer:
                     raise
         finally:
             self.flush()  # what the application confirmed stays confirmed
+
+    def stop(self) -> None:
+        """Ask :meth:`run` / :meth:`events` / :meth:`aevents` to return before the next event (thread- and
+        signal-safe; they notice within ``poll_timeout``). Cleared when they return."""
+        self._stop.set()
 
     def close(self) -> None:
         if self._closed:

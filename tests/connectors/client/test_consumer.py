@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -417,3 +420,85 @@ def test_group_commit_must_be_positive(harness: Any) -> None:
     h = harness(nvb=2)
     with pytest.raises(ConnectorError, match="group_commit"):
         ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, group_commit=0)
+
+
+def test_two_group_members_rebalance_and_share_one_stored_state(harness: Any, tmp_path: Path) -> None:
+    """Issue 4, "works across consumer-group rebalances": a second member joins a running group; the eager
+    rebalance revokes and reassigns partitions; each member resumes an assigned partition from the stored state
+    (one SQLite file shared by both, as two processes would share it). Every change is applied exactly once
+    across both members and the shared replica ends equal to the engine."""
+    h = harness(nvb=8)
+    write(h.bucket, 160)
+    h.settle()
+    db = tmp_path / "shared.sqlite"
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    kafka = {"bootstrap.servers": h.broker.bootstrap_servers, "session.timeout.ms": 6000,
+             "heartbeat.interval.ms": 500}
+    applied: Counter[tuple[int, int]] = Counter()
+    lock = threading.Lock()
+    assignments: dict[str, set[int]] = {"a": set(), "b": set()}
+
+    class Member(CountingReplicator):
+        def on_snapshot(self, snap: Snapshot) -> None:
+            assert not snap.changes or snap.changes[-1].seqno == snap.end  # complete snapshots only
+            with lock:
+                super().on_snapshot(snap)
+
+        def on_rollback(self, rb: RollbackInstruction) -> None:
+            with lock:
+                super().on_rollback(rb)
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    members: dict[str, Member] = {}
+
+    def member(name: str) -> None:
+        try:
+            with Member(kafka, h.topic, db, group_id=group, applied=applied) as rep:
+                members[name] = rep
+                while not stop.is_set():
+                    rep.run(until_caught_up=False)  # returns on stop()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    def watch(until: Any, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline and not errors:
+            for name, rep in list(members.items()):
+                assignments[name] |= rep.consumer.assignment
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=member, args=(n,), daemon=True) for n in ("a", "b")]
+    threads[0].start()
+    watch(lambda: sum(applied.values()) >= 160)
+    threads[1].start()
+    try:
+        watch(lambda: bool(assignments["b"]))  # the rebalance gave the new member some partitions
+        for r in range(4):  # writes continue while the group rebalances
+            write(h.bucket, 60, start=160 + 60 * r)
+            h.settle()
+            time.sleep(0.3)
+        expected = h.bucket.state_snapshot()
+        check = sqlite3.connect(str(db), timeout=30)
+
+        def converged() -> bool:
+            rows = {k.encode(): (bytes(v), int(vb)) for k, v, vb in check.execute("SELECT key, value, vbucket FROM docs")}
+            return rows == expected
+
+        watch(converged)
+        check.close()
+        final = [members[n].consumer.assignment for n in ("a", "b")]
+        assert final[0] and final[1] and not final[0] & final[1], final
+        assert final[0] | final[1] == set(range(8))
+    finally:
+        stop.set()
+        for rep in members.values():
+            rep.consumer.stop()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "stop() did not end run()"
+    assert assignments["a"] and assignments["b"], assignments
+    with Replicator(h.broker.bootstrap_servers, h.topic, db) as rep:
+        assert rep.docs() == h.bucket.state_snapshot()
+    assert set(applied.values()) == {1}, "a change was applied twice"
