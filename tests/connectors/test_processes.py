@@ -21,7 +21,7 @@ from tests.gateway.test_gateway_process import NVB, GatewayProc, docs
 pytestmark = pytest.mark.slow
 
 
-def _replicate(broker: Broker, topic: str, db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def replicate_process(broker: Broker, topic: str, db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway.cli", "replicate", "--topic", topic, "--db", str(db),
                            "--bootstrap", broker.bootstrap_servers, *extra], capture_output=True, text=True,
                           timeout=180)
@@ -39,7 +39,7 @@ def test_engine_sigkill_with_unpersisted_published_items_replica_converges(kafka
     try:
         gw.bulk(docs(0, 400))
         gw.wait_caught_up()  # published and acknowledged by Kafka, never flushed by the engine
-        first = _replicate(kafka_broker, topic, db, "--until-caught-up")
+        first = replicate_process(kafka_broker, topic, db, "--until-caught-up")
         assert first.returncode == 0, first.stderr
         gw.kill9()
         gw.env["DCPGW_FLUSH_INTERVAL_S"] = "0.05"
@@ -50,7 +50,7 @@ def test_engine_sigkill_with_unpersisted_published_items_replica_converges(kafka
         gw.stop()
     recs = read_topic(kafka_broker.bootstrap_servers, topic)
     assert any(r.type is RecordType.ROLLBACK for _p, _o, r in recs), "the engine lost published items"
-    second = _replicate(kafka_broker, topic, db, "--until-caught-up")
+    second = replicate_process(kafka_broker, topic, db, "--until-caught-up")
     assert second.returncode == 0, second.stderr
     b = Bucket(BucketConfig(data_dir=data, name=bucket, num_vbuckets=NVB))
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,10 +12,12 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[spark]')")
 
-from engine import Bucket  # noqa: E402
+from engine import Bucket, BucketConfig  # noqa: E402
 from gateway.broker import Broker  # noqa: E402
 from gateway.records import RecordType  # noqa: E402
+from tests.connectors.test_processes import replicate_process  # noqa: E402
 from tests.gateway.kafka_util import read_topic  # noqa: E402
+from tests.gateway.test_gateway_process import NVB, GatewayProc, docs  # noqa: E402
 from tests.harness import Harness, harnesses  # noqa: E402
 
 # One SparkSession (a JVM) per worker process: under pytest-xdist, `--dist loadgroup` keeps these on one worker.
@@ -273,3 +277,58 @@ def test_materialize_reverts_rollbacks_exactly_and_is_idempotent(spark: Any, tmp
     # a later rollback below an earlier batch's changes reverts them too
     materialize(spark.createDataFrame([row("rollback", None, None, 1, 8)], SCHEMA_DDL), 2, path)
     assert table_state(spark, Path(path)) == {b"a": (b"a1", 0)}
+
+
+class _TopicReader:
+    """A gateway topic (published by a `dcpgw up` process) read with the `dcp` format, like :class:`Gw`."""
+
+    def __init__(self, broker: Broker, topic: str) -> None:
+        self.broker = broker
+        self.topic = topic
+
+    reader = Gw.reader
+
+
+def test_proof1_real_processes_replica_and_spark_table_equal_engine(spark: Any, kafka_broker: Broker,
+                                                                    tmp_path: Path) -> None:
+    """Issue 4, proof 1, in one run with real processes: `dcpgw up` publishes items it never persisted (rollback
+    mitigation off, flush every 60 s), the reference application (`dcpgw replicate`, a process) and a Spark
+    streaming query materializing a Parquet table both read them; the gateway is SIGKILLed, restarted, the
+    engine answers ROLLBACK and the gateway publishes rollback records; both end equal to the engine."""
+    bucket = f"s{uuid.uuid4().hex[:8]}"
+    topic = f"dcp.{bucket}"
+    data, db = tmp_path / "data", tmp_path / "replica.sqlite"
+    table, chk = tmp_path / "table", tmp_path / "chk"
+    src = _TopicReader(kafka_broker, topic)
+    proc = GatewayProc(kafka_broker, data, bucket, DCPGW_ROLLBACK_MITIGATION="false", DCPGW_FLUSH_INTERVAL_S="60")
+    proc.start()
+    try:
+        proc.bulk(docs(0, 300))
+        proc.wait_caught_up()  # published and acknowledged by Kafka, never flushed by the engine
+        first = replicate_process(kafka_broker, topic, db, "--until-caught-up")
+        assert first.returncode == 0, first.stderr
+        assert run_stream(src, spark, table, chk)  # type: ignore[arg-type]
+        assert len(table_state(spark, table)) == 300  # the table holds what the engine is about to lose
+        proc.kill9()
+        proc.env["DCPGW_FLUSH_INTERVAL_S"] = "0.05"
+        proc.start()
+        proc.bulk(docs(250, 400))
+        proc.wait_caught_up()
+    finally:
+        proc.stop()
+    assert any(r.type is RecordType.ROLLBACK for _p, _o, r in read_topic(kafka_broker.bootstrap_servers, topic))
+    second = replicate_process(kafka_broker, topic, db, "--until-caught-up")
+    assert second.returncode == 0, second.stderr
+    run_stream(src, spark, table, chk)  # type: ignore[arg-type]
+    b = Bucket(BucketConfig(data_dir=data, name=bucket, num_vbuckets=NVB))
+    try:
+        expected = b.state_snapshot()
+    finally:
+        b.close()
+    assert len(expected) == 150  # docs 250..399 survived; 0..299 were lost with the engine's memory
+    with sqlite3.connect(db) as conn:
+        replica = {k.encode(): (bytes(v), vb) for k, v, vb in conn.execute("SELECT key, value, vbucket FROM docs")}
+    assert replica == expected
+    assert table_state(spark, table) == expected
+    batches = [r for bid in sorted(src.batches) for r in src.batches[bid]]  # type: ignore[attr-defined]
+    assert any(r.op == "rollback" for r in batches)
