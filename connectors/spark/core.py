@@ -30,15 +30,8 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
 from gateway.records import (
-    H_SEQNO,
-    H_SNAP_END,
-    H_SNAP_START,
-    H_TYPE,
-    H_VBUCKET,
-    H_VBUUID,
     DecodedRecord,
     RecordType,
-    ValueFormat,
     decode,
     read_change_value,
 )
@@ -168,22 +161,6 @@ def topic_partitions(opts: SourceOptions) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ replay
-def _light_decode(key: bytes | None, value: bytes | None, headers: Any) -> DecodedRecord:
-    """For boundary scans on the driver: data records from their headers only (no value decoding);
-    control records (rare) fully decoded."""
-    h = dict(headers or ())
-    t = h.get(H_TYPE)
-    if t in (b"mutation", b"deletion", b"expiration"):
-        try:
-            return DecodedRecord(
-                RecordType(t.decode()), int(h[H_VBUCKET]), int(h[H_VBUUID]), int(h[H_SEQNO]),
-                int(h[H_SNAP_START]), int(h[H_SNAP_END]), key or b"", None,
-                0, 0, 0, 0, 0, None, None, None, None, ValueFormat.RAW)
-        except (KeyError, ValueError, TypeError):
-            pass  # let decode() say what is wrong
-    return decode(key, value, headers)
-
-
 class PartitionReplay:
     """Every vbucket of one partition through its :class:`VBucketReplayer`, tracking boundaries."""
 
@@ -304,6 +281,7 @@ def scan_boundaries(
     With ``max_per_partition``: stop at the first boundary at least that many records after the start (a
     partition always advances by at least one complete snapshot set when it has one)."""
     replays = {p: PartitionReplay(p, pos) for p, pos in starts.items()}
+    new_tuple = tuple.__new__
     gen = _consume(opts, {p: pos.offset for p, pos in starts.items()})
     try:
         item = next(gen)
@@ -312,7 +290,12 @@ def scan_boundaries(
             stop = False
             if m is not None:
                 rp = replays[p]
-                rp.feed(_light_decode(m.key(), m.value(), m.headers()), m.offset())
+                v = m.value()
+                f = read_change_value(v) if v is not None else None
+                if f is not None:  # a data record, from its value alone
+                    rp.feed_change(new_tuple(Change, (*f[:11], m.offset())))
+                else:
+                    rp.feed(decode(m.key(), v, m.headers()), m.offset())
                 if max_per_partition is not None and rp.boundary - rp.start >= max_per_partition:
                     stop = True
             item = gen.send(stop)
