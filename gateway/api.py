@@ -5,6 +5,8 @@ a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` an
 ``POST /docs/_bulk`` (a JSON array of ``{"key", "value"}`` upserts; used by ``dcpgw load``).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
 Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
+Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
+(``{"node": "n1", "graceful": false}``; answers the failover report).
 
 Every error is a JSON body ``{"error": <code>, "message": <text>}`` with a 4xx status (5xx only for server
 faults), mapped from the engine's typed exceptions.
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from engine import Datatype
+from engine import Bucket, Datatype
+from engine.cluster import Cluster, FailoverReport
 from engine.exceptions import (
     EngineError,
     InvalidArgument,
@@ -31,6 +34,7 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
+from gateway.source import cluster_summary
 
 if TYPE_CHECKING:
     from gateway.service import GatewayService
@@ -141,6 +145,16 @@ def _vb(request: web.Request) -> int:
     return vb
 
 
+def _bucket(svc: GatewayService, key: bytes) -> Bucket:
+    """The bucket that serves ``key``: the single bucket, or the key's active node per the vbucket map
+    (NOT_MY_VBUCKET -> 404, node down -> 503, as a smart client routing by the map would see)."""
+    c = svc.cluster
+    if c is None:
+        assert svc.bucket is not None
+        return svc.bucket
+    return c.active_bucket(c.vbucket_of(key))
+
+
 def _mutation(res: Any) -> dict[str, Any]:
     return {"vbucket": res.vbucket, "vbuuid": res.vbuuid, "seqno": res.seqno, "cas": res.cas}
 
@@ -148,8 +162,8 @@ def _mutation(res: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------- documents
 async def get_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.bucket is not None
-    g = svc.bucket.get(_key(request))
+    key = _key(request)
+    g = _bucket(svc, key).get(key)
     ctype = "application/json" if g.datatype & Datatype.JSON else "application/octet-stream"
     return web.Response(
         body=g.value, content_type=ctype,
@@ -159,7 +173,6 @@ async def get_doc(request: web.Request) -> web.Response:
 
 async def put_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.bucket is not None
     key = _key(request)
     expiry = _int_param(request, "expiry")
     flags = _int_param(request, "flags")
@@ -168,27 +181,27 @@ async def put_doc(request: web.Request) -> web.Response:
     insert = request.headers.get("If-None-Match") == "*"
     if insert and cas:
         raise ApiError(400, "invalid_argument", "If-Match and If-None-Match: * cannot be combined")
+    bucket = _bucket(svc, key)
     if insert:
-        res = svc.bucket.add(key, body, flags=flags, expiry=expiry)
+        res = bucket.add(key, body, flags=flags, expiry=expiry)
     elif cas:
-        res = svc.bucket.set(key, body, cas=cas, flags=flags, expiry=expiry)
+        res = bucket.set(key, body, cas=cas, flags=flags, expiry=expiry)
     else:
-        res = svc.bucket.set(key, body, flags=flags, expiry=expiry)
+        res = bucket.set(key, body, flags=flags, expiry=expiry)
     svc.wake()
     return web.json_response(_mutation(res), status=201 if insert else 200, headers={"ETag": f'"{res.cas}"'})
 
 
 async def delete_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.bucket is not None
-    res = svc.bucket.delete(_key(request), cas=_cas_header(request))
+    key = _key(request)
+    res = _bucket(svc, key).delete(key, cas=_cas_header(request))
     svc.wake()
     return web.json_response(_mutation(res))
 
 
 async def bulk(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.bucket is not None
     try:
         docs = json.loads(await request.read())
     except (ValueError, UnicodeDecodeError) as e:
@@ -219,10 +232,16 @@ async def bulk(request: web.Request) -> web.Response:
             raise ApiError(400, "invalid_argument", f"entry {i}: expiry must be a non-negative integer")
         prepared.append((k.encode(), vb, exp))
     written = 0
-    bset = svc.bucket.set
-    for k, v, exp in prepared:
-        bset(k, v, expiry=exp)
-        written += 1
+    if svc.cluster is None:
+        assert svc.bucket is not None
+        bset = svc.bucket.set
+        for k, v, exp in prepared:
+            bset(k, v, expiry=exp)
+            written += 1
+    else:
+        for k, v, exp in prepared:
+            _bucket(svc, k).set(k, v, expiry=exp)
+            written += 1
     svc.wake()
     return web.json_response({"written": written})
 
@@ -236,25 +255,27 @@ async def streams(request: web.Request) -> web.Response:
 
 async def vbucket_status(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.publisher is not None and svc.bucket is not None
+    assert svc.publisher is not None
     vb = _vb(request)
     body: dict[str, int | bool | str] = dict(svc.publisher.status(vb))
-    body.update({f"engine_{k}": v for k, v in svc.bucket.vbucket_stats(vb).items() if k != "vbucket"})
+    body.update({f"engine_{k}": v for k, v in svc.publisher.source.vbucket_stats(vb).items() if k != "vbucket"})
+    if svc.cluster is not None:
+        body["active_node"] = svc.cluster.vbucket_map().active(vb) or ""
     return web.json_response(body)
 
 
 async def failover_log(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.bucket is not None
+    assert svc.publisher is not None
     vb = _vb(request)
     return web.json_response({"vbucket": vb, "failover_log": [
-        {"vbuuid": e.vbuuid, "seqno": e.seqno} for e in svc.bucket.failover_log(vb)]})
+        {"vbuuid": e.vbuuid, "seqno": e.seqno} for e in svc.publisher.source.failover_log(vb)]})
 
 
 async def health(request: web.Request) -> web.Response:
     svc = _svc(request)
     pub = svc.publisher
-    ok = pub is not None and pub.error is None and svc.bucket is not None and not svc.bucket.closed
+    ok = pub is not None and pub.error is None and bool(svc.buckets())
     body = {"status": "ok" if ok else "failing", "topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
             "streams": len(pub.streaming) if pub else 0}
     if pub is not None and pub.error is not None:
@@ -271,9 +292,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     svc = _svc(request)
-    assert svc.publisher is not None and svc.bucket is not None
+    assert svc.publisher is not None
     pub = svc.publisher
-    body: dict[str, Any] = dict(svc.bucket.stats())
+    if svc.bucket is not None:
+        body: dict[str, Any] = dict(svc.bucket.stats())
+    else:
+        assert svc.cluster is not None
+        body = {"bucket": svc.settings.bucket, "vbuckets": svc.cluster.num_vbuckets, "items": pub.source.items(),
+                "checkpoint_memory": pub.source.checkpoint_memory(), "nodes": len(svc.cluster.nodes),
+                "map_revision": svc.cluster.vbucket_map().revision, "restreams": pub.restreams,
+                "held": pub.held}
     body.update({
         "topic": svc.topic,
         "records_published": pub.records_sent,
@@ -282,9 +310,76 @@ async def stats(request: web.Request) -> web.Response:
         "errors": pub.errors,
         "inflight": pub.inflight,
         "streams": len(pub.streaming),
-        "lag": sum(max(0, vb.high_seqno - pub.acked[vb.id].seqno) for vb in svc.bucket.vbuckets()),
+        "lag": pub.lag()[0],
     })
     return web.json_response(body)
+
+
+# ---------------------------------------------------------------------- cluster
+def _cluster(svc: GatewayService) -> Cluster:
+    if svc.cluster is None:
+        raise ApiError(404, "not_a_cluster", "the gateway runs a single bucket, not a cluster (dcpgw up --nodes N)")
+    return svc.cluster
+
+
+async def cluster_status(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    c = _cluster(svc)
+    assert svc.publisher is not None
+    body = cluster_summary(c)
+    vbmap = c.vbucket_map()
+    following = svc.publisher.following()
+    body["gateway"] = {
+        # vbuckets whose stream reads from the node the map names active (all of them once re-streamed)
+        "following_map": sum(1 for vb, n in following.items() if vbmap.active(vb) == n),
+        "streaming": len(svc.publisher.streaming),
+        "restreams": svc.publisher.restreams,
+        "rollbacks": svc.publisher.rollbacks,
+        "held": svc.publisher.held,
+        "rollback_mitigation": svc.publisher.rollback_mitigation,
+    }
+    return web.json_response(body)
+
+
+async def cluster_map(request: web.Request) -> web.Response:
+    c = _cluster(_svc(request))
+    return web.json_response(json.loads(c.vbucket_map().to_json()))
+
+
+async def cluster_failover(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    _cluster(svc)
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, "invalid_json", f"body must be a JSON object: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_argument", 'body must be a JSON object {"node": ..., "graceful": ...}')
+    unknown = sorted(set(body) - {"node", "graceful"})
+    if unknown:
+        raise ApiError(400, "invalid_argument", f"unknown fields {unknown}")
+    node = body.get("node")
+    graceful = body.get("graceful", False)
+    if not isinstance(node, str) or not node:
+        raise ApiError(400, "invalid_argument", '"node" must be a node name (a non-empty string)')
+    if not isinstance(graceful, bool):
+        raise ApiError(400, "invalid_argument", '"graceful" must be true or false')
+    report = svc.failover(node, graceful)
+    return web.json_response(failover_report_json(report))
+
+
+def failover_report_json(report: FailoverReport) -> dict[str, Any]:
+    """A :class:`~engine.cluster.FailoverReport` as JSON (vbucket numbers become string keys)."""
+    return {
+        "node": report.node,
+        "graceful": report.graceful,
+        "revision": report.revision,
+        "promoted": {str(vb): n for vb, n in sorted(report.promoted.items())},
+        "entries": {str(vb): None if e is None else {"vbuuid": e.vbuuid, "seqno": e.seqno}
+                    for vb, e in sorted(report.entries.items())},
+        "lost": list(report.lost),
+        "pump_rounds": report.pump_rounds,
+    }
 
 
 def build_app(service: GatewayService) -> web.Application:
@@ -300,4 +395,7 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/cluster", cluster_status)
+    app.router.add_get("/cluster/map", cluster_map)
+    app.router.add_post("/cluster/failover", cluster_failover)
     return app

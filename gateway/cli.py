@@ -1,6 +1,8 @@
 """The ``dcpgw`` command line.
 
-* ``dcpgw up``      engine + gateway + HTTP API, on the embedded broker unless ``KAFKA_BOOTSTRAP_SERVERS`` is set
+* ``dcpgw up``      engine + gateway + HTTP API, on the embedded broker unless ``KAFKA_BOOTSTRAP_SERVERS`` is set;
+  ``--nodes 3 --replicas 1`` runs an in-process cluster of engine nodes behind the one gateway
+* ``dcpgw cluster status|map|failover NODE [--graceful]``  the running gateway's cluster (HTTP admin API)
 * ``dcpgw load``    write generator (through the HTTP API), with a progress bar
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
@@ -138,15 +140,21 @@ def up(
     stream_from: str | None = typer.Option(None, help="saved-offset-or-beginning | saved-offset-or-now | "
                                            "beginning | now."),
     progress: bool = typer.Option(True, help="Show a progress bar while streams catch up."),
+    nodes: int | None = typer.Option(None, "--nodes", min=1, help="Engine nodes (DCPGW_CLUSTER_NODES); > 1 runs "
+                                     "an in-process cluster behind the gateway. Default: one bucket."),
+    replicas: int | None = typer.Option(None, "--replicas", min=0, max=3,
+                                        help="Replicas per vbucket in cluster mode (DCPGW_CLUSTER_REPLICAS)."),
 ) -> None:
-    """Run the engine, the gateway and the HTTP API until Ctrl-C / SIGTERM."""
+    """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
+    Ctrl-C / SIGTERM."""
     from gateway.broker import select_broker
     from gateway.config import load_settings
     from gateway.exceptions import ConfigError
 
     overrides = {k: v for k, v in {
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
-        "value_format": value_format, "stream_from": stream_from}.items() if v is not None}
+        "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
+        "cluster_replicas": replicas}.items() if v is not None}
     try:
         settings = load_settings(config, **overrides)
     except ConfigError as e:
@@ -179,6 +187,10 @@ async def _serve(settings: Any, bootstrap: str, progress: bool) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     (settings.data_dir / STATE_FILE).write_text(json.dumps(state))
     typer.echo(f"dcpgw up: topic {svc.topic} on {bootstrap}; HTTP API {http_url}", err=True)
+    if svc.cluster is not None:
+        vbmap = svc.cluster.vbucket_map()
+        typer.echo(f"cluster: nodes {', '.join(vbmap.nodes)}, {vbmap.num_replicas} replica(s), "
+                   f"map revision {vbmap.revision}", err=True)
     typer.echo(f"KAFKA_BOOTSTRAP_SERVERS={bootstrap}", err=True)
     try:
         if progress and sys.stderr.isatty():
@@ -198,7 +210,7 @@ async def _catch_up_progress(svc: Any) -> None:
     pub = svc.publisher
 
     def lag() -> int:
-        return sum(max(0, vb.high_seqno - pub.acked[vb.id].seqno) for vb in svc.bucket.vbuckets())
+        return int(pub.lag()[0])
 
     total = lag()
     if total == 0:
@@ -276,6 +288,107 @@ def status(
             vt.add_row(*(str(s[c]) for c in ("vbucket", "partition", "engine_high_seqno", "published_seqno",
                                               "acknowledged_seqno", "lag")))
         con.print(vt)
+
+
+# ---------------------------------------------------------------------- cluster
+cluster_app = typer.Typer(help="The running gateway's cluster: status, vbucket map, failover.",
+                          no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+
+_URL = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`).")
+_DATA_DIR = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file.")
+
+
+@cluster_app.command("status")
+def cluster_status(
+    url: str | None = _URL,
+    data_dir: Path = _DATA_DIR,
+    as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
+) -> None:
+    """Nodes (up / down / failed over), their active and replica vbucket counts, the map revision."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base = _url(url, data_dir)
+    st = _http("GET", f"{base}/cluster")
+    if as_json:
+        typer.echo(json.dumps(st))
+        return
+    t = Table(title=f"cluster: map revision {st['revision']}, {st['num_vbuckets']} vbuckets, "
+                    f"{st['replicas']} replica(s)")
+    for col in ("node", "status", "active vbuckets", "replica vbuckets"):
+        t.add_column(col, justify="left" if col in ("node", "status") else "right")
+    for n in st["nodes"]:
+        t.add_row(n["name"], n["status"], str(n["active_vbuckets"]), str(n["replica_vbuckets"]))
+    con = Console()
+    con.print(t)
+    gw = st.get("gateway", {})
+    con.print(f"gateway: {gw.get('following_map')}/{st['num_vbuckets']} vbuckets streaming from their active, "
+              f"{gw.get('restreams')} re-streams, {gw.get('rollbacks')} rollbacks, "
+              f"mitigation {'on' if gw.get('rollback_mitigation') else 'off'}")
+    if st["vbuckets_without_active"]:
+        con.print(f"[red]vbuckets without an active copy: {st['vbuckets_without_active']}[/red]")
+
+
+@cluster_app.command("map")
+def cluster_map(
+    url: str | None = _URL,
+    data_dir: Path = _DATA_DIR,
+    as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
+) -> None:
+    """The vbucket map: every vbucket's chain (active first, then replicas; - is an empty slot)."""
+    base = _url(url, data_dir)
+    m = _http("GET", f"{base}/cluster/map")
+    if as_json:
+        typer.echo(json.dumps(m))
+        return
+    typer.echo(f"revision {m['revision']}, nodes {', '.join(m['nodes'])}")
+    for vb, chain in enumerate(m["chains"]):
+        typer.echo(f"{vb:>5} " + " ".join(n or "-" for n in chain))
+
+
+@cluster_app.command("failover")
+def cluster_failover(
+    node: str = typer.Argument(..., help="The node to fail over (e.g. n1)."),
+    graceful: bool = typer.Option(False, "--graceful", help="Catch the replicas up first (no data loss, "
+                                  "no rollback); the node must be up."),
+    url: str | None = _URL,
+    data_dir: Path = _DATA_DIR,
+    timeout: float = typer.Option(120.0, help="Seconds to wait for the gateway to follow the new map."),
+) -> None:
+    """Fail NODE over (hard by default) and show the gateway re-streaming its vbuckets from the new actives."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+    base = _url(url, data_dir)
+    kind = "graceful" if graceful else "hard"
+    con = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), console=con, transient=False) as bar:
+        before = _http("GET", f"{base}/cluster")
+        task = bar.add_task(f"{kind} failover of {node}", total=None)
+        report = _http("POST", f"{base}/cluster/failover",
+                       json.dumps({"node": node, "graceful": graceful}).encode(), timeout=timeout)
+        bar.update(task, total=1, completed=1,
+                   description=f"{kind} failover of {node}: {len(report['promoted'])} vbuckets promoted, "
+                               f"map revision {report['revision']}")
+        total = int(before["num_vbuckets"]) - len(report["lost"])
+        follow = bar.add_task("gateway re-streaming from the new actives", total=total)
+        deadline = time.monotonic() + timeout
+        while True:
+            st = _http("GET", f"{base}/cluster")
+            done = int(st["gateway"]["following_map"])
+            bar.update(follow, completed=min(done, total))
+            if done >= total:
+                break
+            if time.monotonic() > deadline:
+                _fail(f"the gateway follows the map for only {done}/{total} vbuckets after {timeout:.0f}s")
+            time.sleep(0.2)
+        rollbacks = int(st["gateway"]["rollbacks"]) - int(before["gateway"]["rollbacks"])
+    new_branches = sum(1 for e in report["entries"].values() if e is not None)
+    typer.echo(json.dumps({"node": node, "graceful": graceful, "revision": report["revision"],
+                           "promoted": len(report["promoted"]), "new_branches": new_branches,
+                           "lost": report["lost"], "gateway_rollbacks": rollbacks}))
 
 
 # ---------------------------------------------------------------------- replicate

@@ -467,6 +467,9 @@ class GatewaySettings(BaseSettings):
     expiry_pager_interval_s: PositiveSeconds = 60.0
     compaction_interval_s: PositiveSeconds = 600.0
     flush_interval_s: PositiveSeconds = 0.05
+    #: > 1: an in-process cluster of engine nodes behind the gateway (docs/gateway-cluster.md)
+    cluster_nodes: int = Field(default=1, ge=1, le=64)
+    cluster_replicas: int = Field(default=1, ge=0, le=3)
     # streams
     topic_prefix: str = Field(default="dcp", min_length=1)
     value_format: ValueFormat = "avro"
@@ -564,6 +567,15 @@ class GatewaySettings(BaseSettings):
         if problems:
             raise _problems_error("gateway_property", problems)
         return v
+
+    @model_validator(mode="after")
+    def _cluster_shape(self) -> GatewaySettings:
+        # ns_server: a vbucket's replicas live on other nodes than its active
+        if self.cluster_nodes > 1 and self.cluster_replicas >= self.cluster_nodes:
+            raise _problems_error("cluster_shape", [(("cluster_replicas",), (
+                f"{self.cluster_replicas} replicas need at least {self.cluster_replicas + 1} nodes "
+                f"(cluster_nodes is {self.cluster_nodes})"))])
+        return self
 
     @model_validator(mode="after")
     def _topic_name_length(self) -> GatewaySettings:

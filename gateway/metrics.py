@@ -53,17 +53,12 @@ class GatewayMetrics:
         if now > t0:
             self.events_per_s.set((pub.records_acked - a0) / (now - t0))
         self._last = (now, pub.records_acked)
-        total = 0
-        worst = 0
-        for vb in pub.bucket.vbuckets():
-            lag = max(0, vb.high_seqno - pub.acked[vb.id].seqno)
-            total += lag
-            worst = max(worst, lag)
+        total, worst = pub.lag()
         self.lag.set(total)
         self.max_lag.set(worst)
         self.inflight.set(pub.inflight)
-        self.ckpt_mem.set(pub.bucket.counter.used)
-        self.items.set(sum(vb.num_items for vb in pub.bucket.vbuckets()))
+        self.ckpt_mem.set(pub.source.checkpoint_memory())
+        self.items.set(pub.source.items())
 
     def render(self, pub: Publisher) -> bytes:
         self.collect(pub)

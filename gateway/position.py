@@ -114,12 +114,18 @@ class PublishPosition:
 
     # ------------------------------------------------------------------ stream request
     def request_args(self) -> dict[str, Any]:
+        snap_start, snap_end = self.snap_start, self.snap_end
+        if self.seqno < snap_start:
+            # A snapshot marker was published but none of its items: the position holds nothing of that
+            # snapshot, only the complete one before it (kv_engine needsRollback rule 6 reads start ==
+            # snap_start the same way); the marker's range would make the request ERANGE.
+            snap_start = snap_end = self.seqno
         return {
             "vbucket": self.vbucket,
             "start_seqno": self.seqno,
             "vbuuid": self.failover_log[0].vbuuid if self.failover_log else 0,
-            "snap_start": self.snap_start,
-            "snap_end": self.snap_end,
+            "snap_start": snap_start,
+            "snap_end": snap_end,
             "failover_log": list(self.failover_log) or None,
         }
 

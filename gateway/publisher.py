@@ -15,7 +15,12 @@ Delivery (issue "Gateway"):
   boundary at or below the rollback seqno, re-request (rollbacks may repeat); never from zero unless the engine
   says zero;
 * rollback mitigation (default on): the engine is flushed before every DCP step, so only persisted items are
-  published and a crash of the whole process cannot publish history the engine will lose.
+  published and a crash of the whole process cannot publish history the engine will lose;
+* cluster mode (:class:`~engine.cluster.Cluster` source, docs/gateway-cluster.md): every vbucket is streamed from
+  its active node; on a stream end (STATE_CHANGED on failover), a dead connection (node down) or NOT_MY_VBUCKET
+  the map is reloaded and the vbucket re-requested from the new active with the gateway's own published
+  position, exactly as after a restart. Rollback mitigation there holds each vbucket's DCP messages in a buffer
+  until observe-by-seqno says they are persisted on the active and every replica (Couchbase Kafka connector).
 """
 
 from __future__ import annotations
@@ -37,19 +42,26 @@ from engine import (
     DcpProducer,
     Item,
     NotMyVBucket,
+    RangeError,
     RollbackRequired,
     SnapshotMarker,
     StreamEnd,
     StreamFlags,
+    TemporaryFailure,
 )
+from engine.cluster import Cluster
 from engine.failover_log import FailoverEntry
+from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
 from gateway.position import PublishPosition
 from gateway.records import KafkaRecord, RecordEncoder, partition_for
+from gateway.source import BucketSource, DcpSource, Topology, make_source
 
 log = logging.getLogger(__name__)
 
+#: what a DCP step hands the publisher
+DcpMessage = SnapshotMarker | Item | StreamEnd
 
 
 class PublishError(GatewayError):
@@ -64,6 +76,8 @@ class _Inflight:
     pos: PublishPosition | None
     #: a filtered-out item: no record, no delivery report; acknowledged with the record before it
     filtered: bool = False
+    #: the DCP connection the message came from (its bytes are buffer-acknowledged there)
+    producer: DcpProducer | None = None
 
 
 class KeyFilter:
@@ -84,11 +98,11 @@ class KeyFilter:
 
 
 class Publisher:
-    """Bridges one bucket's DCP streams into one Kafka topic."""
+    """Bridges one bucket's (or one cluster's) DCP streams into one Kafka topic."""
 
     def __init__(
         self,
-        bucket: Bucket,
+        source: Bucket | Cluster | DcpSource,
         producer_config: dict[str, Any],
         topic: str,
         num_partitions: int,
@@ -102,7 +116,8 @@ class Publisher:
         connection_name: str = "dcpgw",
         on_event: Callable[[str, int, int], None] | None = None,
     ) -> None:
-        self.bucket = bucket
+        self.source: DcpSource = make_source(source, connection_name, flow_control_bytes)
+        self.is_cluster = self.source.is_cluster
         self.topic = topic
         self.num_partitions = num_partitions
         self.encoder = encoder
@@ -122,8 +137,17 @@ class Publisher:
                 pub._on_delivery(err, msg)
 
         self.kafka = Producer({**producer_config, "on_delivery": on_delivery})
-        self.dcp: DcpProducer | None = None
-        nvb = bucket.num_vbuckets
+        nvb = self.source.num_vbuckets
+        #: the DCP connection each vbucket streams from now (None: not streaming)
+        self._owner: list[DcpProducer | None] = [None] * nvb
+        #: cluster mode: vbuckets to re-request on the next pump, and those waiting for the topology to change
+        self._detached: set[int] = set()
+        self._waiting: set[int] = set()
+        self._topo: Topology | None = None
+        #: cluster-mode rollback mitigation: DCP messages not yet persisted everywhere, per vbucket, in order
+        self._held: dict[int, deque[DcpMessage]] = {}
+        #: the last persisted-everywhere seqno seen per vbucket (saves an observe per pump)
+        self._safe: dict[int, int] = {}
         # position after the last record produced (sent) and after the last record acknowledged
         self.sent: dict[int, PublishPosition] = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(nvb)}
         self.acked: dict[int, PublishPosition] = {vb: p.copy() for vb, p in self.sent.items()}
@@ -138,6 +162,24 @@ class Publisher:
         self.rollbacks = 0
         self.errors = 0
         self.items_filtered = 0
+        self.restreams = 0
+
+    @property
+    def bucket(self) -> Bucket:
+        """The single bucket streamed (single-bucket mode only)."""
+        src = self.source
+        if not isinstance(src, BucketSource):
+            raise GatewayError("the publisher streams a cluster, not one bucket")
+        return src.bucket
+
+    @property
+    def dcp(self) -> DcpProducer | None:
+        """The single DCP connection (single-bucket mode; None in cluster mode)."""
+        src = self.source
+        if not isinstance(src, BucketSource):
+            return None
+        ps = src.producers()
+        return ps[0] if ps else None
 
     # ------------------------------------------------------------------ streams
     def _event(self, name: str, vb: int, value: int = 1) -> None:
@@ -145,14 +187,13 @@ class Publisher:
             self._on_event(name, vb, value)
 
     def open(self) -> None:
-        """Open the DCP connection and a stream per vbucket from its position (per ``stream_from``)."""
-        self.dcp = self.bucket.dcp_producer(self.connection_name, buffer_size=self.flow_control_bytes)
-        for vb in range(self.bucket.num_vbuckets):
+        """Open the DCP connection(s) and a stream per vbucket from its position (per ``stream_from``)."""
+        self.source.open()
+        self._topo = self.source.topology()
+        for vb in range(self.source.num_vbuckets):
             self.open_stream(vb)
 
     def open_stream(self, vb: int) -> None:
-        dcp = self.dcp
-        assert dcp is not None
         pos = self.sent[vb]
         use_saved = self.stream_from.startswith("saved-offset") and not pos.is_fresh
         if self.stream_from == "beginning" and not pos.is_fresh:
@@ -160,33 +201,97 @@ class Publisher:
             # rollback record to 0, so the re-sent history is not mistaken for duplicates.
             self._publish_rollback(vb, 0)
         from_now = (self.stream_from == "now") or (self.stream_from == "saved-offset-or-now" and not use_saved)
+        if not self._request(vb, from_now) and self.is_cluster:
+            self._waiting.add(vb)
+
+    def _request(self, vb: int, from_now: bool) -> bool:
+        """Stream request for ``vb`` from the publisher's own position (or from now); ROLLBACK answers become
+        rollback records and the request is repeated (dcp-reference.md "Client rules": rollbacks can repeat).
+        Returns False when the vbucket cannot be streamed now (NOT_MY_VBUCKET, node down)."""
+        pos = self.sent[vb]
+        src = self.source
         for _attempt in range(64):
             try:
+                dcp = src.producer_for(vb)
                 if from_now:
                     log_ = dcp.stream_request(vb, 0, MAX_SEQNO, flags=StreamFlags.FROM_LATEST)
                     self._publish_failover_log(vb, log_)
                     # Deliberately skip the history: the position jumps to the high seqno.
-                    high = self.bucket.vbucket(vb).high_seqno
+                    high = src.high_seqno(vb)
                     pos.seqno = pos.snap_start = pos.snap_end = pos.boundary = high
+                    self._owner[vb] = dcp
                     self.streaming.add(vb)
-                    return
-                else:
-                    log_ = dcp.stream_request(end_seqno=MAX_SEQNO, **pos.request_args())
+                    return True
+                log_ = dcp.stream_request(end_seqno=MAX_SEQNO, **pos.request_args())
             except RollbackRequired as rb:
                 self._publish_rollback(vb, rb.seqno)
                 continue
-            except NotMyVBucket:
-                log.warning("vbucket %d is not streamable now; skipped", vb)
-                return
+            except (NotMyVBucket, TemporaryFailure) as e:
+                # kv_engine client rule: NOT_MY_VBUCKET -> reload the map; retried when the topology changes.
+                if self.is_cluster:
+                    log.info("vbucket %d is not streamable now (%s); waiting for the map to change", vb, e)
+                else:
+                    log.warning("vbucket %d is not streamable now; skipped", vb)
+                return False
+            except RangeError as e:
+                if not self.is_cluster:
+                    raise
+                log.error("vbucket %d: stream request refused (%s); retried when the map changes", vb, e)
+                return False
             self._publish_failover_log(vb, log_)
+            self._owner[vb] = dcp
             self.streaming.add(vb)
-            return
+            return True
         raise GatewayError(f"vbucket {vb}: stream request kept rolling back")
+
+    # ------------------------------------------------------------------ following the cluster
+    def _detach(self, vb: int) -> None:
+        """Stop streaming ``vb`` from its current connection; it is re-requested on the next pump."""
+        p = self._owner[vb]
+        self._owner[vb] = None
+        self.streaming.discard(vb)
+        self._safe.pop(vb, None)
+        held = self._held.pop(vb, None)
+        if p is not None:
+            if held:
+                # never published: the re-request from the published position streams them again
+                p.buffer_acknowledge(sum(m.dcp_size for m in held))
+            old = p.streams.get(vb)
+            if not p.closed and old is not None and old.state is not StreamState.DEAD:
+                p.close_stream(vb)
+            if old is not None:
+                # forget the ended stream (its stream-end must not be taken for the next stream's)
+                p.streams.pop(vb, None)
+                old.ready.clear()
+        self._detached.add(vb)
+
+    def _follow(self) -> None:
+        """Cluster mode: when the map or the live nodes changed, detach every vbucket whose connection died or
+        whose active moved, and give the waiting ones another try; then re-request every detached vbucket
+        from the new active with the published position (vbuuid, seqno, snapshot range) -- the DCP client rule
+        "on NOT_MY_VBUCKET or a stream end, reload the map and re-request with your own position"."""
+        src = self.source
+        topo = src.topology()
+        if topo != self._topo:
+            self._topo = topo
+            self._detached |= self._waiting
+            self._waiting.clear()
+            for vb, p in enumerate(self._owner):
+                if p is not None and (p.closed or src.node_of(p) != src.active_node(vb)):
+                    self._detach(vb)
+        if self._detached:
+            todo = sorted(self._detached)
+            self._detached.clear()
+            for vb in todo:
+                self.restreams += 1
+                self._event("restream", vb)
+                if not self._request(vb, False):
+                    self._waiting.add(vb)
 
     def _publish_rollback(self, vb: int, seqno: int) -> None:
         pos = self.sent[vb]
         restart = pos.on_rollback(seqno)
-        engine_log = self.bucket.failover_log(vb)
+        engine_log = self.source.failover_log(vb)
         rec = self.encoder.rollback(vb, seqno, engine_log, snap_start=restart, snap_end=restart)
         self._produce(vb, rec, 0, pos.copy())
         self.rollbacks += 1
@@ -196,7 +301,7 @@ class Publisher:
     def _publish_failover_log(self, vb: int, entries: list[FailoverEntry]) -> None:
         pos = self.sent[vb]
         pos.on_failover_log(entries)
-        high = self.bucket.vbucket(vb).high_seqno
+        high = self.source.high_seqno(vb)
         rec = self.encoder.failover_log(vb, entries, high, pos.snap_start, pos.snap_end)
         self._produce(vb, rec, 0, pos.copy())
 
@@ -205,20 +310,94 @@ class Publisher:
         """One round: DCP step -> Kafka produce; serve delivery reports. Returns DCP messages handled."""
         if self.error is not None:
             raise PublishError(f"publishing stopped: {self.error}") from self.error
-        dcp = self.dcp
+        if self.is_cluster:
+            return self._pump_cluster(max_messages)
+        src = self.source
+        dcp = src.producer_for(0) if self._topo is not None else None
         assert dcp is not None, "open() first"
-        if self.rollback_mitigation and self.bucket.dirty_vbuckets:
-            # Persisted-only publishing: everything step() returns below is already on disk.
-            self.bucket.flush()
-            if self.bucket.dirty_vbuckets:
-                self.bucket.flush_all()
+        src.before_step(self.rollback_mitigation)
         msgs = dcp.step(max_messages)
         if msgs:
             self._publish(msgs)
         self.kafka.poll(0)
         return len(msgs)
 
-    def _publish(self, msgs: list[SnapshotMarker | Item | StreamEnd]) -> None:
+    def _pump_cluster(self, max_messages: int) -> int:
+        assert self._topo is not None, "open() first"
+        n = 0
+        owner = self._owner
+        held = self._held if self.rollback_mitigation else None
+        for p in self.source.producers():
+            msgs = p.step(max_messages)
+            if not msgs:
+                continue
+            n += len(msgs)
+            mine: list[DcpMessage] = []
+            stale = 0
+            for m in msgs:
+                if owner[m.vbucket] is p:
+                    mine.append(m)
+                else:
+                    stale += m.dcp_size  # the tail of a stream the gateway already moved away from
+            if stale:
+                p.buffer_acknowledge(stale)
+            if held is None:
+                self._publish(mine)
+                continue
+            for m in mine:
+                vb = m.vbucket
+                if type(m) is StreamEnd:
+                    q = held.pop(vb, None)
+                    if q:
+                        # Not persisted everywhere, never published: dropped; the re-request streams what
+                        # survived again.
+                        p.buffer_acknowledge(sum(x.dcp_size for x in q))
+                    self._publish([m])
+                else:
+                    q = held.get(vb)
+                    if q is None:
+                        q = held[vb] = deque()
+                    q.append(m)
+        if held:
+            n += self._release()
+        # after the step: streams that ended (STATE_CHANGED) were published as stream-end records first
+        self._follow()
+        self.kafka.poll(0)
+        return n
+
+    def _release(self) -> int:
+        """Publish held messages that are persisted on the active and every replica (Couchbase Kafka connector
+        rollback mitigation). A snapshot is released only once its whole range is persisted everywhere: then
+        a promoted replica's branch point is at or above the published snapshot's end, and kv_engine's
+        needsRollback (rule 7: snap_end <= upper) answers "no rollback" to the re-request. Order is kept; the
+        marker is published before its items."""
+        released = 0
+        safe_seen = self._safe
+        for vb in list(self._held):
+            q = self._held[vb]
+            out: list[DcpMessage] = []
+            safe = safe_seen.get(vb, 0)
+            while q:
+                m = q[0]
+                if type(m) is SnapshotMarker and m.end > safe:
+                    safe = self.source.persisted_everywhere(vb, self.sent[vb].vbuuid)
+                    safe_seen[vb] = safe
+                    if m.end > safe:
+                        break
+                out.append(q.popleft())
+            if not q:
+                del self._held[vb]
+            if out:
+                released += len(out)
+                self._publish(out)
+        return released
+
+    @property
+    def held(self) -> int:
+        """DCP messages held back by cluster-mode rollback mitigation."""
+        return sum(len(q) for q in self._held.values())
+
+    def _publish(self, msgs: list[DcpMessage]) -> None:
         enc = self.encoder
         sent = self.sent
         kf = self.key_filter
@@ -253,6 +432,9 @@ class Publisher:
                 rec = enc.stream_end(m, pos.vbuuid, pos.seqno, pos.snap_start, pos.snap_end)
                 self._produce(vb, rec, m.dcp_size, None)
                 self._event("stream_end", vb, int(m.reason))
+                if self.is_cluster:
+                    # STATE_CHANGED (failover), ROLLBACK, DISCONNECTED...: reload the map and re-request.
+                    self._detach(vb)
 
     def _produce(
         self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None, seqno: int = -1
@@ -263,13 +445,13 @@ class Publisher:
             q = self._inflight[part] = deque()
         if rec is None:
             # Filtered item: acknowledged once everything before it on this partition is delivered.
-            entry = _Inflight(vb, dcp_bytes, pos, True)
+            entry = _Inflight(vb, dcp_bytes, pos, True, self._owner[vb])
             if q:
                 q.append(entry)
             else:
                 self._ack(entry, self.acked[vb].offset)
             return
-        q.append(_Inflight(vb, dcp_bytes, pos))
+        q.append(_Inflight(vb, dcp_bytes, pos, False, self._owner[vb]))
         while True:
             try:
                 self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
@@ -301,8 +483,8 @@ class Publisher:
             self._ack(q.popleft(), offset)
 
     def _ack(self, entry: _Inflight, offset: int) -> None:
-        if entry.dcp_bytes and self.dcp is not None:
-            self.dcp.buffer_acknowledge(entry.dcp_bytes)
+        if entry.dcp_bytes and entry.producer is not None:
+            entry.producer.buffer_acknowledge(entry.dcp_bytes)
         vb = entry.vbucket
         if entry.filtered:
             # a filtered item's "offset" is that of the last record before it on the partition; the
@@ -339,24 +521,40 @@ class Publisher:
         return self.inflight
 
     def status(self, vb: int) -> dict[str, int | bool]:
-        v = self.bucket.vbucket(vb)
+        high, persisted = self.source.seqnos(vb)
         acked = self.acked[vb]
         return {
             "vbucket": vb,
             "partition": partition_for(vb, self.num_partitions),
             "streaming": vb in self.streaming,
-            "engine_high_seqno": v.high_seqno,
-            "engine_persisted_seqno": v.persisted_seqno,
+            "engine_high_seqno": high,
+            "engine_persisted_seqno": persisted,
             "published_seqno": self.sent[vb].seqno,
             "acknowledged_seqno": acked.seqno,
             "acknowledged_offset": acked.offset,
-            "lag": max(0, v.high_seqno - acked.seqno),
+            "lag": max(0, high - acked.seqno),
             "vbuuid": self.sent[vb].vbuuid,
         }
 
+    def lag(self) -> tuple[int, int]:
+        """(total, worst) over vbuckets of the active's high seqno - the acknowledged seqno."""
+        total = worst = 0
+        src = self.source
+        acked = self.acked
+        for vb in range(src.num_vbuckets):
+            d = src.seqnos(vb)[0] - acked[vb].seqno
+            if d > 0:
+                total += d
+                worst = max(worst, d)
+        return total, worst
+
+    def following(self) -> dict[int, str]:
+        """vbucket -> the node its stream reads from now (cluster mode; streaming vbuckets only)."""
+        src = self.source
+        return {vb: src.node_of(p) for vb, p in enumerate(self._owner) if p is not None and not p.closed}
+
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)
-        if self.dcp is not None:
-            if self.bucket.producers.get(self.connection_name) is self.dcp:
-                self.bucket.close_producer(self.connection_name)
-            self.dcp = None
+        self._owner = [None] * len(self._owner)
+        self._held.clear()
+        self.source.close()

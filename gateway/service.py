@@ -2,6 +2,10 @@
 
 The engine and the publisher are synchronous; this module is the edge where time and I/O live. Every engine
 call happens on the event loop thread (the engine is single-threaded by design).
+
+With ``cluster_nodes > 1`` the engine is an in-process :class:`~engine.cluster.Cluster`: the pump loop also
+drives its replication (``Cluster.pump``), the publisher follows the vbucket map, and the HTTP API can fail a
+node over (docs/gateway-cluster.md).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from engine import Bucket
+from engine import Bucket, InvalidArgument
+from engine.cluster import MAP_FILE, Cluster, FailoverReport
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import KeyFilter, Publisher
@@ -33,6 +38,7 @@ class GatewayService:
         self.topic = topic_name(settings.topic_prefix, settings.bucket)
         self.metrics = GatewayMetrics()
         self.bucket: Bucket | None = None
+        self.cluster: Cluster | None = None
         self.publisher: Publisher | None = None
         self.checkpoints: CheckpointWriter | None = None
         self.runner: web.AppRunner | None = None
@@ -57,7 +63,10 @@ class GatewayService:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         s = self.settings
-        self.bucket = Bucket(s.engine_config())
+        if s.cluster_nodes > 1:
+            self.cluster = self._open_cluster()
+        else:
+            self.bucket = Bucket(s.engine_config())
         nparts = s.create_topic_partitions or s.num_vbuckets
         client = self._client_config()
         loop = asyncio.get_running_loop()
@@ -65,8 +74,10 @@ class GatewayService:
             None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor)
         positions = await loop.run_in_executor(
             None, recover_positions, client, self.topic, partitions, s.num_vbuckets)
+        origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
+        assert origin is not None
         self.publisher = Publisher(
-            self.bucket, self._producer_config(), self.topic, partitions,
+            origin, self._producer_config(), self.topic, partitions,
             RecordEncoder(ValueFormat(s.value_format)), positions,
             stream_from=s.stream_from,
             key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
@@ -98,6 +109,42 @@ class GatewayService:
         log.info("gateway up: topic %s (%d partitions), http://%s:%d", self.topic, partitions, s.http_host,
                  self.http_port)
 
+    def _open_cluster(self) -> Cluster:
+        """The cluster under ``data_dir``: reopened when its map is there, else created with
+        ``cluster_nodes`` nodes and ``cluster_replicas`` replicas."""
+        s = self.settings
+        self.settings.engine_config()  # validates the bucket name / vbucket count the nodes will use
+        if (s.data_dir / MAP_FILE).exists():
+            cluster = Cluster.open(s.data_dir, name=s.bucket)
+            if cluster.num_vbuckets != s.num_vbuckets:
+                cluster.close()
+                raise InvalidArgument(f"the cluster under {s.data_dir} has {cluster.num_vbuckets} vbuckets, "
+                                      f"not {s.num_vbuckets}")
+            return cluster
+        return Cluster.create(s.data_dir, nodes=s.cluster_nodes, replicas=s.cluster_replicas,
+                              num_vbuckets=s.num_vbuckets, seed=None, name=s.bucket)
+
+    def buckets(self) -> list[Bucket]:
+        """The live engine buckets (one, or every live node of the cluster)."""
+        if self.cluster is not None:
+            return [n.bucket for _k, n in sorted(self.cluster.nodes.items()) if n.up and n.bucket is not None]
+        return [self.bucket] if self.bucket is not None and not self.bucket.closed else []
+
+    def failover(self, node: str, graceful: bool) -> FailoverReport:
+        """Fail ``node`` over (ns_server's hard / graceful failover); the publisher follows on its next pump.
+        :class:`InvalidArgument` for an unknown node, a node already failed over, or the last node."""
+        c = self.cluster
+        if c is None:
+            raise InvalidArgument("the gateway runs a single bucket, not a cluster (dcpgw up --nodes N)")
+        if node not in c.nodes:
+            raise InvalidArgument(f"unknown node {node!r} (nodes: {', '.join(sorted(c.nodes))})")
+        vbmap = c.vbucket_map()
+        if node in vbmap.nodes and len(vbmap.nodes) <= 1:
+            raise InvalidArgument(f"node {node} is the last node of the cluster: it cannot be failed over")
+        report = c.failover(node, graceful=graceful)
+        self.wake()
+        return report
+
     def wake(self) -> None:
         """Writes happened: the pump loop should run now."""
         self._wake.set()
@@ -105,9 +152,15 @@ class GatewayService:
     async def _pump_loop(self) -> None:
         pub = self.publisher
         assert pub is not None
+        cluster = self.cluster
+        # With mitigation the cluster's nodes are flushed on every round (the replicas' persistence is what
+        # publishing waits for); without it the flush task does it every flush_interval_s.
+        flush = self.settings.rollback_mitigation
         idle = 0
         while not self._stopping.is_set():
             n = pub.pump()
+            if cluster is not None:
+                n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
             if n:
                 idle = 0
                 await asyncio.sleep(0)
@@ -135,17 +188,15 @@ class GatewayService:
             self.checkpoints.write(cps)
 
     def _expiry(self) -> None:
-        assert self.bucket is not None
-        if self.bucket.run_expiry_pager():
+        if sum(b.run_expiry_pager() for b in self.buckets()):
             self.wake()
 
     def _compact(self) -> None:
-        assert self.bucket is not None
-        self.bucket.compact()
+        for b in self.buckets():
+            b.compact()
 
     def _flush(self) -> None:
-        assert self.bucket is not None
-        if self.bucket.flush():
+        if sum(b.flush() for b in self.buckets()):
             self.wake()
 
     async def stop(self) -> None:
@@ -165,6 +216,8 @@ class GatewayService:
             self.checkpoints.flush()
         if self.bucket is not None:
             self.bucket.close(clean=True)
+        if self.cluster is not None:
+            self.cluster.close()
         # Drop the Kafka clients now (librdkafka handles are destroyed with their last reference).
         self.publisher = None
         self.checkpoints = None

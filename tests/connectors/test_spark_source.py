@@ -384,3 +384,40 @@ def test_native_kafka_format_rows_replay_to_the_engine_state(spark: Any, gw: Any
     assert any(r.op == "rollback" for r in rows)
     assert {r.op for r in rows} <= {"mutation", "deletion", "expiration", "rollback"}
     assert apply_rows(ordered(rows)) == g.bucket.state_snapshot()
+
+
+def test_cluster_hard_failover_spark_table_equals_new_actives(spark: Any, kafka_broker: Broker,
+                                                              tmp_path: Path) -> None:
+    """Issue 5, proof 1 for Spark: three nodes, one replica, the gateway following the map (mitigation off); a
+    streaming query materializes items the lagging replicas lack; the node is killed and hard-failed over, the
+    gateway publishes rollback records; the table (and the Replicator) end equal to the new actives' state."""
+    from tests.gateway.test_cluster import ClusterHarness
+
+    h = ClusterHarness(kafka_broker, tmp_path / "c", rollback_mitigation=False)
+    table, chk = tmp_path / "table", tmp_path / "chk"
+    src = _TopicReader(kafka_broker, h.topic)
+    try:
+        c = h.cluster
+        h.write(300)
+        h.settle()
+        victim = "n1"
+        h.write(300)  # the newest items: published from the victim's memory, only partly replicated
+        c.pump(rounds=1, max_messages=3)
+        h.publish()
+        run_stream(src, spark, table, chk)  # type: ignore[arg-type]
+        before = table_state(spark, table)
+        c.kill(victim)
+        c.failover(victim)
+        lost = {k: v for k, v in before.items() if h.actives().get(k) != v}
+        assert lost, "the table must hold changes the failover lost"
+        h.write(200)
+        h.settle()
+        recs = h.check()
+        assert any(r.type is RecordType.ROLLBACK for _p, _o, r in recs)
+        run_stream(src, spark, table, chk)  # type: ignore[arg-type]
+        assert table_state(spark, table) == h.actives()
+        assert any(r.op == "rollback" for b in src.batches.values() for r in b)  # type: ignore[attr-defined]
+        with h.replicate() as rep:
+            assert rep.docs() == h.actives()
+    finally:
+        h.close()

@@ -1,0 +1,270 @@
+"""Where the publisher's DCP streams come from: one :class:`~engine.Bucket`, or an in-process
+:class:`~engine.cluster.Cluster` whose vbuckets move between nodes.
+
+The publisher only needs a few things from its source (docs/gateway-cluster.md):
+
+* ``num_vbuckets``;
+* ``producer_for(vb)``: the DCP connection to stream ``vb`` from -- for a cluster, the connection on the node the
+  vbucket map names active (one named connection per node, as a DCP client opens one per kv node); it raises
+  :class:`~engine.NotMyVBucket` (no active copy) or :class:`~engine.TemporaryFailure` (that node is down);
+* ``node_of(producer)`` and ``active_node(vb)``: to notice that a vbucket moved;
+* ``failover_log(vb)`` and ``high_seqno(vb)``: what the failover-log / rollback records carry;
+* ``topology()``: a token that changes whenever the map or the set of live nodes changes (the publisher re-tries
+  vbuckets it could not stream when it does: the DCP client rule "on NOT_MY_VBUCKET reload the map");
+* ``persisted_everywhere(vb, vbuuid)``: what rollback mitigation waits for (Couchbase Kafka connector: publish a
+  change only once observe-by-seqno says it is persisted on the active and on every replica);
+* ``before_step(mitigation)``: the single-node mitigation (flush the engine before every DCP step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine import Bucket, DcpProducer, FailoverEntry, NotMyVBucket, TemporaryFailure
+from engine.cluster import Cluster
+from engine.vbucket import VBucketState
+
+__all__ = ["BucketSource", "ClusterSource", "DcpSource", "cluster_summary", "make_source"]
+
+#: a topology token: (map revision, live nodes with their bucket objects -- a restarted node is a new bucket)
+Topology = tuple[int, frozenset[tuple[str, object]]]
+
+
+class BucketSource:
+    """A single bucket: one DCP connection carries every vbucket (the gateway's original mode)."""
+
+    is_cluster = False
+
+    def __init__(self, bucket: Bucket, connection_name: str, buffer_size: int) -> None:
+        self.bucket = bucket
+        self.connection_name = connection_name
+        self.buffer_size = buffer_size
+        self._producer: DcpProducer | None = None
+
+    @property
+    def num_vbuckets(self) -> int:
+        return self.bucket.num_vbuckets
+
+    def open(self) -> None:
+        self._producer = self.bucket.dcp_producer(self.connection_name, buffer_size=self.buffer_size)
+
+    def producer_for(self, vb: int) -> DcpProducer:
+        p = self._producer
+        if p is None:
+            raise TemporaryFailure("source not opened")
+        return p
+
+    def producers(self) -> list[DcpProducer]:
+        return [] if self._producer is None else [self._producer]
+
+    def node_of(self, producer: DcpProducer) -> str:
+        return self.bucket.config.name
+
+    def active_node(self, vb: int) -> str | None:
+        return self.bucket.config.name
+
+    def topology(self) -> Topology:
+        return (0, frozenset())
+
+    def failover_log(self, vb: int) -> list[FailoverEntry]:
+        return self.bucket.failover_log(vb)
+
+    def high_seqno(self, vb: int) -> int:
+        return self.bucket.vbucket(vb).high_seqno
+
+    def seqnos(self, vb: int) -> tuple[int, int]:
+        """``(high, persisted)`` of the vbucket's active copy."""
+        v = self.bucket.vbucket(vb)
+        return v.high_seqno, v.persisted_seqno
+
+    def vbucket_stats(self, vb: int) -> dict[str, int | str]:
+        return self.bucket.vbucket_stats(vb)
+
+    def items(self) -> int:
+        return sum(v.num_items for v in self.bucket.vbuckets())
+
+    def checkpoint_memory(self) -> int:
+        return self.bucket.counter.used
+
+    def before_step(self, mitigation: bool) -> None:
+        b = self.bucket
+        if mitigation and b.dirty_vbuckets:
+            # Persisted-only publishing (docs/gateway.md): everything the next step returns is on disk.
+            b.flush()
+            if b.dirty_vbuckets:
+                b.flush_all()
+
+    def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
+        return self.bucket.vbucket(vb).persisted_seqno
+
+    @property
+    def up(self) -> bool:
+        return not self.bucket.closed
+
+    def close(self) -> None:
+        p = self._producer
+        if p is not None and not self.bucket.closed and self.bucket.producers.get(self.connection_name) is p:
+            self.bucket.close_producer(self.connection_name)
+        self._producer = None
+
+
+class ClusterSource:
+    """An in-process cluster: every vbucket is streamed from its active node per the vbucket map."""
+
+    is_cluster = True
+
+    def __init__(self, cluster: Cluster, connection_name: str, buffer_size: int) -> None:
+        self.cluster = cluster
+        self.connection_name = connection_name
+        self.buffer_size = buffer_size
+        self._producers: dict[str, DcpProducer] = {}
+        self._nodes: dict[int, str] = {}
+
+    @property
+    def num_vbuckets(self) -> int:
+        return self.cluster.num_vbuckets
+
+    def open(self) -> None:
+        """Connections are opened lazily, per node, by :meth:`producer_for`."""
+
+    def producer_for(self, vb: int) -> DcpProducer:
+        name = self.cluster.vbucket_map().active(vb)
+        if name is None:
+            raise NotMyVBucket(f"vbucket {vb} has no active copy")
+        p = self._producers.get(name)
+        if p is None or p.closed:
+            bucket = self.cluster.node(name).require_bucket()  # TemporaryFailure while the node is down
+            p = bucket.dcp_producer(self.connection_name, buffer_size=self.buffer_size)
+            self._producers[name] = p
+            self._nodes[id(p)] = name
+        return p
+
+    def producers(self) -> list[DcpProducer]:
+        return [p for _n, p in sorted(self._producers.items()) if not p.closed]
+
+    def node_of(self, producer: DcpProducer) -> str:
+        return self._nodes.get(id(producer), "")
+
+    def active_node(self, vb: int) -> str | None:
+        return self.cluster.vbucket_map().active(vb)
+
+    def topology(self) -> Topology:
+        c = self.cluster
+        return (c.vbucket_map().revision, frozenset((n, node.bucket) for n, node in c.nodes.items() if node.up))
+
+    def failover_log(self, vb: int) -> list[FailoverEntry]:
+        return self.cluster.active_bucket(vb).failover_log(vb)
+
+    def high_seqno(self, vb: int) -> int:
+        return self.cluster.active_bucket(vb).vbucket(vb).high_seqno
+
+    def seqnos(self, vb: int) -> tuple[int, int]:
+        try:
+            v = self.cluster.active_bucket(vb).vbucket(vb)
+        except (NotMyVBucket, TemporaryFailure):
+            return 0, 0
+        return v.high_seqno, v.persisted_seqno
+
+    def vbucket_stats(self, vb: int) -> dict[str, int | str]:
+        try:
+            return self.cluster.active_bucket(vb).vbucket_stats(vb)
+        except (NotMyVBucket, TemporaryFailure):
+            return {}
+
+    def _live(self) -> list[Bucket]:
+        return [n.bucket for _name, n in sorted(self.cluster.nodes.items()) if n.up and n.bucket is not None]
+
+    def items(self) -> int:
+        """Live documents in the active vbuckets of every live node."""
+        return sum(v.num_items for b in self._live() for v in b.vbuckets() if v.state is VBucketState.ACTIVE)
+
+    def checkpoint_memory(self) -> int:
+        return sum(b.counter.used for b in self._live())
+
+    def before_step(self, mitigation: bool) -> None:
+        """Nothing: the cluster's own pump flushes its nodes, and mitigation checks persistence itself."""
+
+    def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
+        """The highest seqno persisted on the active and on every replica of the chain (0 when unknown).
+
+        Couchbase Kafka connector rollback mitigation (java-dcp-client persistence polling): observe-by-seqno
+        on the vbucket (seed 001 "How front end clients ensure mutations are persisted / replicated"); a
+        replica counts with the end of its last complete snapshot persisted; a replica slot whose node is down
+        (or not yet a replica) holds publishing back until it answers or is failed over. A failed-over vbuuid
+        answers 0: the stream is about to end and re-request.
+        """
+        c = self.cluster
+        try:
+            r = c.observe_seqno(vb, vbuuid)
+        except (NotMyVBucket, TemporaryFailure):
+            return 0
+        if r.failed_over:
+            return 0
+        safe = r.persisted_seqno
+        reps = r.replica_persisted_seqnos
+        for name in c.vbucket_map().replicas(vb):
+            safe = min(safe, reps.get(name, 0))
+        return safe
+
+    @property
+    def up(self) -> bool:
+        return any(node.up for node in self.cluster.nodes.values())
+
+    def close(self) -> None:
+        for name, p in sorted(self._producers.items()):
+            node = self.cluster.nodes.get(name)
+            bucket = node.bucket if node is not None else None
+            if bucket is not None and not bucket.closed and bucket.producers.get(self.connection_name) is p:
+                bucket.close_producer(self.connection_name)
+            else:
+                p.close()
+        self._producers.clear()
+        self._nodes.clear()
+
+
+#: what the publisher streams from
+DcpSource = BucketSource | ClusterSource
+
+
+def make_source(origin: Bucket | Cluster | DcpSource, connection_name: str, buffer_size: int) -> DcpSource:
+    """Wrap a bucket or a cluster (a source passes through)."""
+    if isinstance(origin, (BucketSource, ClusterSource)):
+        return origin
+    if isinstance(origin, Cluster):
+        return ClusterSource(origin, connection_name, buffer_size)
+    return BucketSource(origin, connection_name, buffer_size)
+
+
+def cluster_summary(cluster: Cluster) -> dict[str, Any]:
+    """``GET /cluster``: nodes (up / down / failed over), per node its active and replica vbucket counts, the
+    map revision (ns_server's ``/pools/default`` in spirit)."""
+    vbmap = cluster.vbucket_map()
+    nodes: list[dict[str, Any]] = []
+    for name in sorted(cluster.nodes):
+        node = cluster.nodes[name]
+        in_map = name in vbmap.nodes
+        active = len(vbmap.vbuckets_of(name, slot=0)) if in_map else 0
+        replica = sum(1 for c in vbmap.chains if name in c[1:]) if in_map else 0
+        states: dict[str, int] = {}
+        if node.up:
+            assert node.bucket is not None
+            for v in node.bucket.vbuckets():
+                states[v.state.value] = states.get(v.state.value, 0) + 1
+        nodes.append({
+            "name": name,
+            "status": "failed_over" if name in cluster.failed else ("up" if node.up else "down"),
+            "up": node.up,
+            "in_map": in_map,
+            "active_vbuckets": active,
+            "replica_vbuckets": replica,
+            "vbucket_states": states if node.up else None,
+        })
+    lost = [vb for vb, c in enumerate(vbmap.chains) if c[0] is None]
+    return {
+        "revision": vbmap.revision,
+        "num_vbuckets": vbmap.num_vbuckets,
+        "replicas": vbmap.num_replicas,
+        "nodes": nodes,
+        "failed_over": list(cluster.failed),
+        "vbuckets_without_active": lost,
+    }

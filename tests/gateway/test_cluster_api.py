@@ -1,0 +1,146 @@
+"""The cluster admin API and CLI on a running GatewayService in cluster mode (real broker): ``GET /cluster``,
+``GET /cluster/map``, ``POST /cluster/failover`` with a 4xx JSON error for every bad request, documents routed
+through the map, the gateway following a failover, and ``dcpgw cluster ...`` against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway.broker import Broker
+from gateway.config import load_settings
+from gateway.service import GatewayService
+from tests.gateway.test_api import expect_error
+
+NVB = 8
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(broker: Broker, tmp: Path, scenario: Callable[[GatewayService, str, aiohttp.ClientSession],
+                                                      Awaitable[None]], **overrides: Any) -> None:
+    async def main() -> None:
+        opts: dict[str, Any] = {"cluster_nodes": 3, "cluster_replicas": 1, **overrides}
+        settings = load_settings(None, data_dir=tmp / "data", bucket=f"cl{uuid.uuid4().hex[:8]}",
+                                 num_vbuckets=NVB, http_port=0, **opts)
+        svc = GatewayService(settings, broker.bootstrap_servers)
+        await svc.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+async def caught_up(http: aiohttp.ClientSession, url: str, tries: int = 400) -> dict[str, Any]:
+    for _ in range(tries):
+        st = await (await http.get(f"{url}/cluster")).json()
+        stats = await (await http.get(f"{url}/stats")).json()
+        if stats["lag"] == 0 and stats["inflight"] == 0 and st["gateway"]["following_map"] == NVB - len(
+                st["vbuckets_without_active"]):
+            return dict(st)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the gateway never caught up: {st} {stats}")
+
+
+async def cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def test_cluster_routes_failover_and_bad_input(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        body = [{"key": f"doc{i}", "value": {"n": i}} for i in range(200)]
+        r = await http.post(f"{url}/docs/_bulk", data=json.dumps(body))
+        assert r.status == 200 and (await r.json())["written"] == 200
+        r = await http.put(f"{url}/docs/one", data=b'{"a": 1}')
+        assert r.status == 200
+        st = await caught_up(http, url)
+        assert st["revision"] == 1 and st["replicas"] == 1
+        assert [n["name"] for n in st["nodes"]] == ["n0", "n1", "n2"]
+        assert all(n["up"] and n["status"] == "up" for n in st["nodes"])
+        assert sum(n["active_vbuckets"] for n in st["nodes"]) == NVB
+        assert sum(n["replica_vbuckets"] for n in st["nodes"]) == NVB
+        m = await (await http.get(f"{url}/cluster/map")).json()
+        assert m["revision"] == 1 and len(m["chains"]) == NVB and m["nodes"] == ["n0", "n1", "n2"]
+
+        # bad admin input: 4xx JSON, nothing changes
+        for data, code in [(b"{", "invalid_json"), (b"[1]", "invalid_argument"), (b"{}", "invalid_argument"),
+                           (b'{"node": 3}', "invalid_argument"), (b'{"node": ""}', "invalid_argument"),
+                           (b'{"node": "n1", "graceful": "yes"}', "invalid_argument"),
+                           (b'{"node": "n1", "force": true}', "invalid_argument"),
+                           (b'{"node": "n9"}', "invalid_argument")]:
+            await expect_error(await http.post(f"{url}/cluster/failover", data=data), 400, code)
+        await expect_error(await http.get(f"{url}/cluster/failover"), 405)
+        assert (await (await http.get(f"{url}/cluster/map")).json())["revision"] == 1
+
+        # graceful failover of n1 through the API: a takeover, then the gateway follows the new map
+        r = await http.post(f"{url}/cluster/failover", json={"node": "n1", "graceful": True})
+        assert r.status == 200, await r.text()
+        rep = await r.json()
+        assert rep["node"] == "n1" and rep["graceful"] and rep["revision"] == 2
+        assert rep["promoted"] and all(e is None for e in rep["entries"].values()) and rep["lost"] == []
+        await expect_error(await http.post(f"{url}/cluster/failover", json={"node": "n1"}), 400)  # again
+        r = await http.put(f"{url}/docs/after", data=b'{"b": 2}')
+        assert r.status == 200
+        st = await caught_up(http, url)
+        n1 = next(n for n in st["nodes"] if n["name"] == "n1")
+        assert n1["status"] == "failed_over" and not n1["in_map"] and n1["active_vbuckets"] == 0
+        assert st["gateway"]["rollbacks"] == 0 and st["gateway"]["restreams"] >= len(rep["promoted"])
+        r = await http.get(f"{url}/docs/after")
+        assert r.status == 200 and await r.read() == b'{"b": 2}'
+
+        # hard failover of n0 (a replica-less chain loses its vbuckets' active), then n2 is the last node
+        r = await http.post(f"{url}/cluster/failover", json={"node": "n0", "graceful": False})
+        assert r.status == 200, await r.text()
+        assert (await r.json())["revision"] == 3
+        await expect_error(await http.post(f"{url}/cluster/failover", json={"node": "n2"}), 400,
+                           "invalid_argument")
+        st = await caught_up(http, url)
+        assert [n["name"] for n in st["nodes"] if n["in_map"]] == ["n2"]
+        h = await http.get(f"{url}/health")
+        assert h.status == 200
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_cluster_cli_status_map_and_failover(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        await http.post(f"{url}/docs/_bulk", data=json.dumps([{"key": f"d{i}", "value": i} for i in range(50)]))
+        await caught_up(http, url)
+        rc, out, err = await cli("cluster", "status", "--url", url, "--json")
+        assert rc == 0, err
+        assert json.loads(out)["revision"] == 1
+        rc, out, err = await cli("cluster", "map", "--url", url)
+        assert rc == 0, err
+        assert out.splitlines()[0].startswith("revision 1") and len(out.splitlines()) == NVB + 1
+        rc, out, err = await cli("cluster", "failover", "n2", "--graceful", "--url", url)
+        assert rc == 0, err
+        res = json.loads(out.strip().splitlines()[-1])
+        assert res["node"] == "n2" and res["revision"] == 2 and res["gateway_rollbacks"] == 0
+        assert res["new_branches"] == 0 and res["promoted"] > 0
+        rc, out, err = await cli("cluster", "failover", "nope", "--url", url)
+        assert rc == 2 and "400" in err and "unknown node" in err
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_cluster_routes_on_a_single_bucket_answer_404(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        await expect_error(await http.get(f"{url}/cluster"), 404, "not_a_cluster")
+        await expect_error(await http.get(f"{url}/cluster/map"), 404, "not_a_cluster")
+        await expect_error(await http.post(f"{url}/cluster/failover", json={"node": "n0"}), 404, "not_a_cluster")
+
+    run(kafka_broker, tmp_path, scenario, cluster_nodes=1)
