@@ -39,6 +39,7 @@ from engine.vbucket import (
     MutationResult,
     StoreMode,
     VBucket,
+    VBucketInfo,
     VBucketState,
     vbucket_of,
 )
@@ -612,6 +613,11 @@ class Bucket:
             "replica_rebuilds": self.replica_rebuilds,
             "clean_start": int(self.was_clean),
         }
+
+    def vbucket_info(self, vbucket: int) -> VBucketInfo:
+        """State, state CAS, seqnos, snapshot bookkeeping and failover log of one vbucket (what a cluster
+        manager reads; kv_engine ``stats vbucket-details``)."""
+        return self.vbucket(vbucket).info()
 
     def vbucket_stats(self, vbucket: int) -> dict[str, int | str]:
         return self.vbucket(vbucket).stats()

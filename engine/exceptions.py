@@ -22,7 +22,9 @@ class Status(IntEnum):
     NOT_MY_VBUCKET = 0x07
     ERANGE = 0x22
     ROLLBACK = 0x23
+    UNKNOWN_COMMAND = 0x81
     ENOMEM = 0x82
+    EINTERNAL = 0x84
     TMPFAIL = 0x86
     DURABILITY_INVALID_LEVEL = 0xA0
     DURABILITY_IMPOSSIBLE = 0xA1
@@ -131,6 +133,12 @@ class OutOfMemory(EngineError):
     retriable = True
 
 
+class UnknownCommand(EngineError):
+    """UNKNOWN_COMMAND: the node does not implement this opcode (memcached answers 0x81)."""
+
+    status = Status.UNKNOWN_COMMAND
+
+
 class StorageError(EngineError):
     """The durable store failed or is corrupt."""
 
@@ -153,6 +161,7 @@ STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.NOT_MY_VBUCKET: NotMyVBucket,
     Status.ERANGE: RangeError,
     Status.ENOMEM: OutOfMemory,
+    Status.UNKNOWN_COMMAND: UnknownCommand,
     Status.TMPFAIL: TemporaryFailure,
 }
 

@@ -137,6 +137,13 @@ class DcpProducer:
             raise NotMyVBucket(f"no open stream for vbucket {vbucket} on {self.name!r}")
         s.end_stream(StreamEndReason.CLOSED)
 
+    def discard_stream(self, vbucket: int) -> None:
+        """Forget a stream the consumer closed without delivering its stream-end: kv_engine sends none for
+        a close the consumer asked for (unless send_stream_end_on_client_close_stream was enabled)."""
+        old = self.streams.pop(vbucket, None)
+        if old is not None:
+            old.ready.clear()
+
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         return list(self.bucket.vbucket(vbucket).failover.entries)
 
@@ -202,6 +209,8 @@ class DcpProducer:
             s.queued = False
         self._ready.clear()
         self.closed = True
+        if self.bucket.producers.get(self.name) is self:
+            del self.bucket.producers[self.name]  # kv_engine: a disconnected connection leaves the bucket
 
 
 __all__ = ["DcpProducer", "StreamEnd"]

@@ -23,8 +23,10 @@ Everything is synchronous: :meth:`DcpConsumer.step` pulls one batch from the pro
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from engine.bucket import Bucket
 from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
@@ -54,6 +56,48 @@ class PassiveStream:
     rollbacks: int = 0
 
 
+class ProducerConnection(Protocol):
+    """What a consumer needs of its producer connection: :class:`~engine.producer.DcpProducer` in process,
+    :class:`engine.remote.RemoteDcpProducer` over the network."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def stream_request(
+        self, vbucket: int, start_seqno: int, end_seqno: int = ..., vbuuid: int = ...,
+        snap_start: int | None = ..., snap_end: int | None = ..., *, flags: StreamFlags | int = ...,
+        opaque: int = ..., failover_log: Sequence[FailoverEntry] | None = ...,
+    ) -> list[FailoverEntry]: ...
+
+    def step(self, max_messages: int = ...) -> Sequence[SnapshotMarker | Item | StreamEnd]: ...
+
+    def buffer_acknowledge(self, nbytes: int) -> None: ...
+
+    def close_stream(self, vbucket: int) -> None: ...
+
+    def discard_stream(self, vbucket: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ReplicaTarget(Protocol):
+    """What a consumer needs of the bucket holding the replica vbuckets (a :class:`Bucket`, or the node
+    server's proxy that runs each call on the bucket's own thread)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def replica_position(self, vbucket: int) -> tuple[int, int, int]: ...
+
+    def failover_log(self, vbucket: int) -> list[FailoverEntry]: ...
+
+    def rollback_vbucket(self, vbucket: int, seqno: int) -> int: ...
+
+    def replace_failover_log(self, vbucket: int, entries: list[FailoverEntry]) -> None: ...
+
+    def apply_replica_message(self, message: SnapshotMarker | Item) -> None: ...
+
+
 class DcpConsumer:
     """A replication connection: one active node's producer -> replica vbuckets of another bucket.
 
@@ -63,7 +107,8 @@ class DcpConsumer:
     """
 
     def __init__(
-        self, name: str, replica: Bucket, producer: DcpProducer, *, use_client_log: bool = True
+        self, name: str, replica: Bucket | ReplicaTarget, producer: DcpProducer | ProducerConnection, *,
+        use_client_log: bool = True,
     ) -> None:
         if not name:
             raise InvalidArgument("a DCP consumer needs a name")
@@ -126,11 +171,7 @@ class DcpConsumer:
         if s is not None and s.state is PassiveState.READING and not p.closed:
             with contextlib.suppress(NotMyVBucket):
                 p.close_stream(vbucket)
-            # kv_engine sends no stream-end for a close the consumer asked for (unless the connection enabled
-            # send_stream_end_on_client_close_stream): forget the ended stream so a later request is clean.
-            old = p.streams.pop(vbucket, None)
-            if old is not None:
-                old.ready.clear()
+            p.discard_stream(vbucket)
 
     # ------------------------------------------------------------------ data
     def step(self, max_messages: int = 4096) -> int:
@@ -177,11 +218,7 @@ class DcpConsumer:
         """Disconnect: the producer side ends every stream."""
         self.streams.clear()
         if not self.producer.closed:
-            bucket = self.producer.bucket
-            if not bucket.closed and bucket.producers.get(self.producer.name) is self.producer:
-                bucket.close_producer(self.producer.name)
-            else:
-                self.producer.close()
+            self.producer.close()  # a local producer also leaves its bucket's connection table
 
 
-__all__ = ["DcpConsumer", "PassiveState", "PassiveStream"]
+__all__ = ["DcpConsumer", "PassiveState", "PassiveStream", "ProducerConnection", "ReplicaTarget"]

@@ -98,6 +98,26 @@ class GetResult:
     vbucket: int
 
 
+@dataclass(frozen=True, slots=True)
+class VBucketInfo:
+    """What a cluster manager reads of one vbucket copy (kv_engine ``stats vbucket-details``): its state and
+    partition-state CAS, seqnos, the last complete snapshot received / persisted (replicas) and the failover
+    log, newest first."""
+
+    vbucket: int
+    state: VBucketState
+    state_cas: int
+    high_seqno: int
+    persisted_seqno: int
+    snapshot_complete: int
+    snapshot_persisted: int
+    failover: tuple[tuple[int, int], ...]
+
+    @property
+    def vbuuid(self) -> int:
+        return self.failover[0][0]
+
+
 def absolute_expiry(expiry: int, now: float) -> int:
     """memcached expiry rule: 0 = never, <= 30 days = relative seconds, else absolute epoch seconds."""
     if type(expiry) is not int or expiry < 0 or expiry > U32:
@@ -476,6 +496,11 @@ class VBucket:
     def end_streams(self, reason: int) -> None:
         for s in list(self.streams):
             s.end_stream(reason)
+
+    def info(self) -> VBucketInfo:
+        return VBucketInfo(
+            self.id, self.state, self.state_cas, self.high_seqno, self.persisted_seqno, self.snapshot_complete,
+            self.snapshot_persisted, tuple((e.vbuuid, e.seqno) for e in self.failover.entries))
 
     def stats(self) -> dict[str, int | str]:
         ck = self.ckpt

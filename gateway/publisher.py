@@ -261,8 +261,7 @@ class Publisher:
                 p.close_stream(vb)
             if old is not None:
                 # forget the ended stream (its stream-end must not be taken for the next stream's)
-                p.streams.pop(vb, None)
-                old.ready.clear()
+                p.discard_stream(vb)
         self._detached.add(vb)
 
     def _follow(self) -> None:

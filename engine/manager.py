@@ -1,0 +1,363 @@
+"""Cluster-manager rules shared by the in-process cluster (engine/cluster.py) and the cluster of node
+processes (engine/process_cluster.py): ns_server's role.
+
+:class:`ClusterManager` holds the revisioned vbucket map and implements, over any node that answers the
+:class:`NodeControl` commands (an in-process :class:`~engine.bucket.Bucket` or a
+:class:`~engine.remote.RemoteNode`):
+
+* vbucket states from the map with the partition-state CAS (seed 001 "How ns_server and ep-engine guarantee
+  ordering of partition state transitions": discover the CAS, send it with every command, on a mismatch record
+  the current one and retry);
+* which replication streams the map asks for (one connection per active node -> replica node);
+* hard and graceful failover (seed 001 "How ns_server performs failover", dcp-reference.md "Failover table");
+* observe by seqno and "is this write replicated" (seed 001 durability polling).
+
+Subclasses provide the node access and the replication plumbing (the ``_`` hooks).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.exceptions import InvalidArgument, NotMyVBucket, StateCasMismatch, TemporaryFailure
+from engine.failover_log import FailoverEntry
+from engine.vbucket import MutationToken, VBucketInfo, VBucketState
+from engine.vbucket_map import VBucketMap
+
+
+class NodeControl(Protocol):
+    """The state commands a cluster manager sends a node (kv_engine SET_VBUCKET_STATE / GET_VBUCKET_STATE /
+    ``stats vbucket-details``)."""
+
+    def state_cas(self, vbucket: int) -> int: ...
+
+    def set_vbucket_state(self, vbucket: int, state: VBucketState, *, cas: int | None = None) -> int: ...
+
+    def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None: ...
+
+    def vbucket_info(self, vbucket: int) -> VBucketInfo: ...
+
+
+@dataclass(frozen=True)
+class ObserveResult:
+    """Answer of observe-by-seqno (kv_engine OBSERVE_SEQNO; seed 001 "How front end clients ensure
+    mutations are persisted / replicated").
+
+    ``replicated_seqnos[node]`` is the end of the last complete snapshot the replica received on the active's
+    current history (seed 001: wait for "a complete snapshot ... where the high snapshot sequence # is >=
+    the client's"), ``replica_persisted_seqnos[node]`` the same once persisted. When the client's vbuuid is
+    not the current one, ``failed_over`` is True, ``old_vbuuid`` is the client's vbuuid and ``last_seqno``
+    the last seqno of that branch kept in the current history (kv_engine format 1; 0 when the branch is
+    unknown): a write above it was lost -- "re-check the document".
+    """
+
+    vbucket: int
+    vbuuid: int
+    current_seqno: int
+    persisted_seqno: int
+    replicated_seqnos: dict[str, int] = field(default_factory=dict)
+    replica_persisted_seqnos: dict[str, int] = field(default_factory=dict)
+    failed_over: bool = False
+    old_vbuuid: int | None = None
+    last_seqno: int | None = None
+
+
+@dataclass(frozen=True)
+class FailoverReport:
+    """What a failover did: new map revision, vbucket -> promoted node, entries created, vbuckets left
+    without any copy."""
+
+    node: str
+    graceful: bool
+    revision: int
+    promoted: dict[int, str]
+    entries: dict[int, FailoverEntry | None]
+    lost: list[int]
+    pump_rounds: int = 0
+
+
+def branch_end(entries: Sequence[FailoverEntry], vbuuid: int, high: int) -> int:
+    """The last seqno of branch ``vbuuid`` kept in the history ``entries`` (newest first): ``high`` for the
+    current branch, the next newer entry's seqno for an older one, 0 for an unknown branch."""
+    for i, e in enumerate(entries):
+        if e.vbuuid == vbuuid:
+            return high if i == 0 else entries[i - 1].seqno
+    return 0
+
+
+class ClusterManager(ABC):
+    """ns_server's rules over the nodes a subclass reaches (see the module docstring)."""
+
+    def __init__(self, vbmap: VBucketMap) -> None:
+        self._map = vbmap
+        #: the partition-state CAS the manager last saw per (node, vbucket) (seed 001 step 4)
+        self._state_cas: dict[tuple[str, int], int] = {}
+        #: vbuckets whose front-end writes are stopped (graceful failover in progress)
+        self._blocked: set[int] = set()
+        self.failed: list[str] = []
+        self.stale_cas_retries = 0
+        #: vbuckets a graceful failover made active again because a write slipped in after the catch-up
+        self.graceful_reactivations = 0
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def _is_up(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def _control(self, name: str) -> NodeControl:
+        """The node's state commands; TemporaryFailure when it is down."""
+
+    @abstractmethod
+    def _stop_replication(self, name: str) -> None:
+        """Stop every replication stream from or to node ``name`` (before a promotion)."""
+
+    @abstractmethod
+    def _wait_progress(self) -> None:
+        """Let replication move (graceful failover waits for the replicas to catch up)."""
+
+    @abstractmethod
+    def _after_failover(self, name: str) -> None:
+        """Persist the new map and wire replication from it."""
+
+    # ------------------------------------------------------------------ map
+    def vbucket_map(self) -> VBucketMap:
+        """The current map (clients reload it on NOT_MY_VBUCKET)."""
+        return self._map
+
+    @property
+    def num_vbuckets(self) -> int:
+        return self._map.num_vbuckets
+
+    def _check_blocked(self, vbucket: int) -> None:
+        if vbucket in self._blocked:
+            # kv_engine takeover: the front end gets a temporary failure while the vbucket moves.
+            raise TemporaryFailure(f"vbucket {vbucket} is being failed over gracefully")
+
+    def wanted_streams(self, exclude: str | None = None) -> dict[tuple[str, str], list[int]]:
+        """``(active node, replica node) -> vbuckets``: the replication connections the map asks for between
+        live nodes (kv_engine names them ``replication:<src>-><dst>``), leaving out ``exclude``."""
+        wanted: dict[tuple[str, str], list[int]] = {}
+        for vb, chain in enumerate(self._map.chains):
+            a = chain[0]
+            if a is None or a == exclude or not self._is_up(a):
+                continue
+            for r in chain[1:]:
+                if r is not None and r != exclude and self._is_up(r):
+                    wanted.setdefault((a, r), []).append(vb)
+        return wanted
+
+    def active_node(self, vbucket: int) -> str:
+        """The node holding ``vbucket``'s active copy per the map (NotMyVBucket if it has none)."""
+        if type(vbucket) is not int or not 0 <= vbucket < self._map.num_vbuckets:
+            raise NotMyVBucket(f"unknown vbucket {vbucket!r}")
+        name = self._map.active(vbucket)
+        if name is None:
+            raise NotMyVBucket(f"vbucket {vbucket} has no active copy")
+        return name
+
+    def _active_control(self, vbucket: int) -> NodeControl:
+        return self._control(self.active_node(vbucket))
+
+    # ------------------------------------------------------------------ partition states (seed 001 CAS)
+    def _set_state(self, name: str, vbucket: int, state: VBucketState) -> None:
+        """Send a state command with the CAS last seen; on a stale CAS record the current one and retry
+        (seed 001 "How ns_server and ep-engine guarantee ordering of partition state transitions", 4-6)."""
+        node = self._control(name)
+        key = (name, vbucket)
+        for _ in range(3):
+            cas = self._state_cas.get(key)
+            if cas is None:
+                cas = node.state_cas(vbucket)  # step 2: discover the CAS
+            try:
+                self._state_cas[key] = node.set_vbucket_state(vbucket, state, cas=cas)
+                return
+            except StateCasMismatch as e:
+                self.stale_cas_retries += 1
+                self._state_cas[key] = e.current_cas
+        raise TemporaryFailure(f"node {name}: vbucket {vbucket} state CAS keeps changing")
+
+    def _promote(self, name: str, vbucket: int, *, takeover: bool) -> FailoverEntry | None:
+        node = self._control(name)
+        key = (name, vbucket)
+        cas = self._state_cas.get(key)
+        current = node.state_cas(vbucket)
+        if cas != current:
+            self.stale_cas_retries += cas is not None
+            cas = current
+        entry = node.promote(vbucket, takeover=takeover, cas=cas)
+        self._state_cas[key] = node.state_cas(vbucket)
+        return entry
+
+    def _apply_states(self, name: str) -> None:
+        """Set every vbucket of node ``name`` to the state the map gives it (dead when not in the map)."""
+        node = self._control(name)
+        in_map = name in self._map.nodes
+        for vb in range(self._map.num_vbuckets):
+            chain = self._map.chains[vb]
+            if in_map and chain[0] == name:
+                want = VBucketState.ACTIVE
+            elif in_map and name in chain[1:]:
+                want = VBucketState.REPLICA
+            else:
+                want = VBucketState.DEAD
+            if node.vbucket_info(vb).state is not want:
+                self._set_state(name, vb, want)
+
+    # ------------------------------------------------------------------ failover
+    def _caught_up(self, vb: int) -> bool:
+        """The active persisted its high seqno and every live replica holds it, persisted, in a complete
+        snapshot."""
+        active = self._active_control(vb).vbucket_info(vb)
+        if active.persisted_seqno < active.high_seqno:
+            return False
+        for r in self._map.replicas(vb):
+            if not self._is_up(r):
+                continue
+            ri = self._control(r).vbucket_info(vb)
+            if ri.snapshot_persisted < active.high_seqno or ri.high_seqno != active.high_seqno:
+                return False
+        return True
+
+    def failover(self, name: str, *, graceful: bool = False, max_pump_rounds: int = 10_000) -> FailoverReport:
+        """Fail node ``name`` over and remove it from the map.
+
+        Hard (seed 001 "How ns_server performs failover"): each vbucket active on the node is promoted on the
+        surviving replica with the highest last complete snapshot; kv_engine adds a failover entry there
+        (items of a partial snapshot above it are rolled back first). Graceful: the node must be up; writes
+        to its actives stop, replication runs until every live replica persisted the active's high seqno,
+        the old active is set dead and the first live replica takes over with no failover entry (kv_engine
+        takeover, as ns_server's graceful failover moves vbuckets). The other replicas re-stream from the new
+        active and roll back if they were ahead. A node that is up gets all its vbuckets dead.
+        """
+        if name not in self._map.nodes:
+            raise InvalidArgument(f"node {name} is not in the vbucket map (already failed over?)")
+        mine = self._map.vbuckets_of(name, slot=0)
+        rounds = 0
+        if graceful:
+            if not self._is_up(name):
+                raise InvalidArgument(f"graceful failover needs node {name} up; use a hard failover")
+            for vb in mine:
+                if not any(self._is_up(r) for r in self._map.replicas(vb)):
+                    raise InvalidArgument(f"vbucket {vb} has no live replica: graceful failover impossible")
+            self._blocked.update(mine)
+            try:
+                pending = list(mine)
+                while pending:
+                    while not all(self._caught_up(vb) for vb in pending):
+                        rounds += 1
+                        if rounds > max_pump_rounds:
+                            raise TemporaryFailure("replicas did not catch up for a graceful failover")
+                        self._wait_progress()
+                    # The node stops accepting writes (dead), then the manager checks that nothing slipped in
+                    # since the replicas caught up: a write already on its way when the manager blocked the
+                    # vbucket (possible with node processes) would be lost. Such a vbucket is made active again
+                    # (no failover entry: dead -> active is not a promotion) so the replicas stream the rest --
+                    # kv_engine's takeover drains the tail after marking the vbucket dead to the same effect.
+                    for vb in pending:
+                        self._set_state(name, vb, VBucketState.DEAD)
+                    moved = [vb for vb in pending if not self._caught_up(vb)]
+                    for vb in moved:
+                        self._set_state(name, vb, VBucketState.ACTIVE)
+                    self.graceful_reactivations += len(moved)
+                    pending = moved
+            except BaseException:
+                self._blocked.difference_update(mine)
+                if self._is_up(name):
+                    for vb in mine:
+                        self._set_state(name, vb, VBucketState.ACTIVE)
+                raise
+        if self._is_up(name):
+            # The failed node stops serving: its active vbuckets become dead (their streams end with
+            # STATE_CHANGED; in a takeover the replicas have everything already).
+            for vb in mine:
+                self._set_state(name, vb, VBucketState.DEAD)
+        self._stop_replication(name)  # its replication streams stop before anything is promoted
+        chains: list[list[str | None]] = [list(c) for c in self._map.chains]
+        promoted: dict[int, str] = {}
+        entries: dict[int, FailoverEntry | None] = {}
+        lost: list[int] = []
+        for vb, chain in enumerate(chains):
+            if name not in chain:
+                continue
+            if chain[0] != name:
+                chain[chain.index(name)] = None
+                continue
+            candidates = []
+            for i, r in enumerate(chain[1:]):
+                if r is None or not self._is_up(r):
+                    continue
+                info = self._control(r).vbucket_info(vb)
+                if info.state is VBucketState.REPLICA:
+                    candidates.append((info.snapshot_complete, -i, r))
+            if not candidates:
+                chain[0] = None
+                lost.append(vb)
+                continue
+            best = max(candidates)[2]  # highest last complete snapshot; ties: first in the chain
+            entries[vb] = self._promote(best, vb, takeover=graceful)
+            promoted[vb] = best
+            rest = [r for r in chain[1:] if r != best]
+            chains[vb] = [best, *rest, None]
+        self._map = self._map.with_chains(chains, [n for n in self._map.nodes if n != name])
+        self.failed.append(name)
+        self._blocked.difference_update(mine)
+        if self._is_up(name):
+            self._apply_states(name)  # everything else on the ejected node becomes dead too
+        self._after_failover(name)
+        return FailoverReport(name, graceful, self._map.revision, promoted, entries, lost, rounds)
+
+    # ------------------------------------------------------------------ observe (seed 001 durability polling)
+    def observe_seqno(self, vbucket: int, vbuuid: int) -> ObserveResult:
+        """Observe by seqno on the active of ``vbucket`` (NotMyVBucket / TemporaryFailure like a write).
+
+        kv_engine OBSERVE_SEQNO: with the current vbuuid, the current and persisted seqnos; with an older
+        one, ``failed_over`` and the last seqno of that branch still in the history. Per replica: the last
+        complete snapshot received / persisted, bounded by where the replica's branch meets the active's.
+        """
+        vb = self._active_control(vbucket).vbucket_info(vbucket)
+        if vb.state is not VBucketState.ACTIVE:
+            raise NotMyVBucket(f"vbucket {vbucket} is {vb.state.value} on its mapped active node")
+        entries = [FailoverEntry(u, s) for u, s in vb.failover]
+        current = entries[0].vbuuid
+        failed_over = vbuuid != current
+        last: int | None = None
+        if failed_over:
+            last = branch_end(entries, vbuuid, vb.high_seqno)
+        replicated: dict[str, int] = {}
+        persisted: dict[str, int] = {}
+        for r in self._map.replicas(vbucket):
+            if not self._is_up(r):
+                continue
+            try:
+                rvb = self._control(r).vbucket_info(vbucket)
+            except TemporaryFailure:
+                continue  # went down while we asked
+            if rvb.state is not VBucketState.REPLICA:
+                continue
+            bound = branch_end(entries, rvb.vbuuid, vb.high_seqno)
+            replicated[r] = min(rvb.snapshot_complete, bound)
+            persisted[r] = min(rvb.snapshot_persisted, bound)
+        return ObserveResult(
+            vbucket, current, vb.high_seqno, vb.persisted_seqno, replicated, persisted, failed_over,
+            vbuuid if failed_over else None, last)
+
+    def is_replicated(self, token: MutationToken, replicas: int | None = None, persisted: bool = False) -> bool:
+        """True when the write of ``token`` is still in the active's history and at least ``replicas``
+        replicas (default: every replica slot of the chain) hold it in a complete snapshot -- persisted
+        there and on the active when ``persisted``. Seed 001 "How front end clients ensure mutations are
+        replicated or persisted on a replica"."""
+        r = self.observe_seqno(token.vbucket, token.vbuuid)
+        if r.failed_over and (r.last_seqno is None or token.seqno > r.last_seqno):
+            return False
+        if persisted and r.persisted_seqno < token.seqno:
+            return False
+        need = self._map.num_replicas if replicas is None else replicas
+        seqnos = r.replica_persisted_seqnos if persisted else r.replicated_seqnos
+        have = sum(1 for s in seqnos.values() if s >= token.seqno)
+        return have >= need
+
+
+__all__ = ["ClusterManager", "FailoverReport", "NodeControl", "ObserveResult", "branch_end"]

@@ -1,0 +1,339 @@
+"""A cluster of engine node *processes* (engine/server.py) with a cluster manager in ns_server's role.
+
+The fault-test counterpart of the in-process :class:`engine.cluster.Cluster`: every node is a separate
+``python -m engine.server`` process with its own data directory, killed with SIGKILL by :meth:`ProcessCluster.kill`.
+The manager owns the revisioned :class:`~engine.vbucket_map.VBucketMap`, sets vbucket states with the
+partition-state CAS, tells every node which replication streams to pull (SET_REPLICATION; the replica side pulls,
+as in kv_engine), and fails nodes over with the same rules as the in-process cluster -- the rules live in
+:class:`engine.manager.ClusterManager`, which both share. See docs/cluster.md "Node processes".
+
+Unlike the in-process cluster this one is not deterministic: replication and the flusher run in the nodes on
+their own. Tests make replicas lag with :meth:`ProcessCluster.pause_replication` and keep items unpersisted with
+:meth:`ProcessCluster.stop_persistence`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+import engine
+from engine.exceptions import InvalidArgument, TemporaryFailure
+from engine.failover_log import FailoverEntry
+from engine.manager import ClusterManager, NodeControl
+from engine.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
+from engine.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
+from engine.vbucket_map import VBucketMap
+
+MAP_FILE = "vbucket_map.json"
+_ROOT = Path(engine.__file__).resolve().parents[1]
+
+
+@dataclass
+class NodeProcess:
+    """One ``python -m engine.server`` child process and a client of it."""
+
+    name: str
+    data_dir: Path
+    num_vbuckets: int
+    config: dict[str, Any] = field(default_factory=dict)
+    flush_interval_ms: float = 10.0
+    #: flow-control buffer of the node's replication connections (None: the node's default, 10 MiB)
+    replication_buffer_bytes: int | None = None
+    host: str = "127.0.0.1"
+    proc: subprocess.Popen[bytes] | None = None
+    port: int = 0
+    client: RemoteNode | None = None
+    starts: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def require(self) -> RemoteNode:
+        if not self.up or self.client is None:
+            raise NodeUnavailable(f"node {self.name} is down")
+        return self.client
+
+    def start(self, timeout: float = 30.0) -> int:
+        """Spawn the node (warmup from its data directory) and wait for its READY line; returns the port."""
+        if self.up:
+            raise InvalidArgument(f"node {self.name} is already running")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "engine.server", "--data-dir", str(self.data_dir), "--port", "0",
+               "--host", self.host, "--num-vbuckets", str(self.num_vbuckets), "--name", self.name,
+               "--flush-interval-ms", str(self.flush_interval_ms), "--parent-pid", str(os.getpid())]
+        if self.config:
+            cmd += ["--config-json", orjson.dumps(self.config).decode()]
+        if self.replication_buffer_bytes is not None:
+            cmd += ["--replication-buffer-bytes", str(self.replication_buffer_bytes)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH", "")]))
+        log = open(self.data_dir.parent / f"{self.name}.log", "ab")  # noqa: SIM115 -- handed to the child
+        try:
+            self.proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=log)
+        finally:
+            log.close()
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                self.kill()
+                raise TemporaryFailure(f"node {self.name} did not start (see {self.data_dir.parent}/{self.name}.log)")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 256)
+                if not chunk:
+                    continue
+                line += chunk
+        fields = dict(kv.split("=", 1) for kv in line.decode().split()[1:])
+        self.port = int(fields["port"])
+        self.client = RemoteNode(self.host, self.port)
+        self.starts += 1
+        return self.port
+
+    def kill(self) -> None:
+        """SIGKILL: nothing is flushed, nothing closed -- a crash."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        p = self.proc
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        if p is not None:
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM: a clean shutdown (flushed, clean-shutdown marker); SIGKILL if it does not exit."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        p = self.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if p.stdout is not None:
+            p.stdout.close()
+        p.wait()
+
+
+class ProcessCluster(ClusterManager):
+    """The cluster manager over node processes."""
+
+    def __init__(self, base_dir: Path, nodes: dict[str, NodeProcess], vbmap: VBucketMap) -> None:
+        super().__init__(vbmap)
+        self.base_dir = base_dir
+        self.nodes = nodes
+        #: nodes whose replication was paused by the test (their replica streams are not requested)
+        self.paused: set[str] = set()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def start(
+        cls, base_dir: Path | str, nodes: int = 3, replicas: int = 1, num_vbuckets: int = 64, *,
+        seed: int | None = 0, flush_interval_ms: float = 10.0, replication_buffer_bytes: int | None = None,
+        **bucket_overrides: Any,
+    ) -> ProcessCluster:
+        """Spawn ``nodes`` node processes under ``base_dir`` (one data directory each), generate a balanced
+        map with ``replicas`` replicas, set every vbucket state from it and start replication.
+        ``bucket_overrides`` are :class:`~engine.config.BucketConfig` fields for every node."""
+        base = Path(base_dir)
+        if type(nodes) is not int or nodes < 1:
+            raise InvalidArgument(f"nodes must be >= 1, got {nodes!r}")
+        names = [f"n{i}" for i in range(nodes)]
+        vbmap = VBucketMap.generate(names, replicas, num_vbuckets)
+        members: dict[str, NodeProcess] = {}
+        for i, name in enumerate(names):
+            opts: dict[str, Any] = {"seed": None if seed is None else seed * 1000 + i}
+            opts.update(bucket_overrides)
+            members[name] = NodeProcess(name, base / name, num_vbuckets, opts, flush_interval_ms,
+                                        replication_buffer_bytes)
+        cluster = cls(base, members, vbmap)
+        try:
+            for name in names:
+                members[name].start()
+            for name in names:
+                cluster._apply_states(name)
+            cluster._save_map()
+            cluster._rewire()
+        except BaseException:
+            cluster.close(clean=False)
+            raise
+        return cluster
+
+    def _save_map(self) -> None:
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        (self.base_dir / MAP_FILE).write_text(self._map.to_json())
+
+    # ------------------------------------------------------------------ ClusterManager hooks
+    def _is_up(self, name: str) -> bool:
+        return self.nodes[name].up
+
+    def _control(self, name: str) -> NodeControl:
+        return self.nodes[name].require()
+
+    def _stop_replication(self, name: str) -> None:
+        # Every stream from or to ``name`` stops before anything is promoted (SET_REPLICATION answers once
+        # the links no longer wanted have stopped).
+        self._rewire(exclude=name)
+
+    def _rewire(self, exclude: str | None = None) -> None:
+        """Send every live node the replication streams the map gives it (a replica pulls from its active)."""
+        wanted = self.wanted_streams(exclude=exclude)
+        for name in sorted(self.nodes):
+            node = self.nodes[name]
+            if not node.up:
+                continue
+            sources: dict[str, tuple[str, int, Sequence[int]]] = {}
+            if name not in self.paused:
+                for (src, dst), vbs in wanted.items():
+                    if dst == name:
+                        s = self.nodes[src]
+                        sources[src] = (s.host, s.port, vbs)
+            with contextlib.suppress(NodeUnavailable):
+                node.require().set_replication(sources)
+
+    def _wait_progress(self) -> None:
+        time.sleep(0.01)
+
+    def _after_failover(self, name: str) -> None:
+        self._save_map()
+        self._rewire()
+
+    # ------------------------------------------------------------------ access
+    def node(self, name: str) -> NodeProcess:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise InvalidArgument(f"unknown node {name!r}") from None
+
+    def client(self, name: str) -> RemoteNode:
+        """The front-end / admin client of node ``name`` (NodeUnavailable when down)."""
+        return self.node(name).require()
+
+    def vbucket_of(self, key: bytes | str) -> int:
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        return vbucket_of(k, self._map.num_vbuckets)
+
+    def active_client(self, vbucket: int) -> RemoteNode:
+        """The client of ``vbucket``'s active node per the map (NotMyVBucket if it has none, NodeUnavailable
+        if that node is down)."""
+        return self.nodes[self.active_node(vbucket)].require()
+
+    def dcp_producer(self, node: str, name: str, **kwargs: Any) -> RemoteDcpProducer:
+        return self.client(node).dcp_producer(name, **kwargs)
+
+    # ------------------------------------------------------------------ front end (routed by the map)
+    def _route(self, key: bytes | str, write: bool) -> tuple[RemoteNode, int]:
+        vb = self.vbucket_of(key)
+        if write:
+            self._check_blocked(vb)
+        return self.active_client(vb), vb
+
+    def write(self, key: bytes | str, value: bytes | str, **kwargs: Any) -> MutationResult:
+        client, vb = self._route(key, True)
+        return client.set(key, value, vbucket=vb, **kwargs)
+
+    def get(self, key: bytes | str) -> GetResult:
+        client, vb = self._route(key, False)
+        return client.get(key, vbucket=vb)
+
+    def delete(self, key: bytes | str, *, cas: int = 0) -> MutationResult:
+        client, vb = self._route(key, True)
+        return client.delete(key, vbucket=vb, cas=cas)
+
+    # ------------------------------------------------------------------ faults and test controls
+    def kill(self, name: str) -> None:
+        """SIGKILL node ``name``: what it had not persisted is lost; its connections drop."""
+        self.node(name).kill()
+
+    def restart(self, name: str) -> None:
+        """Start a down node again (warmup; after a SIGKILL its actives get a failover entry), set its states
+        from the map -- with stale CASes the manager detects and retries -- and rewire replication (its port
+        changed)."""
+        node = self.node(name)
+        if node.up:
+            raise InvalidArgument(f"node {name} is already up")
+        node.kill()  # reap a process that died on its own
+        node.start()
+        self._apply_states(name)  # the CASes recorded before the crash are stale: detected and retried
+        self._rewire()
+
+    def pause_replication(self, nodes: Iterable[str] | None = None) -> None:
+        """Stop the replication streams into ``nodes`` (default: all): their replicas lag."""
+        self.paused.update(self.nodes if nodes is None else nodes)
+        self._rewire()
+
+    def resume_replication(self, nodes: Iterable[str] | None = None) -> None:
+        self.paused.difference_update(self.nodes if nodes is None else set(nodes))
+        self._rewire()
+
+    def stop_persistence(self, name: str) -> None:
+        """STOP_PERSISTENCE on node ``name``: nothing more reaches its disk until started again."""
+        self.client(name).stop_persistence()
+
+    def start_persistence(self, name: str) -> None:
+        self.client(name).start_persistence()
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until every live replica holds its live active's high seqno in a complete snapshot and both
+        persisted it (TemporaryFailure after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if all(self._caught_up(vb) for vb in range(self._map.num_vbuckets)
+                   if self._map.active(vb) is not None and self._is_up(self._map.active(vb) or "")):
+                return
+            if time.monotonic() > deadline:
+                raise TemporaryFailure("replication did not settle")
+            time.sleep(0.02)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, clean: bool = True) -> None:
+        """Stop every node process (SIGTERM, clean shutdown; SIGKILL with ``clean=False``)."""
+        for name in sorted(self.nodes):
+            node = self.nodes[name]
+            if clean:
+                node.stop()
+            else:
+                node.kill()
+
+    def __enter__(self) -> ProcessCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(clean=exc[0] is None)
+
+    def failover_entry(self, name: str, vbucket: int) -> FailoverEntry:
+        """The newest failover entry of ``vbucket`` on node ``name``."""
+        return self.client(name).failover_log(vbucket)[0]
+
+    def vbucket_state(self, name: str, vbucket: int) -> VBucketState:
+        return self.client(name).vbucket_state(vbucket)
+
+
+__all__ = ["MAP_FILE", "NodeProcess", "ProcessCluster"]

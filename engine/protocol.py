@@ -1,0 +1,340 @@
+"""The memcached binary protocol subset the engine's node processes speak (kv_engine ``cb::mcbp``).
+
+Every frame has a 24-byte big-endian header (``include/memcached/protocol_binary.h``)::
+
+    magic u8 | opcode u8 | key length u16 | extras length u8 | datatype u8 | vbucket (request) / status
+    (response) u16 | body length u32 | opaque u32 | cas u64
+
+followed by extras, key and value. Requests have magic 0x80, responses 0x81. DCP messages the producer pushes
+(snapshot marker, mutation, deletion, expiration, stream end) are *requests* sent by the server, as in kv_engine.
+Extras layouts are kv_engine's; see docs/cluster.md "Node processes" for the subset and the private opcodes.
+
+Malformed input raises :class:`ProtocolError` (EINVAL), a typed engine error.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+import orjson
+
+from engine.exceptions import (
+    EngineError,
+    InvalidArgument,
+    RollbackRequired,
+    Status,
+    error_for_status,
+)
+from engine.failover_log import FailoverEntry
+from engine.item import Item, Op
+from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
+
+HEADER: Final = struct.Struct(">BBHBBHIIQ")
+HEADER_LEN: Final = 24
+REQ_MAGIC: Final = 0x80
+RES_MAGIC: Final = 0x81
+#: a frame larger than this is refused (kv_engine's max packet size is 30 MiB + header)
+MAX_BODY: Final = 32 * 1024 * 1024
+
+
+class Opcode(IntEnum):
+    """Opcodes with kv_engine's numbers (``cb::mcbp::ClientOpcode``), plus a private range (0xe0..)."""
+
+    GET = 0x00
+    SET = 0x01
+    DELETE = 0x04
+    STAT = 0x10
+    SET_VBUCKET_STATE = 0x3D
+    GET_VBUCKET_STATE = 0x3E
+    DCP_OPEN = 0x50
+    DCP_CLOSE_STREAM = 0x52
+    DCP_STREAM_REQ = 0x53
+    DCP_GET_FAILOVER_LOG = 0x54
+    DCP_STREAM_END = 0x55
+    DCP_SNAPSHOT_MARKER = 0x56
+    DCP_MUTATION = 0x57
+    DCP_DELETION = 0x58
+    DCP_EXPIRATION = 0x59
+    DCP_NOOP = 0x5C
+    DCP_BUFFER_ACKNOWLEDGEMENT = 0x5D
+    DCP_CONTROL = 0x5E
+    STOP_PERSISTENCE = 0x80
+    START_PERSISTENCE = 0x81
+    OBSERVE_SEQNO = 0x91
+    # Private to this project (no kv_engine counterpart: ns_server drives replication itself):
+    #: value = JSON {"sources": {name: {"host", "port", "vbuckets"}}}: the replication streams this node pulls
+    SET_REPLICATION = 0xE0
+    #: force a flush of everything queued now (tests; kv_engine's flusher has no such command)
+    FLUSH_NOW = 0xE1
+
+
+#: DCP_OPEN flags (kv_engine ``cb::mcbp::request::DcpOpenPayload``)
+DCP_OPEN_PRODUCER: Final = 0x01
+
+#: vbucket states on the wire (kv_engine ``vbucket_state_t``: 1 active, 2 replica, 3 pending, 4 dead)
+STATE_CODES: Final = {"active": 1, "replica": 2, "pending": 3, "dead": 4}
+CODE_STATES: Final = {v: k for k, v in STATE_CODES.items()}
+
+# Extras layouts (kv_engine).
+SET_EXTRAS: Final = struct.Struct(">II")  # flags, expiration
+GET_EXTRAS: Final = struct.Struct(">I")  # flags
+TOKEN_EXTRAS: Final = struct.Struct(">QQ")  # mutation seqno extras: vbuuid, seqno (HELLO MutationSeqno)
+STREAM_REQ_EXTRAS: Final = struct.Struct(">IIQQQQQ")  # flags, reserved, start, end, vbuuid, snap start, end
+MARKER_EXTRAS: Final = struct.Struct(">QQI")  # start, end, flags (marker v1)
+MUTATION_EXTRAS: Final = struct.Struct(">QQIIIHB")  # by seqno, rev seqno, flags, expiry, lock, nmeta, nru
+DELETION_EXTRAS: Final = struct.Struct(">QQIB")  # deletion v2: by seqno, rev seqno, delete time, unused
+EXPIRATION_EXTRAS: Final = struct.Struct(">QQI")  # by seqno, rev seqno, delete time
+U32: Final = struct.Struct(">I")
+U64: Final = struct.Struct(">Q")
+OPEN_EXTRAS: Final = struct.Struct(">II")  # seqno, flags
+PAIR: Final = struct.Struct(">QQ")
+#: OBSERVE_SEQNO answer, format 0: format u8, vbucket u16, vbuuid u64, persisted u64, current u64
+OBSERVE0: Final = struct.Struct(">BHQQQ")
+#: format 1 (failover happened) adds old vbuuid u64, last seqno received on that branch u64
+OBSERVE1: Final = struct.Struct(">BHQQQQQ")
+
+
+class ProtocolError(InvalidArgument):
+    """A malformed frame (bad magic, inconsistent lengths, truncated or oversized body, bad extras)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One decoded frame. ``vbucket`` is the header's vbucket (requests) and ``status`` its status
+    (responses): the same 16 bits."""
+
+    magic: int
+    opcode: int
+    key: bytes = b""
+    extras: bytes = b""
+    value: bytes = b""
+    datatype: int = 0
+    vbucket: int = 0
+    opaque: int = 0
+    cas: int = 0
+
+    @property
+    def is_request(self) -> bool:
+        return self.magic == REQ_MAGIC
+
+    @property
+    def status(self) -> int:
+        return self.vbucket
+
+    def encode(self) -> bytes:
+        """The frame's bytes (the inverse of :func:`decode_frame`)."""
+        return encode(self.magic, self.opcode, self.key, self.extras, self.value, self.datatype,
+                      self.vbucket, self.opaque, self.cas)
+
+
+def encode(
+    magic: int, opcode: int, key: bytes = b"", extras: bytes = b"", value: bytes = b"", datatype: int = 0,
+    vbucket_or_status: int = 0, opaque: int = 0, cas: int = 0,
+) -> bytes:
+    """Encode one frame; :class:`ProtocolError` for fields that do not fit the header."""
+    if magic not in (REQ_MAGIC, RES_MAGIC):
+        raise ProtocolError(f"bad magic 0x{magic:02x}")
+    if not 0 <= opcode <= 0xFF or not 0 <= datatype <= 0xFF or not 0 <= vbucket_or_status <= 0xFFFF:
+        raise ProtocolError("opcode, datatype or vbucket/status out of range")
+    if len(key) > 0xFFFF or len(extras) > 0xFF:
+        raise ProtocolError("key or extras too long")
+    body = len(extras) + len(key) + len(value)
+    if body > MAX_BODY or not 0 <= opaque <= 0xFFFFFFFF or not 0 <= cas < 1 << 64:
+        raise ProtocolError("body, opaque or cas out of range")
+    return HEADER.pack(magic, opcode, len(key), len(extras), datatype, vbucket_or_status, body, opaque,
+                       cas) + extras + key + value
+
+
+def request(opcode: int, *, key: bytes = b"", extras: bytes = b"", value: bytes = b"", datatype: int = 0,
+            vbucket: int = 0, opaque: int = 0, cas: int = 0) -> bytes:
+    return encode(REQ_MAGIC, opcode, key, extras, value, datatype, vbucket, opaque, cas)
+
+
+def response(opcode: int, status: int = Status.SUCCESS, *, key: bytes = b"", extras: bytes = b"",
+             value: bytes = b"", datatype: int = 0, opaque: int = 0, cas: int = 0) -> bytes:
+    return encode(RES_MAGIC, opcode, key, extras, value, datatype, status, opaque, cas)
+
+
+def parse_header(header: bytes) -> tuple[int, int, int, int, int, int, int, int, int]:
+    """Validate and unpack a 24-byte header: (magic, opcode, keylen, extlen, datatype, vb/status, bodylen,
+    opaque, cas)."""
+    if len(header) != HEADER_LEN:
+        raise ProtocolError(f"header is {len(header)} bytes, expected {HEADER_LEN}")
+    fields = HEADER.unpack(header)
+    magic, _op, keylen, extlen, _dt, _vb, bodylen, _opaque, _cas = fields
+    if magic not in (REQ_MAGIC, RES_MAGIC):
+        raise ProtocolError(f"bad magic 0x{magic:02x}")
+    if bodylen > MAX_BODY:
+        raise ProtocolError(f"body of {bodylen} bytes exceeds {MAX_BODY}")
+    if keylen + extlen > bodylen:
+        raise ProtocolError(f"key ({keylen}) + extras ({extlen}) exceed the body ({bodylen})")
+    return fields
+
+
+def frame_from(header: tuple[int, int, int, int, int, int, int, int, int], body: bytes) -> Frame:
+    magic, op, keylen, extlen, dt, vb, bodylen, opaque, cas = header
+    if len(body) != bodylen:
+        raise ProtocolError(f"body is {len(body)} bytes, header says {bodylen}")
+    return Frame(magic, op, body[extlen:extlen + keylen], body[:extlen], body[extlen + keylen:], dt, vb,
+                 opaque, cas)
+
+
+def decode_frame(data: bytes) -> Frame:
+    """Decode exactly one whole frame."""
+    if len(data) < HEADER_LEN:
+        raise ProtocolError(f"truncated frame: {len(data)} bytes")
+    h = parse_header(data[:HEADER_LEN])
+    return frame_from(h, data[HEADER_LEN:])
+
+
+class FrameBuffer:
+    """Incremental decoder: :meth:`feed` bytes as they arrive, iterate the whole frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def frames(self) -> Iterator[Frame]:
+        buf = self._buf
+        while len(buf) >= HEADER_LEN:
+            h = parse_header(bytes(buf[:HEADER_LEN]))
+            total = HEADER_LEN + h[6]
+            if len(buf) < total:
+                return
+            f = frame_from(h, bytes(buf[HEADER_LEN:total]))
+            del buf[:total]
+            yield f
+
+
+# ---------------------------------------------------------------------- payloads
+def encode_failover_log(entries: Sequence[FailoverEntry]) -> bytes:
+    """kv_engine's failover-log body: (vbuuid u64, seqno u64) pairs, newest first."""
+    return b"".join(PAIR.pack(e.vbuuid, e.seqno) for e in entries)
+
+
+def decode_failover_log(data: bytes) -> list[FailoverEntry]:
+    if len(data) % PAIR.size:
+        raise ProtocolError(f"failover log body of {len(data)} bytes is not a multiple of 16")
+    return [FailoverEntry(u, s) for u, s in PAIR.iter_unpack(data)]
+
+
+def error_response(opcode: int, err: EngineError, opaque: int = 0, cas: int = 0) -> bytes:
+    """An error answer: the status code of ``err``, and kv_engine's JSON error context as the value (a
+    ROLLBACK carries the 8-byte rollback seqno instead)."""
+    if isinstance(err, RollbackRequired):
+        return response(opcode, Status.ROLLBACK, value=U64.pack(err.seqno), opaque=opaque)
+    body = orjson.dumps({"error": {"context": str(err)}})
+    return response(opcode, int(err.status), value=body, datatype=0x01, opaque=opaque, cas=cas)
+
+
+def error_from(frame: Frame, vbucket: int = 0) -> EngineError:
+    """The typed engine error for an error response (kv_engine status -> ``engine.exceptions``);
+    ``vbucket`` is the request's (a response header holds the status there)."""
+    if frame.status == Status.ROLLBACK:
+        if len(frame.value) != 8:
+            raise ProtocolError("ROLLBACK answer without an 8-byte seqno body")
+        return RollbackRequired(vbucket, U64.unpack(frame.value)[0])
+    message = ""
+    if frame.value:
+        try:
+            message = str(orjson.loads(frame.value)["error"]["context"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            message = frame.value.decode(errors="replace")
+    return error_for_status(frame.status, message)
+
+
+# ---------------------------------------------------------------------- DCP messages
+def encode_dcp_message(m: SnapshotMarker | Item | StreamEnd, opaque: int) -> bytes:
+    """A DCP message the producer pushes, as kv_engine encodes it (server -> client request)."""
+    if type(m) is Item:
+        v = m.value or b""
+        if m.op is Op.MUTATION:
+            ex = MUTATION_EXTRAS.pack(m.seqno, m.rev_seqno, m.flags, m.expiry, 0, 0, 0)
+            op = Opcode.DCP_MUTATION
+        elif m.op is Op.DELETION:
+            ex = DELETION_EXTRAS.pack(m.seqno, m.rev_seqno, m.expiry, 0)
+            op = Opcode.DCP_DELETION
+        else:
+            ex = EXPIRATION_EXTRAS.pack(m.seqno, m.rev_seqno, m.expiry)
+            op = Opcode.DCP_EXPIRATION
+        return request(op, key=m.key, extras=ex, value=v, datatype=m.datatype, vbucket=m.vbucket,
+                       opaque=opaque, cas=m.cas)
+    if type(m) is SnapshotMarker:
+        return request(Opcode.DCP_SNAPSHOT_MARKER, extras=MARKER_EXTRAS.pack(m.start, m.end, int(m.flags)),
+                       vbucket=m.vbucket, opaque=opaque)
+    if type(m) is StreamEnd:
+        return request(Opcode.DCP_STREAM_END, extras=U32.pack(int(m.reason)), vbucket=m.vbucket, opaque=opaque)
+    raise ProtocolError(f"not a DCP message: {m!r}")
+
+
+def decode_dcp_message(f: Frame) -> SnapshotMarker | Item | StreamEnd:
+    """The engine message of a pushed DCP frame; :class:`ProtocolError` when the extras do not fit."""
+    op = f.opcode
+    try:
+        if op == Opcode.DCP_MUTATION:
+            by, rev, flags, expiry, _lock, _nmeta, _nru = MUTATION_EXTRAS.unpack(f.extras)
+            return Item(f.key, f.value, f.vbucket, by, rev, f.cas, flags, expiry, f.datatype, Op.MUTATION)
+        if op == Opcode.DCP_DELETION:
+            by, rev, dtime, _unused = DELETION_EXTRAS.unpack(f.extras)
+            return Item(f.key, f.value or None, f.vbucket, by, rev, f.cas, 0, dtime, f.datatype, Op.DELETION)
+        if op == Opcode.DCP_EXPIRATION:
+            by, rev, dtime = EXPIRATION_EXTRAS.unpack(f.extras)
+            return Item(f.key, f.value or None, f.vbucket, by, rev, f.cas, 0, dtime, f.datatype, Op.EXPIRATION)
+        if op == Opcode.DCP_SNAPSHOT_MARKER:
+            start, end, flags = MARKER_EXTRAS.unpack(f.extras)
+            return SnapshotMarker(f.vbucket, start, end, SnapshotFlags(flags))
+        if op == Opcode.DCP_STREAM_END:
+            (reason,) = U32.unpack(f.extras)
+            return StreamEnd(f.vbucket, StreamEndReason(reason))
+    except (struct.error, ValueError) as e:
+        raise ProtocolError(f"bad extras for opcode 0x{op:02x}: {e}") from e
+    raise ProtocolError(f"opcode 0x{op:02x} is not a DCP data message")
+
+
+def encode_stream_request(
+    start: int, end: int, vbuuid: int, snap_start: int, snap_end: int, flags: int,
+    failover_log: Sequence[FailoverEntry] | None = None,
+) -> tuple[bytes, bytes]:
+    """(extras, value) of a DCP_STREAM_REQ. The value carries the client's whole failover log as
+    (vbuuid, seqno) pairs -- the product's common-ancestor extension (docs/rollback.md); kv_engine puts a
+    collections filter there, and an empty value means kv_engine's newest-vbuuid-only rule."""
+    try:
+        ex = STREAM_REQ_EXTRAS.pack(flags, 0, start, end, vbuuid, snap_start, snap_end)
+    except struct.error as e:
+        raise InvalidArgument(f"stream request field out of range: {e}") from e
+    return ex, encode_failover_log(failover_log or ())
+
+
+__all__ = [
+    "CODE_STATES",
+    "DCP_OPEN_PRODUCER",
+    "HEADER_LEN",
+    "REQ_MAGIC",
+    "RES_MAGIC",
+    "STATE_CODES",
+    "Frame",
+    "FrameBuffer",
+    "Opcode",
+    "ProtocolError",
+    "decode_dcp_message",
+    "decode_failover_log",
+    "decode_frame",
+    "encode",
+    "encode_dcp_message",
+    "encode_failover_log",
+    "encode_stream_request",
+    "error_from",
+    "error_response",
+    "parse_header",
+    "request",
+    "response",
+]

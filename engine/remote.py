@@ -1,0 +1,469 @@
+"""Clients of an engine node process (engine/server.py) over the memcached binary protocol (engine/protocol.py).
+
+* :class:`RemoteNode`: front-end GET / SET / DELETE, OBSERVE_SEQNO, vbucket state commands with the
+  partition-state CAS, stats, and the node's private admin commands. One connection, blocking, thread-safe.
+* :class:`RemoteDcpProducer`: a DCP connection that duck-types :class:`engine.producer.DcpProducer`
+  (``stream_request``, ``step``, ``buffer_acknowledge``, ``close_stream``, ``get_failover_log``, ``close``), so
+  :class:`engine.replication.DcpConsumer` and DCP clients work over the network unchanged.
+
+Errors are the engine's typed exceptions (status code -> ``engine.exceptions``); a node that cannot be reached
+or drops the connection raises :class:`NodeUnavailable` (TMPFAIL, retriable -- what the in-process cluster
+answers for a down node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from engine.exceptions import (
+    EngineClosed,
+    InvalidArgument,
+    KeyExists,
+    StateCasMismatch,
+    Status,
+    TemporaryFailure,
+)
+from engine.failover_log import FailoverEntry
+from engine.item import Item
+from engine.protocol import (
+    CODE_STATES,
+    DCP_OPEN_PRODUCER,
+    GET_EXTRAS,
+    OBSERVE0,
+    OBSERVE1,
+    OPEN_EXTRAS,
+    SET_EXTRAS,
+    STATE_CODES,
+    TOKEN_EXTRAS,
+    U32,
+    U64,
+    Frame,
+    FrameBuffer,
+    Opcode,
+    ProtocolError,
+    decode_dcp_message,
+    decode_failover_log,
+    encode_stream_request,
+    error_from,
+    request,
+)
+from engine.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
+from engine.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
+
+_RECV = 1 << 20
+
+
+class NodeUnavailable(TemporaryFailure):
+    """The node process cannot be reached or dropped the connection (TMPFAIL, retriable)."""
+
+
+@dataclass(frozen=True)
+class NodeObserve:
+    """One node's OBSERVE_SEQNO answer (kv_engine format 0, or format 1 after a failover)."""
+
+    vbucket: int
+    vbuuid: int
+    persisted_seqno: int
+    current_seqno: int
+    failed_over: bool = False
+    old_vbuuid: int | None = None
+    last_seqno: int | None = None
+
+
+class _Connection:
+    """A blocking binary-protocol connection: send requests, read frames, match responses by opaque."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise NodeUnavailable(f"cannot connect to {host}:{port}: {e}") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = FrameBuffer()
+        self.opaques = itertools.count(1)
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            raise NodeUnavailable(f"connection to {self.host}:{self.port} is closed")
+        try:
+            self.sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise NodeUnavailable(f"{self.host}:{self.port}: {e}") from e
+
+    def read(self, timeout: float | None) -> list[Frame]:
+        """Frames available after waiting at most ``timeout`` for data (None: the connection timeout)."""
+        out = list(self.buf.frames())
+        if out:
+            return out
+        if self.closed:
+            raise NodeUnavailable(f"connection to {self.host}:{self.port} is closed")
+        try:
+            self.sock.settimeout(self.timeout if timeout is None else timeout)
+            data = self.sock.recv(_RECV)
+        except TimeoutError:
+            return []
+        except OSError as e:
+            self.close()
+            raise NodeUnavailable(f"{self.host}:{self.port}: {e}") from e
+        if not data:
+            self.close()
+            raise NodeUnavailable(f"{self.host}:{self.port} closed the connection")
+        self.buf.feed(data)
+        # Whatever else is already buffered in the socket, without waiting.
+        try:
+            self.sock.setblocking(False)
+            while True:
+                more = self.sock.recv(_RECV)
+                if not more:
+                    break
+                self.buf.feed(more)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            self.close()
+            raise NodeUnavailable(f"{self.host}:{self.port}: {e}") from e
+        try:
+            return list(self.buf.frames())
+        except ProtocolError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+
+class RemoteNode:
+    """A client of one engine node process (front end, observe, state commands, stats, admin)."""
+
+    def __init__(self, host: str, port: int, *, timeout: float = 30.0) -> None:
+        self.host = host
+        self.port = port
+        self.timeout = timeout
+        self._conn: _Connection | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RemoteNode({self.host}:{self.port})"
+
+    def _call(self, opcode: int, *, vbucket: int = 0, key: bytes = b"", extras: bytes = b"",
+              value: bytes = b"", cas: int = 0, datatype: int = 0, multi: bool = False) -> list[Frame]:
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed:
+                conn = self._conn = _Connection(self.host, self.port, self.timeout)
+            opaque = next(conn.opaques)
+            conn.send(request(opcode, key=key, extras=extras, value=value, datatype=datatype, vbucket=vbucket,
+                              opaque=opaque, cas=cas))
+            got: list[Frame] = []
+            while True:
+                frames = conn.read(None)
+                if not frames:
+                    conn.close()
+                    raise NodeUnavailable(f"{self}: no answer to opcode 0x{opcode:02x}")
+                for f in frames:
+                    if f.is_request or f.opaque != opaque:
+                        continue
+                    if f.status != Status.SUCCESS:
+                        raise self._error(f, vbucket, cas)
+                    got.append(f)
+                    if not multi or not f.key:
+                        return got
+
+    @staticmethod
+    def _error(f: Frame, vbucket: int, cas: int) -> Exception:
+        if f.opcode == Opcode.SET_VBUCKET_STATE and f.status == Status.KEY_EEXISTS:
+            return StateCasMismatch(vbucket, f.cas, cas)  # seed 001 step 6: the current CAS comes back
+        return error_from(f, vbucket)
+
+    # ------------------------------------------------------------------ front end
+    def get(self, key: bytes | str, *, vbucket: int) -> GetResult:
+        """GET (kv_engine answers value, CAS and flags; expiry / rev seqno / seqno are not on the wire: 0)."""
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        (f,) = self._call(Opcode.GET, vbucket=vbucket, key=k)
+        (flags,) = GET_EXTRAS.unpack(f.extras) if len(f.extras) == 4 else (0,)
+        return GetResult(k, f.value, f.cas, flags, 0, f.datatype, 0, 0, vbucket)
+
+    def set(self, key: bytes | str, value: bytes | str, *, vbucket: int, cas: int = 0, flags: int = 0,
+            expiry: int = 0) -> MutationResult:
+        """SET; the answer carries the mutation token (as after HELLO MutationSeqno)."""
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        v = value.encode() if isinstance(value, str) else bytes(value)
+        (f,) = self._call(Opcode.SET, vbucket=vbucket, key=k, value=v, cas=cas,
+                          extras=SET_EXTRAS.pack(flags, expiry))
+        uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
+        return MutationResult(vbucket, uuid, seqno, f.cas)
+
+    def delete(self, key: bytes | str, *, vbucket: int, cas: int = 0) -> MutationResult:
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        (f,) = self._call(Opcode.DELETE, vbucket=vbucket, key=k, cas=cas)
+        uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
+        return MutationResult(vbucket, uuid, seqno, f.cas)
+
+    def observe_seqno(self, vbucket: int, vbuuid: int) -> NodeObserve:
+        """OBSERVE_SEQNO on this node (an active answers its high / persisted seqno, a replica the end of its
+        last complete snapshot received / persisted -- see docs/cluster.md)."""
+        (f,) = self._call(Opcode.OBSERVE_SEQNO, vbucket=vbucket, value=U64.pack(vbuuid))
+        if f.value[:1] == b"\x01":
+            _fmt, vb, uuid, persisted, current, old, last = OBSERVE1.unpack(f.value)
+            return NodeObserve(vb, uuid, persisted, current, True, old, last)
+        _fmt, vb, uuid, persisted, current = OBSERVE0.unpack(f.value)
+        return NodeObserve(vb, uuid, persisted, current)
+
+    # ------------------------------------------------------------------ vbucket states (seed 001 CAS)
+    def state_cas(self, vbucket: int) -> int:
+        (f,) = self._call(Opcode.GET_VBUCKET_STATE, vbucket=vbucket)
+        return f.cas
+
+    def vbucket_state(self, vbucket: int) -> VBucketState:
+        (f,) = self._call(Opcode.GET_VBUCKET_STATE, vbucket=vbucket)
+        return VBucketState(CODE_STATES[U32.unpack(f.value)[0]])
+
+    def set_vbucket_state(self, vbucket: int, state: VBucketState | str, *, cas: int | None = None) -> int:
+        """SET_VBUCKET_STATE with the partition-state CAS in the header (0 = unconditional); returns the new
+        CAS; :class:`StateCasMismatch` carries the current one."""
+        code = STATE_CODES[VBucketState(state).value]
+        (f,) = self._call(Opcode.SET_VBUCKET_STATE, vbucket=vbucket, extras=bytes([code]), cas=cas or 0)
+        return f.cas
+
+    def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None:
+        """SET_VBUCKET_STATE(active) of a replica: kv_engine promotion (a failover entry at the last complete
+        snapshot; none with ``takeover``, kv_engine's ``transfer``). Returns the entry created."""
+        body = orjson.dumps({"transfer": takeover})
+        (f,) = self._call(Opcode.SET_VBUCKET_STATE, vbucket=vbucket, extras=bytes([STATE_CODES["active"]]),
+                          value=body, datatype=0x01, cas=cas or 0)
+        entry = orjson.loads(f.value).get("failover_entry") if f.value else None
+        return None if entry is None else FailoverEntry(int(entry[0]), int(entry[1]))
+
+    def failover_log(self, vbucket: int) -> list[FailoverEntry]:
+        (f,) = self._call(Opcode.DCP_GET_FAILOVER_LOG, vbucket=vbucket)
+        return decode_failover_log(f.value)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self, group: str = "") -> dict[str, str]:
+        """STAT: one answer per statistic, then an empty-key terminator (memcached)."""
+        frames = self._call(Opcode.STAT, key=group.encode(), multi=True)
+        return {f.key.decode(): f.value.decode() for f in frames if f.key}
+
+    def vbucket_info(self, vbucket: int) -> VBucketInfo:
+        """``stats vbucket-details <vb>``: state, state CAS, seqnos, snapshot bookkeeping, failover log."""
+        s = self.stats(f"vbucket-details {vbucket}")
+        log = tuple((int(u), int(q)) for u, q in orjson.loads(s["failover_log"]))
+        return VBucketInfo(vbucket, VBucketState(s["state"]), int(s["state_cas"]), int(s["high_seqno"]),
+                           int(s["persisted_seqno"]), int(s["snapshot_complete"]),
+                           int(s["snapshot_persisted"]), log)
+
+    # ------------------------------------------------------------------ admin
+    def set_replication(self, sources: dict[str, tuple[str, int, Sequence[int]]]) -> None:
+        """Tell the node which replication streams to pull: ``{source node: (host, port, vbuckets)}`` (private
+        SET_REPLICATION). Returns once streams no longer wanted have stopped."""
+        body = {n: {"host": h, "port": p, "vbuckets": sorted(vbs)} for n, (h, p, vbs) in sources.items()}
+        self._call(Opcode.SET_REPLICATION, value=orjson.dumps({"sources": body}), datatype=0x01)
+
+    def stop_persistence(self) -> None:
+        """STOP_PERSISTENCE (kv_engine): the flusher stops until START_PERSISTENCE."""
+        self._call(Opcode.STOP_PERSISTENCE)
+
+    def start_persistence(self) -> None:
+        self._call(Opcode.START_PERSISTENCE)
+
+    def flush(self) -> None:
+        """Persist everything queued now (private FLUSH_NOW)."""
+        self._call(Opcode.FLUSH_NOW)
+
+    def dcp_producer(self, name: str, *, buffer_size: int = 0, poll_timeout: float = 0.05) -> RemoteDcpProducer:
+        """Open a DCP producer connection named ``name`` on this node."""
+        return RemoteDcpProducer(self.host, self.port, name, buffer_size=buffer_size, poll_timeout=poll_timeout,
+                                 timeout=self.timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+@dataclass
+class RemoteStream:
+    """A stream open on a :class:`RemoteDcpProducer` (the opaque its messages carry)."""
+
+    vbucket: int
+    opaque: int
+    ready: deque[Message] = field(default_factory=deque)
+
+
+class RemoteDcpProducer:
+    """A DCP producer connection on a node process, duck-typing :class:`engine.producer.DcpProducer`.
+
+    ``step`` returns the messages that arrived (waiting up to ``poll_timeout`` for the first), decoded to the
+    engine's :class:`SnapshotMarker` / :class:`Item` / :class:`StreamEnd`. With ``buffer_size`` the connection
+    uses DCP flow control (DCP_CONTROL connection_buffer_size) and ``buffer_acknowledge`` sends
+    DCP_BUFFER_ACKNOWLEDGEMENT.
+    """
+
+    def __init__(self, host: str, port: int, name: str, *, buffer_size: int = 0, poll_timeout: float = 0.05,
+                 timeout: float = 30.0) -> None:
+        if not name:
+            raise InvalidArgument("a DCP connection needs a name")
+        self.name = name
+        self.buffer_size = buffer_size
+        self.poll_timeout = poll_timeout
+        self.streams: dict[int, RemoteStream] = {}
+        self._pending: deque[Message] = deque()
+        self._conn = _Connection(host, port, timeout)
+        self.items_received = 0
+        self._call(Opcode.DCP_OPEN, key=name.encode(), extras=OPEN_EXTRAS.pack(0, DCP_OPEN_PRODUCER))
+        if buffer_size:
+            self._call(Opcode.DCP_CONTROL, key=b"connection_buffer_size", value=str(buffer_size).encode())
+
+    def __repr__(self) -> str:
+        return f"RemoteDcpProducer({self.name!r} {self._conn.host}:{self._conn.port} streams={sorted(self.streams)})"
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def _accept(self, frames: list[Frame]) -> Frame | None:
+        """Queue pushed DCP messages; return a response frame if one is among ``frames`` (there is at most
+        one outstanding request)."""
+        answer = None
+        for f in frames:
+            if f.is_request:
+                if f.opcode == Opcode.DCP_NOOP:
+                    continue
+                s = self.streams.get(f.vbucket)
+                if s is None or s.opaque != f.opaque:
+                    continue  # the tail of a stream this connection no longer has
+                self._pending.append(decode_dcp_message(f))
+            else:
+                answer = f
+        return answer
+
+    def _call(self, opcode: int, *, vbucket: int = 0, key: bytes = b"", extras: bytes = b"",
+              value: bytes = b"") -> tuple[Frame, int]:
+        if self._conn.closed:
+            raise EngineClosed(f"connection {self.name!r} is closed")
+        opaque = next(self._conn.opaques)
+        self._conn.send(request(opcode, key=key, extras=extras, value=value, vbucket=vbucket, opaque=opaque))
+        while True:
+            frames = self._conn.read(None)
+            if not frames:
+                self._conn.close()
+                raise NodeUnavailable(f"{self.name}: no answer to opcode 0x{opcode:02x}")
+            f = self._accept(frames)
+            if f is not None and f.opaque == opaque:
+                if f.status != Status.SUCCESS:
+                    raise error_from(f, vbucket)
+                return f, opaque
+
+    # ------------------------------------------------------------------ DcpProducer API
+    def stream_request(
+        self, vbucket: int, start_seqno: int, end_seqno: int = MAX_SEQNO, vbuuid: int = 0,
+        snap_start: int | None = None, snap_end: int | None = None, *, flags: StreamFlags | int = StreamFlags.NONE,
+        opaque: int = 0, failover_log: Sequence[FailoverEntry] | None = None,
+    ) -> list[FailoverEntry]:
+        """DCP_STREAM_REQ; the failover log on OK, :class:`RollbackRequired` on ROLLBACK, typed errors
+        otherwise (``opaque`` is chosen by the connection)."""
+        snap_start = start_seqno if snap_start is None else snap_start
+        snap_end = start_seqno if snap_end is None else snap_end
+        existing = self.streams.get(vbucket)
+        if existing is not None:
+            raise KeyExists(f"a stream for vbucket {vbucket} is already open on {self.name!r}")
+        ex, val = encode_stream_request(start_seqno, end_seqno, vbuuid, snap_start, snap_end, int(flags),
+                                        failover_log)
+        opq = next(self._conn.opaques)
+        # Register before sending: pushed messages for the stream may follow the OK in the same read.
+        self.streams[vbucket] = RemoteStream(vbucket, opq)
+        try:
+            self._conn.send(request(Opcode.DCP_STREAM_REQ, extras=ex, value=val, vbucket=vbucket, opaque=opq))
+            while True:
+                frames = self._conn.read(None)
+                if not frames:
+                    self._conn.close()
+                    raise NodeUnavailable(f"{self.name}: no answer to a stream request")
+                f = self._accept(frames)
+                if f is not None and f.opaque == opq:
+                    if f.status != Status.SUCCESS:
+                        raise error_from(f, vbucket)
+                    return decode_failover_log(f.value)
+        except BaseException:
+            if self.streams.get(vbucket) is not None and self.streams[vbucket].opaque == opq:
+                del self.streams[vbucket]
+            raise
+
+    def step(self, max_messages: int = 4096) -> list[Message]:
+        """The messages received (waiting up to ``poll_timeout`` when none is buffered)."""
+        if self._conn.closed:
+            return []
+        if not self._pending:
+            f = self._accept(self._conn.read(self.poll_timeout))
+            if f is not None:
+                raise ProtocolError(f"{self.name}: unexpected response opcode 0x{f.opcode:02x}")
+        out: list[Message] = []
+        pending = self._pending
+        while pending and len(out) < max_messages:
+            m = pending.popleft()
+            if type(m) is StreamEnd:
+                s = self.streams.get(m.vbucket)
+                if s is not None:
+                    del self.streams[m.vbucket]
+            elif type(m) is Item:
+                self.items_received += 1
+            out.append(m)
+        return out
+
+    def buffer_acknowledge(self, nbytes: int) -> None:
+        """DCP_BUFFER_ACKNOWLEDGEMENT (sent only when flow control is on, as kv_engine clients do)."""
+        if nbytes < 0:
+            raise InvalidArgument("cannot acknowledge a negative number of bytes")
+        if self.buffer_size and nbytes and not self._conn.closed:
+            self._conn.send(request(Opcode.DCP_BUFFER_ACKNOWLEDGEMENT, extras=U32.pack(nbytes)))
+
+    def close_stream(self, vbucket: int) -> None:
+        """DCP_CLOSE_STREAM (NOT_MY_VBUCKET when no stream is open)."""
+        self._call(Opcode.DCP_CLOSE_STREAM, vbucket=vbucket)
+
+    def discard_stream(self, vbucket: int) -> None:
+        """Forget a stream closed at the consumer's request and what was received of it."""
+        self.streams.pop(vbucket, None)
+        if any(m.vbucket == vbucket for m in self._pending):
+            self._pending = deque(m for m in self._pending if m.vbucket != vbucket)
+
+    def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
+        f, _ = self._call(Opcode.DCP_GET_FAILOVER_LOG, vbucket=vbucket)
+        return decode_failover_log(f.value)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._pending)
+
+    def close(self) -> None:
+        """Disconnect: the node ends every stream of this connection."""
+        self.streams.clear()
+        self._pending.clear()
+        self._conn.close()
+
+
+def connect(address: str, **kwargs: Any) -> RemoteNode:
+    """``RemoteNode`` for ``host:port``."""
+    host, _, port = address.rpartition(":")
+    return RemoteNode(host or "127.0.0.1", int(port), **kwargs)
+
+
+__all__ = ["NodeObserve", "NodeUnavailable", "RemoteDcpProducer", "RemoteNode", "RemoteStream", "connect"]

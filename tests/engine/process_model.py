@@ -1,0 +1,177 @@
+"""Test helpers for the cluster of node processes: a DCP client following the map over TCP, and checks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from engine import NotMyVBucket, RollbackRequired, StreamEnd, StreamEndReason, TemporaryFailure
+from engine.process_cluster import ProcessCluster
+from engine.remote import RemoteDcpProducer
+from tests.engine.dcp_model import SnapshotConsumer
+
+
+class ProcessClusterClient:
+    """``cluster_model.ClusterClient`` over the network: a snapshot-aware DCP client (``SnapshotConsumer``)
+    streaming every vbucket from its active node process. When a stream ends other than OK, or its node's
+    connection drops (SIGKILL), it falls back to its last committed snapshot boundary, reloads the map and
+    re-requests from the new active with its own position, rolling back as often as told."""
+
+    def __init__(self, cluster: ProcessCluster, name: str = "client", *, use_client_log: bool = True) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.consumer = SnapshotConsumer(list(range(cluster.num_vbuckets)), use_client_log=use_client_log)
+        self.producers: dict[str, RemoteDcpProducer] = {}
+        #: vbucket -> (node, producer) it streams from now
+        self.source: dict[int, tuple[str, RemoteDcpProducer]] = {}
+
+    def _reset(self, vb: int) -> None:
+        src = self.source.pop(vb, None)
+        if src is not None and not src[1].closed:
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                src[1].close_stream(vb)
+            src[1].discard_stream(vb)
+        st = self.consumer.vbs[vb]
+        st.open = False
+        st.pending.clear()
+        st.marker = None
+        b = st.history[-1][0]
+        st.position.seqno = st.position.snap_start = st.position.snap_end = b
+
+    def _drop(self, node: str) -> None:
+        p = self.producers.pop(node, None)
+        if p is not None:
+            p.close()
+        for vb in [vb for vb, (n, _p) in self.source.items() if n == node]:
+            self._reset(vb)
+
+    def _producer(self, node: str) -> RemoteDcpProducer | None:
+        if not self.cluster.node(node).up:
+            return None
+        p = self.producers.get(node)
+        if p is None or p.closed:
+            try:
+                p = self.cluster.client(node).dcp_producer(self.name, poll_timeout=0.005)
+            except TemporaryFailure:
+                return None
+            self.producers[node] = p
+        return p
+
+    def open_streams(self) -> None:
+        vbmap = self.cluster.vbucket_map()
+        for node in list(self.producers):
+            if self.producers[node].closed or not self.cluster.node(node).up:
+                self._drop(node)
+        for vb, st in self.consumer.vbs.items():
+            src = self.source.get(vb)
+            if st.open and src is not None:
+                if not src[1].closed and vbmap.active(vb) == src[0]:
+                    continue
+                self._reset(vb)
+            elif not st.open and vb in self.source:
+                self._reset(vb)
+            node = vbmap.active(vb)
+            if node is None:
+                continue
+            p = self._producer(node)
+            if p is None:
+                continue
+            while True:
+                args = st.position.request_args()
+                if not self.consumer.use_client_log:
+                    args["failover_log"] = None
+                try:
+                    log = p.stream_request(**args)
+                except RollbackRequired as rb:
+                    self.consumer.rollback(vb, rb.seqno)
+                    continue
+                except NotMyVBucket:
+                    break
+                except TemporaryFailure:
+                    self._drop(node)
+                    break
+                st.position.on_stream_ok(log)
+                st.open = True
+                self.source[vb] = (node, p)
+                break
+
+    def poll_once(self) -> int:
+        self.open_streams()
+        moved = 0
+        for node in sorted(self.producers):
+            p = self.producers[node]
+            try:
+                msgs = p.step()
+            except TemporaryFailure:
+                self._drop(node)
+                continue
+            for m in msgs:
+                src = self.source.get(m.vbucket)
+                if src is None or src[1] is not p:
+                    continue  # the tail of a stream this client already moved away from
+                self.consumer.handle(m)
+                if isinstance(m, StreamEnd) and m.reason is not StreamEndReason.OK:
+                    self._reset(m.vbucket)
+            moved += len(msgs)
+        return moved
+
+    def poll(self, quiet_rounds: int = 3, timeout: float = 20.0) -> int:
+        """Stream until nothing arrived for ``quiet_rounds`` rounds in a row."""
+        n = 0
+        quiet = 0
+        deadline = time.monotonic() + timeout
+        while quiet < quiet_rounds:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: still receiving after {timeout}s")
+            k = self.poll_once()
+            n += k
+            quiet = quiet + 1 if k == 0 else 0
+        return n
+
+    def converge(self, expected: dict[bytes, tuple[bytes, int]], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.state() != expected:
+            assert time.monotonic() < deadline, self.diff(expected)
+            self.poll_once()
+
+    def diff(self, expected: dict[bytes, tuple[bytes, int]]) -> str:
+        got = self.state()
+        bad = sorted(k for k in set(got) | set(expected) if got.get(k) != expected.get(k))
+        return f"{self.name}: {len(bad)} keys differ, e.g. {[(k, got.get(k), expected.get(k)) for k in bad[:5]]}"
+
+    def rollbacks(self) -> int:
+        return sum(len(s.rollbacks) for s in self.consumer.vbs.values())
+
+    def state(self) -> dict[bytes, tuple[bytes, int]]:
+        return self.consumer.state()
+
+    def close(self) -> None:
+        for p in self.producers.values():
+            p.close()
+        self.producers.clear()
+
+
+def actives_state(cluster: ProcessCluster, name: str = "actives-reader") -> dict[bytes, tuple[bytes, int]]:
+    """The actives' state, read by a fresh client streaming every vbucket from 0 to its current end."""
+    reader = ProcessClusterClient(cluster, name)
+    try:
+        reader.poll()
+        return reader.state()
+    finally:
+        reader.close()
+
+
+def assert_replicas_equal_actives(cluster: ProcessCluster) -> None:
+    """Every live replica holds its active's high seqno and failover log (after ``settle``)."""
+    vbmap = cluster.vbucket_map()
+    for vb in range(vbmap.num_vbuckets):
+        a = vbmap.active(vb)
+        if a is None or not cluster.node(a).up:
+            continue
+        ai = cluster.client(a).vbucket_info(vb)
+        for r in vbmap.replicas(vb):
+            if not cluster.node(r).up:
+                continue
+            ri = cluster.client(r).vbucket_info(vb)
+            assert ri.state.value == "replica", (vb, r, ri)
+            assert (ri.high_seqno, ri.failover) == (ai.high_seqno, ai.failover), (vb, r, ri, ai)
