@@ -16,8 +16,8 @@ Delivery (issue "Gateway"):
   says zero;
 * rollback mitigation (default on): the engine is flushed before every DCP step, so only persisted items are
   published and a crash of the whole process cannot publish history the engine will lose;
-* cluster mode (:class:`~engine.cluster.Cluster` source, docs/gateway-cluster.md): every vbucket is streamed from
-  its active node; on a stream end (STATE_CHANGED on failover), a dead connection (node down) or NOT_MY_VBUCKET
+* cluster mode (:class:`~engine.cluster.Cluster` or :class:`~engine.process_cluster.ProcessCluster` source,
+  docs/gateway-cluster.md): every vbucket is streamed from its active node; on a stream end (STATE_CHANGED on failover), a dead connection (node down) or NOT_MY_VBUCKET
   the map is reloaded and the vbucket re-requested from the new active with the gateway's own published
   position, exactly as after a restart. Rollback mitigation there holds each vbucket's DCP messages in a buffer
   until observe-by-seqno says they are persisted on the active and every replica (Couchbase Kafka connector).
@@ -25,6 +25,7 @@ Delivery (issue "Gateway"):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -51,12 +52,13 @@ from engine import (
 )
 from engine.cluster import Cluster
 from engine.failover_log import FailoverEntry
+from engine.process_cluster import ProcessCluster
 from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
 from gateway.position import PublishPosition
 from gateway.records import KafkaRecord, RecordEncoder, partition_for
-from gateway.source import BucketSource, DcpSource, Topology, make_source
+from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class _Inflight:
     #: a filtered-out item: no record, no delivery report; acknowledged with the record before it
     filtered: bool = False
     #: the DCP connection the message came from (its bytes are buffer-acknowledged there)
-    producer: DcpProducer | None = None
+    producer: DcpConnection | None = None
 
 
 class KeyFilter:
@@ -102,7 +104,7 @@ class Publisher:
 
     def __init__(
         self,
-        source: Bucket | Cluster | DcpSource,
+        source: Bucket | Cluster | ProcessCluster | DcpSource,
         producer_config: dict[str, Any],
         topic: str,
         num_partitions: int,
@@ -139,11 +141,13 @@ class Publisher:
         self.kafka = Producer({**producer_config, "on_delivery": on_delivery})
         nvb = self.source.num_vbuckets
         #: the DCP connection each vbucket streams from now (None: not streaming)
-        self._owner: list[DcpProducer | None] = [None] * nvb
+        self._owner: list[DcpConnection | None] = [None] * nvb
         #: cluster mode: vbuckets to re-request on the next pump, and those waiting for the topology to change
         self._detached: set[int] = set()
         self._waiting: set[int] = set()
         self._topo: Topology | None = None
+        #: a connection died during the last step: check every vbucket's connection on the next _follow
+        self._recheck = False
         #: cluster-mode rollback mitigation: DCP messages not yet persisted everywhere, per vbucket, in order
         self._held: dict[int, deque[DcpMessage]] = {}
         #: the last persisted-everywhere seqno seen per vbucket (saves an observe per pump)
@@ -180,6 +184,12 @@ class Publisher:
             return None
         ps = src.producers()
         return ps[0] if ps else None
+
+    @staticmethod
+    def _buffer_ack(p: DcpConnection, nbytes: int) -> None:
+        """DCP buffer-ack; a connection that died meanwhile (a node process killed) has nothing to ack to."""
+        with contextlib.suppress(TemporaryFailure):
+            p.buffer_acknowledge(nbytes)
 
     # ------------------------------------------------------------------ streams
     def _event(self, name: str, vb: int, value: int = 1) -> None:
@@ -255,10 +265,13 @@ class Publisher:
         if p is not None:
             if held:
                 # never published: the re-request from the published position streams them again
-                p.buffer_acknowledge(sum(m.dcp_size for m in held))
+                self._buffer_ack(p, sum(m.dcp_size for m in held))
             old = p.streams.get(vb)
-            if not p.closed and old is not None and old.state is not StreamState.DEAD:
-                p.close_stream(vb)
+            # a remote stream has no state: it is in ``streams`` until its stream-end was read
+            if not p.closed and old is not None and getattr(old, "state", None) is not StreamState.DEAD:
+                # over TCP the node may have ended it meanwhile (NOT_MY_VBUCKET) or died (NodeUnavailable)
+                with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                    p.close_stream(vb)
             if old is not None:
                 # forget the ended stream (its stream-end must not be taken for the next stream's)
                 p.discard_stream(vb)
@@ -271,8 +284,9 @@ class Publisher:
         "on NOT_MY_VBUCKET or a stream end, reload the map and re-request with your own position"."""
         src = self.source
         topo = src.topology()
-        if topo != self._topo:
+        if topo != self._topo or self._recheck:
             self._topo = topo
+            self._recheck = False
             self._detached |= self._waiting
             self._waiting.clear()
             for vb, p in enumerate(self._owner):
@@ -327,7 +341,14 @@ class Publisher:
         owner = self._owner
         held = self._held if self.rollback_mitigation else None
         for p in self.source.producers():
-            msgs = p.step(max_messages)
+            try:
+                msgs = p.step(max_messages)
+            except TemporaryFailure:
+                # A node process's connection dropped (SIGKILL: NodeUnavailable). The DCP client rule treats it
+                # like NOT_MY_VBUCKET: force the topology check below, which detaches the connection's vbuckets
+                # and re-requests them from the map's active with the published position.
+                self._recheck = True
+                continue
             if not msgs:
                 continue
             n += len(msgs)
@@ -339,7 +360,7 @@ class Publisher:
                 else:
                     stale += m.dcp_size  # the tail of a stream the gateway already moved away from
             if stale:
-                p.buffer_acknowledge(stale)
+                self._buffer_ack(p, stale)
             if held is None:
                 self._publish(mine)
                 continue
@@ -350,7 +371,7 @@ class Publisher:
                     if q:
                         # Not persisted everywhere, never published: dropped; the re-request streams what
                         # survived again.
-                        p.buffer_acknowledge(sum(x.dcp_size for x in q))
+                        self._buffer_ack(p, sum(x.dcp_size for x in q))
                     self._publish([m])
                 else:
                     q = held.get(vb)
@@ -483,7 +504,10 @@ class Publisher:
 
     def _ack(self, entry: _Inflight, offset: int) -> None:
         if entry.dcp_bytes and entry.producer is not None:
-            entry.producer.buffer_acknowledge(entry.dcp_bytes)
+            try:  # noqa: SIM105 -- the hot path: no context manager per delivered record
+                entry.producer.buffer_acknowledge(entry.dcp_bytes)
+            except TemporaryFailure:
+                pass  # the connection died meanwhile (a node process killed): nothing to acknowledge to
         vb = entry.vbucket
         if entry.filtered:
             # a filtered item's "offset" is that of the last record before it on the partition; the

@@ -1,5 +1,6 @@
-"""Where the publisher's DCP streams come from: one :class:`~engine.Bucket`, or an in-process
-:class:`~engine.cluster.Cluster` whose vbuckets move between nodes.
+"""Where the publisher's DCP streams come from: one :class:`~engine.Bucket`, an in-process
+:class:`~engine.cluster.Cluster` whose vbuckets move between nodes, or a
+:class:`~engine.process_cluster.ProcessCluster` of node processes reached over TCP.
 
 The publisher only needs a few things from its source (docs/gateway-cluster.md):
 
@@ -22,9 +23,15 @@ from typing import Any
 
 from engine import Bucket, DcpProducer, FailoverEntry, NotMyVBucket, TemporaryFailure
 from engine.cluster import Cluster
+from engine.manager import ClusterManager
+from engine.process_cluster import ProcessCluster
+from engine.remote import RemoteDcpProducer
 from engine.vbucket import VBucketState
 
-__all__ = ["BucketSource", "ClusterSource", "DcpSource", "cluster_summary", "make_source"]
+__all__ = ["BucketSource", "ClusterSource", "DcpConnection", "DcpSource", "ProcessClusterSource", "cluster_summary", "make_source"]
+
+#: a DCP connection: in process, or to a node process over TCP (duck-typing DcpProducer)
+DcpConnection = DcpProducer | RemoteDcpProducer
 
 #: a topology token: (map revision, live nodes with their bucket objects -- a restarted node is a new bucket)
 Topology = tuple[int, frozenset[tuple[str, object]]]
@@ -57,7 +64,7 @@ class BucketSource:
     def producers(self) -> list[DcpProducer]:
         return [] if self._producer is None else [self._producer]
 
-    def node_of(self, producer: DcpProducer) -> str:
+    def node_of(self, producer: DcpConnection) -> str:
         return self.bucket.config.name
 
     def active_node(self, vb: int) -> str | None:
@@ -108,6 +115,29 @@ class BucketSource:
         self._producer = None
 
 
+def persisted_everywhere(manager: ClusterManager, vb: int, vbuuid: int) -> int:
+    """The highest seqno of ``vb`` persisted on the active and on every replica of the chain (0 when unknown).
+
+    Couchbase Kafka connector rollback mitigation (java-dcp-client persistence polling): observe-by-seqno on the
+    vbucket (seed 001 "How front end clients ensure mutations are persisted / replicated"); a replica counts
+    with the end of its last complete snapshot persisted; a replica slot whose node is down (or not yet a
+    replica) holds publishing back until it answers or is failed over. A failed-over vbuuid answers 0: the
+    stream is about to end and re-request. The same rule for both cluster managers (in-process and node
+    processes: there every answer is a ``stats vbucket-details`` round trip).
+    """
+    try:
+        r = manager.observe_seqno(vb, vbuuid)
+    except (NotMyVBucket, TemporaryFailure):
+        return 0
+    if r.failed_over:
+        return 0
+    safe = r.persisted_seqno
+    reps = r.replica_persisted_seqnos
+    for name in manager.vbucket_map().replicas(vb):
+        safe = min(safe, reps.get(name, 0))
+    return safe
+
+
 class ClusterSource:
     """An in-process cluster: every vbucket is streamed from its active node per the vbucket map."""
 
@@ -142,7 +172,7 @@ class ClusterSource:
     def producers(self) -> list[DcpProducer]:
         return [p for _n, p in sorted(self._producers.items()) if not p.closed]
 
-    def node_of(self, producer: DcpProducer) -> str:
+    def node_of(self, producer: DcpConnection) -> str:
         return self._nodes.get(id(producer), "")
 
     def active_node(self, vb: int) -> str | None:
@@ -185,26 +215,9 @@ class ClusterSource:
         """Nothing: the cluster's own pump flushes its nodes, and mitigation checks persistence itself."""
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
-        """The highest seqno persisted on the active and on every replica of the chain (0 when unknown).
-
-        Couchbase Kafka connector rollback mitigation (java-dcp-client persistence polling): observe-by-seqno
-        on the vbucket (seed 001 "How front end clients ensure mutations are persisted / replicated"); a
-        replica counts with the end of its last complete snapshot persisted; a replica slot whose node is down
-        (or not yet a replica) holds publishing back until it answers or is failed over. A failed-over vbuuid
-        answers 0: the stream is about to end and re-request.
-        """
-        c = self.cluster
-        try:
-            r = c.observe_seqno(vb, vbuuid)
-        except (NotMyVBucket, TemporaryFailure):
-            return 0
-        if r.failed_over:
-            return 0
-        safe = r.persisted_seqno
-        reps = r.replica_persisted_seqnos
-        for name in c.vbucket_map().replicas(vb):
-            safe = min(safe, reps.get(name, 0))
-        return safe
+        """The highest seqno persisted on the active and on every replica of the chain (0 when unknown): see
+        :func:`persisted_everywhere`."""
+        return persisted_everywhere(self.cluster, vb, vbuuid)
 
     @property
     def up(self) -> bool:
@@ -222,16 +235,157 @@ class ClusterSource:
         self._nodes.clear()
 
 
+class ProcessClusterSource:
+    """A cluster of node processes (:class:`~engine.process_cluster.ProcessCluster`): every vbucket is streamed
+    over TCP from its active node per the vbucket map, one :class:`~engine.remote.RemoteDcpProducer` connection
+    per node (a DCP client opens one connection per kv node), opened lazily.
+
+    Same rules as :class:`ClusterSource` (docs/gateway-cluster.md "Process clusters"); what differs is how a
+    dead node shows: its connection drops (SIGKILL) and ``step`` raises
+    :class:`~engine.remote.NodeUnavailable`. The publisher then forgets that connection's vbuckets; here the
+    topology token counts, per node, the connections found dead, so a connection that dropped while its node
+    stayed up also makes the publisher reload the map and re-request (DCP client rule: a dead connection is
+    like NOT_MY_VBUCKET -- reload the map, re-request with your own position).
+    """
+
+    is_cluster = True
+
+    def __init__(self, cluster: ProcessCluster, connection_name: str, buffer_size: int, *,
+                 poll_timeout: float = 0.002) -> None:
+        self.cluster = cluster
+        self.connection_name = connection_name
+        self.buffer_size = buffer_size
+        #: how long one ``step`` waits for a node's first message (the publisher steps every node per pump)
+        self.poll_timeout = poll_timeout
+        self._producers: dict[str, RemoteDcpProducer] = {}
+        self._nodes: dict[int, str] = {}
+        #: connections found dead, per node (part of the topology token)
+        self._dropped: dict[str, int] = {}
+
+    @property
+    def num_vbuckets(self) -> int:
+        return self.cluster.num_vbuckets
+
+    def open(self) -> None:
+        """Connections are opened lazily, per node, by :meth:`producer_for`."""
+
+    def _forget(self, name: str) -> None:
+        p = self._producers.pop(name, None)
+        if p is not None:
+            self._nodes.pop(id(p), None)
+            self._dropped[name] = self._dropped.get(name, 0) + 1
+            p.close()
+
+    def producer_for(self, vb: int) -> RemoteDcpProducer:
+        name = self.cluster.vbucket_map().active(vb)
+        if name is None:
+            raise NotMyVBucket(f"vbucket {vb} has no active copy")
+        p = self._producers.get(name)
+        if p is None or p.closed:
+            if p is not None:
+                self._forget(name)
+            # NodeUnavailable (a TemporaryFailure) while the node is down or refuses the connection
+            client = self.cluster.node(name).require()
+            p = client.dcp_producer(self.connection_name, buffer_size=self.buffer_size,
+                                    poll_timeout=self.poll_timeout)
+            self._producers[name] = p
+            self._nodes[id(p)] = name
+        return p
+
+    def producers(self) -> list[RemoteDcpProducer]:
+        out: list[RemoteDcpProducer] = []
+        for name, p in sorted(self._producers.items()):
+            if p.closed:
+                self._forget(name)  # a dead connection changes the topology token: the publisher re-requests
+            else:
+                out.append(p)
+        return out
+
+    def node_of(self, producer: DcpConnection) -> str:
+        return self._nodes.get(id(producer), "")
+
+    def active_node(self, vb: int) -> str | None:
+        return self.cluster.vbucket_map().active(vb)
+
+    def topology(self) -> Topology:
+        """Map revision + the live nodes, each with its start count (a restarted node is a new process) and
+        the number of its connections found dead."""
+        c = self.cluster
+        return (c.vbucket_map().revision,
+                frozenset((n, (node.starts, self._dropped.get(n, 0))) for n, node in c.nodes.items() if node.up))
+
+    def failover_log(self, vb: int) -> list[FailoverEntry]:
+        return self.cluster.active_client(vb).failover_log(vb)
+
+    def high_seqno(self, vb: int) -> int:
+        return self.cluster.active_client(vb).vbucket_info(vb).high_seqno
+
+    def seqnos(self, vb: int) -> tuple[int, int]:
+        try:
+            info = self.cluster.active_client(vb).vbucket_info(vb)
+        except (NotMyVBucket, TemporaryFailure):
+            return 0, 0
+        return info.high_seqno, info.persisted_seqno
+
+    def vbucket_stats(self, vb: int) -> dict[str, int | str]:
+        """The active node's ``stats vbucket-details <vb>`` (numbers as ints)."""
+        try:
+            raw = self.cluster.active_client(vb).stats(f"vbucket-details {vb}")
+        except (NotMyVBucket, TemporaryFailure):
+            return {}
+        return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in raw.items()}
+
+    def _node_stat(self, stat: str) -> int:
+        total = 0
+        for name in sorted(self.cluster.nodes):
+            node = self.cluster.nodes[name]
+            if not node.up:
+                continue
+            try:
+                total += int(node.require().stats().get(stat, 0))
+            except TemporaryFailure:
+                continue  # went down while asked
+        return total
+
+    def items(self) -> int:
+        """Documents on every live node -- active and replica copies (a node's ``stats`` has no per-state
+        count; the in-process source counts actives only)."""
+        return self._node_stat("items")
+
+    def checkpoint_memory(self) -> int:
+        return self._node_stat("checkpoint_memory")
+
+    def before_step(self, mitigation: bool) -> None:
+        """Nothing: the nodes flush on their own, and mitigation checks persistence itself."""
+
+    def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
+        """Observe-by-seqno over TCP on the active and every replica: see :func:`persisted_everywhere`."""
+        return persisted_everywhere(self.cluster, vb, vbuuid)
+
+    @property
+    def up(self) -> bool:
+        return any(node.up for node in self.cluster.nodes.values())
+
+    def close(self) -> None:
+        for p in self._producers.values():
+            p.close()  # the node ends every stream of the connection
+        self._producers.clear()
+        self._nodes.clear()
+
+
 #: what the publisher streams from
-DcpSource = BucketSource | ClusterSource
+DcpSource = BucketSource | ClusterSource | ProcessClusterSource
 
 
-def make_source(origin: Bucket | Cluster | DcpSource, connection_name: str, buffer_size: int) -> DcpSource:
-    """Wrap a bucket or a cluster (a source passes through)."""
-    if isinstance(origin, (BucketSource, ClusterSource)):
+def make_source(origin: Bucket | Cluster | ProcessCluster | DcpSource, connection_name: str,
+                buffer_size: int) -> DcpSource:
+    """Wrap a bucket, a cluster or a cluster of node processes (a source passes through)."""
+    if isinstance(origin, (BucketSource, ClusterSource, ProcessClusterSource)):
         return origin
     if isinstance(origin, Cluster):
         return ClusterSource(origin, connection_name, buffer_size)
+    if isinstance(origin, ProcessCluster):
+        return ProcessClusterSource(origin, connection_name, buffer_size)
     return BucketSource(origin, connection_name, buffer_size)
 
 
