@@ -263,6 +263,7 @@ class Cluster(ClusterManager):
         self._drop_connections(name)
         bucket.close(clean=False)
         node.bucket = None
+        self._abort_rebalance(f"node {name} down")  # ns_server: a node going down stops the rebalance
 
     def restart(self, name: str) -> None:
         """Start a down node again (warmup; after a crash its actives get a failover entry) and set its

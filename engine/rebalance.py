@@ -524,7 +524,7 @@ class Rebalance:
             if info.persisted_seqno < info.high_seqno:
                 return
             for n in move.new[1:] + ([move.target] if move.takeover else []):
-                if n is None:
+                if n is None or n == move.source:
                     continue
                 ri = c._control(n).vbucket_info(vb)
                 if ri.high_seqno != info.high_seqno or ri.snapshot_persisted < info.high_seqno:
@@ -603,6 +603,11 @@ class Rebalance:
             if (old is not None and old not in move.new and c._is_up(old)
                     and c._control(old).vbucket_info(vb).state is not VBucketState.DEAD):
                 c._set_state(old, vb, VBucketState.DEAD)
+        for rep in move.new[1:]:
+            # e.g. the old active kept as a replica: dead after its takeover, it replicates from the new one
+            if (rep is not None and c._is_up(rep)
+                    and c._control(rep).vbucket_info(vb).state is not VBucketState.REPLICA):
+                c._set_state(rep, vb, VBucketState.REPLICA)
         c._moving.pop(vb, None)
         c._blocked.discard(vb)
         c._connect()

@@ -13,7 +13,14 @@ import pytest
 from engine import NotMyVBucket, TemporaryFailure, VBucketState
 from engine.cluster import Cluster
 from engine.exceptions import InvalidArgument
-from engine.rebalance import MigratorConnection, MovePhase, Rebalance, RebalanceProgress, plan_chains
+from engine.rebalance import (
+    MigratorConnection,
+    MovePhase,
+    Rebalance,
+    RebalanceProgress,
+    VBucketMove,
+    plan_chains,
+)
 from engine.vbucket_map import VBucketMap
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
@@ -63,7 +70,7 @@ def _counts(chains: list[list[str | None]], slot: int | None) -> Counter[str]:
     c: Counter[str] = Counter()
     for chain in chains:
         for i, n in enumerate(chain):
-            if n is not None and (slot is None and i > 0 or i == slot):
+            if n is not None and ((slot is None and i > 0) or i == slot):
                 c[n] += 1
     return c
 
@@ -137,7 +144,8 @@ def test_add_streams_are_answered_out_of_order_matched_by_opaque(make_cluster) -
     assert b.failover_log(vb_rb) == a.failover_log(vb_rb)
     conn.step()
     assert b.vbucket(vb_rb).high_seqno == a.vbucket(vb_rb).high_seqno
-    assert b.get(_keys_on(c, vb_rb, 1)[0], vbucket=vb_rb) if False else True
+    assert b.vbucket(vb_rb).ht.get(_keys_on(c, vb_rb, 1)[0].encode()).value == b"x"
+    assert b.vbucket(vb_rb).ht.get(_keys_on(c, vb_rb, 1, "z")[0].encode()) is None  # the diverged branch is gone
     # An add-stream for a vbucket the source does not hold actively is answered with an error.
     other = next(vb for vb in range(4) if c.vbucket_map().active(vb) == "n1")
     o = conn.add_stream(other)
@@ -317,4 +325,22 @@ def test_failover_during_rebalance_aborts_it(make_cluster) -> None:
     # A new rebalance after the failover refills the empty slots and finishes.
     c.rebalance()
     assert all(None not in ch for ch in c.vbucket_map().chains)
+    _assert_converged(c, writer)
+
+
+def test_swap_active_and_replica_keeps_old_active_as_replica(make_cluster) -> None:
+    """A move whose new chain keeps the old active as a replica: after the takeover the old (dead) copy
+    becomes a replica of the new active."""
+    c = make_cluster(nodes=2, replicas=1, num_vbuckets=4)
+    writer = Writer(c)
+    writer.write(80)
+    c.settle()
+    vbmap = c.vbucket_map()
+    swapped = [[ch[1], ch[0]] if vb == 0 else list(ch) for vb, ch in enumerate(vbmap.chains)]
+    reb = Rebalance(c, [], [])
+    reb.queue = [VBucketMove(0, list(vbmap.chains[0]), swapped[0])]
+    reb.total = 1
+    c._rebalance = reb
+    _pump_until_done(c, reb, writer)
+    assert c.vbucket_map().chains[0] == swapped[0]
     _assert_converged(c, writer)

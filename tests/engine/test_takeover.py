@@ -124,7 +124,7 @@ def test_takeover_protocol_order_markers_ack_and_drain(pair) -> None:
 
 
 def test_bad_takeover_acks_are_refused(pair) -> None:
-    a, b = pair
+    a, _b = pair
     p = a.dcp_producer("c")
     with pytest.raises(NotMyVBucket):
         p.snapshot_marker_ack(VB)
