@@ -110,6 +110,9 @@ class Cluster(ClusterManager):
             cluster._apply_states(name)
         return cluster
 
+    def _wire(self) -> None:
+        self._connect()
+
     def _set_map(self, vbmap: VBucketMap) -> None:
         self._map = vbmap
         self._save_map()
@@ -305,29 +308,7 @@ class Cluster(ClusterManager):
         slots left by failovers refilled). :class:`InvalidArgument` for unknown / duplicate nodes, removing
         every node, too few nodes for the replicas, or a rebalance already running; TemporaryFailure when a
         node of the map is down (fail it over first)."""
-        if self._rebalance is not None:
-            raise InvalidArgument("a rebalance is already running")
-        add, remove = list(add), list(remove)
-        for n in add + remove:
-            if type(n) is not str or not n:
-                raise InvalidArgument(f"invalid node name {n!r}")
-        if len(set(add)) != len(add) or len(set(remove)) != len(remove) or set(add) & set(remove):
-            raise InvalidArgument("a node is named twice in add / remove")
-        for n in add:
-            if n in self._map.nodes:
-                raise InvalidArgument(f"node {n} is already in the cluster")
-        for n in remove:
-            if n not in self._map.nodes:
-                raise InvalidArgument(f"unknown node {n!r}: not in the cluster")
-        final = [n for n in self._map.nodes if n not in remove] + add
-        if not final:
-            raise InvalidArgument("cannot remove every node")
-        if self._map.num_replicas >= len(final):
-            raise InvalidArgument(
-                f"{self._map.num_replicas} replicas need at least {self._map.num_replicas + 1} nodes")
-        for n in self._map.nodes:
-            if not self._is_up(n):
-                raise TemporaryFailure(f"node {n} is down: fail it over before rebalancing")
+        add, remove = self._check_rebalance(add, remove)
         for n in add:
             self.add_node(n)
         if add:

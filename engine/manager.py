@@ -135,6 +135,18 @@ class ClusterManager(ABC):
     def _after_failover(self, name: str) -> None:
         """Persist the new map and wire replication from it."""
 
+    @abstractmethod
+    def _wire(self) -> None:
+        """Wire replication from the current map (and the rebalance mover's streams)."""
+
+    @abstractmethod
+    def _set_map(self, vbmap: VBucketMap) -> None:
+        """Adopt and persist a new map revision."""
+
+    @abstractmethod
+    def _eject(self, name: str) -> None:
+        """A node a rebalance removed: its vbuckets dead, the node stopped and forgotten."""
+
     def _abort_rebalance(self, reason: str) -> None:
         """Stop a running rebalance (ns_server stops a rebalance on failover): its moves go back to their
         original states."""
@@ -148,6 +160,33 @@ class ClusterManager(ABC):
     ) -> Rebalance:
         """Start moving vbuckets to the map over the new node set (seed 003); see :meth:`rebalance`."""
         raise UnknownCommand(f"{type(self).__name__}: rebalance is implemented for the in-process cluster")
+
+    def _check_rebalance(self, add: Sequence[str], remove: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Validate a rebalance request (InvalidArgument / TemporaryFailure, see ``start_rebalance``)."""
+        if self._rebalance is not None:
+            raise InvalidArgument("a rebalance is already running")
+        add_l, remove_l = list(add), list(remove)
+        for n in add_l + remove_l:
+            if type(n) is not str or not n:
+                raise InvalidArgument(f"invalid node name {n!r}")
+        if len(set(add_l)) != len(add_l) or len(set(remove_l)) != len(remove_l) or set(add_l) & set(remove_l):
+            raise InvalidArgument("a node is named twice in add / remove")
+        for n in add_l:
+            if n in self._map.nodes:
+                raise InvalidArgument(f"node {n} is already in the cluster")
+        for n in remove_l:
+            if n not in self._map.nodes:
+                raise InvalidArgument(f"unknown node {n!r}: not in the cluster")
+        final = [n for n in self._map.nodes if n not in remove_l] + add_l
+        if not final:
+            raise InvalidArgument("cannot remove every node")
+        if self._map.num_replicas >= len(final):
+            raise InvalidArgument(
+                f"{self._map.num_replicas} replicas need at least {self._map.num_replicas + 1} nodes")
+        for n in self._map.nodes:
+            if not self._is_up(n):
+                raise TemporaryFailure(f"node {n} is down: fail it over before rebalancing")
+        return add_l, remove_l
 
     def rebalance(
         self, add: Sequence[str] = (), remove: Sequence[str] = (), *,

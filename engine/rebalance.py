@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
+from engine.bucket import Bucket
 from engine.exceptions import EngineError, InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
 from engine.replication import DcpConsumer, PassiveState
@@ -45,8 +47,7 @@ from engine.vbucket import VBucketState
 from engine.vbucket_map import VBucketMap
 
 if TYPE_CHECKING:
-    from engine.bucket import Bucket
-    from engine.cluster import Cluster
+    from engine.manager import ClusterManager
 
 #: moves running at once (ns_server ``rebalance_moves_per_node`` defaults to 4)
 DEFAULT_CONCURRENT_MOVES: Final = 4
@@ -299,6 +300,8 @@ class VBucketMove:
     persist_target: int = 0
     takeover_opaque: int | None = None
     takeover_attempts: int = 0
+    takeover_started: int = 0
+    takeover_deadline: float = 0.0
     reverts: int = 0
     items_left: int = 0
 
@@ -341,11 +344,12 @@ class RebalanceProgress:
 
 
 class Rebalance:
-    """A running rebalance over an in-process :class:`~engine.cluster.Cluster` (ns_server's orchestrator +
-    vbucket mover). :meth:`step` does a bounded amount of work; the cluster's :meth:`~Cluster.pump` calls it."""
+    """A running rebalance (ns_server's orchestrator + vbucket mover) over an in-process
+    :class:`~engine.cluster.Cluster`: the mover holds the named connections itself. :meth:`step` does a bounded
+    amount of work; the cluster's ``pump`` calls it. :class:`ProcessRebalance` is the node-process variant."""
 
     def __init__(
-        self, cluster: Cluster, add: Sequence[str], remove: Sequence[str], *,
+        self, cluster: ClusterManager, add: Sequence[str], remove: Sequence[str], *,
         concurrent_moves: int = DEFAULT_CONCURRENT_MOVES,
         progress: Callable[[RebalanceProgress], None] | None = None,
     ) -> None:
@@ -373,7 +377,7 @@ class Rebalance:
         self._opaques = itertools.count(1)
         self.rounds = 0
 
-    # ------------------------------------------------------------------ connections
+    # ------------------------------------------------------------------ connections (in process)
     def connection(self, src: str, dst: str) -> MigratorConnection:
         """The mover's connection ``rebalance:<src>-><dst>`` (one per node pair, many streams on it)."""
         name = f"rebalance:{src}->{dst}"
@@ -381,9 +385,97 @@ class Rebalance:
         if conn is None or conn.closed or conn.consumer.closed:
             if conn is not None:
                 conn.close()
-            conn = MigratorConnection(name, self.cluster._control(src), self.cluster._control(dst), self._opaques)
+            src_bucket, dst_bucket = self.cluster._control(src), self.cluster._control(dst)
+            if not isinstance(src_bucket, Bucket) or not isinstance(dst_bucket, Bucket):
+                raise InvalidArgument("the in-process mover needs in-process nodes")
+            conn = MigratorConnection(name, src_bucket, dst_bucket, self._opaques)
             self.connections[name] = conn
         return conn
+
+    def _feed(self, move: VBucketMove) -> None:
+        """Submit the add-streams of the fed copies (seed 003 "Initial Stream Handshake")."""
+        for n in move.fed:
+            move.fed[n] = self.connection(move.source, n).add_stream(move.vbucket)
+
+    def _pump_connections(self) -> None:
+        for conn in list(self.connections.values()):
+            conn.process()
+        for conn in sorted(self.connections.values(), key=lambda x: x.name):
+            try:
+                conn.step()
+            except EngineError:
+                # A message the consumer could not apply (e.g. a takeover state change refused): the
+                # connection is replaced (same name: the old one is closed) and the moves re-add their
+                # streams; takeover moves check both sides' states and revert (seed 003).
+                conn.close()
+
+    def _collect(self, move: VBucketMove) -> bool:
+        """Take the add-stream answers for this move; True when every fed stream is open."""
+        ok = True
+        for n, opaque in list(move.fed.items()):
+            conn = self.connection(move.source, n)
+            if opaque is None:
+                is_open, reason = conn.stream_state(move.vbucket)
+                if not is_open and reason is not StreamEndReason.OK:
+                    move.fed[n] = conn.add_stream(move.vbucket)  # connection replaced or stream ended: again
+                    ok = False
+                continue
+            ok = False
+            if opaque not in conn.pending():
+                # Answered (completions are matched by opaque; answers of other moves are kept for them).
+                res = conn.answer(opaque)
+                if res is None:
+                    move.fed[n] = conn.add_stream(move.vbucket)  # lost with a replaced connection
+                elif res.ok:
+                    move.fed[n] = None
+                elif isinstance(res.error, (NotMyVBucket, TemporaryFailure)):
+                    move.fed[n] = conn.add_stream(move.vbucket)
+                else:
+                    raise res.error if res.error is not None else TemporaryFailure("add stream failed")
+        return ok and all(o is None for o in move.fed.values())
+
+    def _estimates(self, move: VBucketMove) -> list[int]:
+        return [self.connection(move.source, n).takeover_estimate(move.vbucket) for n in move.fed]
+
+    def _begin_takeover(self, move: VBucketMove) -> None:
+        conn = self.connection(move.source, move.target)
+        conn.close_stream(move.vbucket)
+        move.takeover_opaque = conn.add_stream(move.vbucket, takeover=True)
+        move.fed[move.target] = None
+
+    def _takeover_result(self, move: VBucketMove) -> bool | None:
+        """None while the takeover stream runs; else whether it ended OK."""
+        vb = move.vbucket
+        conn = self.connection(move.source, move.target)
+        if move.takeover_opaque is not None:
+            if move.takeover_opaque in conn.pending():
+                return None
+            res = conn.answer(move.takeover_opaque)
+            move.takeover_opaque = None
+            if res is None or not res.ok:
+                return False
+        is_open, reason = conn.stream_state(vb)
+        if is_open:
+            move.items_left = conn.takeover_estimate(vb) if not conn.consumer.closed else 0
+            return None
+        return reason is StreamEndReason.OK
+
+    def _cancel_takeover(self, move: VBucketMove) -> None:
+        conn = self.connection(move.source, move.target)
+        conn.close_stream(move.vbucket)
+        with contextlib.suppress(NotMyVBucket):
+            conn.producer.discard_stream(move.vbucket)
+
+    def _refeed_target(self, move: VBucketMove) -> None:
+        move.fed[move.target] = self.connection(move.source, move.target).add_stream(move.vbucket)
+
+    def _release(self, move: VBucketMove) -> None:
+        for n in move.fed:
+            self.connection(move.source, n).close_stream(move.vbucket)
+
+    def _close_connections(self) -> None:
+        for conn in self.connections.values():
+            conn.close()
 
     # ------------------------------------------------------------------ progress
     @property
@@ -412,16 +504,7 @@ class Rebalance:
                 move = self.queue.pop(0)
                 self.running.append(move)
                 self._start(move)
-            for conn in list(self.connections.values()):
-                conn.process()
-            for conn in sorted(self.connections.values(), key=lambda x: x.name):
-                try:
-                    conn.step()
-                except EngineError:
-                    # A message the consumer could not apply (e.g. a takeover state change refused): the
-                    # connection is replaced (same name: the old one is closed) and the moves re-add their
-                    # streams; takeover moves check both sides' states and revert (seed 003).
-                    conn.close()
+            self._pump_connections()
             for move in list(self.running):
                 self._advance(move)
                 if move.phase is MovePhase.DONE:
@@ -458,37 +541,8 @@ class Rebalance:
                 c._set_state(n, vb, VBucketState.REPLICA)
             move.fed[n] = None
         c._moving[vb] = set(move.fed)  # the map's replication leaves these streams to the mover
-        c._connect()
-        for n in move.fed:
-            move.fed[n] = self.connection(move.source, n).add_stream(vb)
-
-    def _collect(self, move: VBucketMove) -> bool:
-        """Take the add-stream answers for this move; True when every fed stream is open."""
-        ok = True
-        for n, opaque in list(move.fed.items()):
-            conn = self.connection(move.source, n)
-            if opaque is None:
-                is_open, reason = conn.stream_state(move.vbucket)
-                if not is_open and reason is not StreamEndReason.OK:
-                    move.fed[n] = conn.add_stream(move.vbucket)  # connection replaced or stream ended: again
-                    ok = False
-                continue
-            ok = False
-            if opaque not in conn.pending():
-                # Answered (completions are matched by opaque; answers of other moves are kept for them).
-                res = self._answer(conn, opaque)
-                if res is None:
-                    move.fed[n] = conn.add_stream(move.vbucket)  # lost with a replaced connection
-                elif res.ok:
-                    move.fed[n] = None
-                elif isinstance(res.error, (NotMyVBucket, TemporaryFailure)):
-                    move.fed[n] = conn.add_stream(move.vbucket)
-                else:
-                    raise res.error if res.error is not None else TemporaryFailure("add stream failed")
-        return ok and all(o is None for o in move.fed.values())
-
-    def _answer(self, conn: MigratorConnection, opaque: int) -> AddStreamResult | None:
-        return conn.answer(opaque)
+        c._wire()
+        self._feed(move)
 
     def _advance(self, move: VBucketMove) -> None:
         if move.phase is MovePhase.DONE:
@@ -501,7 +555,7 @@ class Rebalance:
             return
         if not self._collect(move):
             return
-        estimates = [self.connection(move.source, n).takeover_estimate(vb) for n in move.fed]
+        estimates = self._estimates(move)
         move.items_left = sum(estimates)
         if move.phase is MovePhase.BUILD:
             move.phase = MovePhase.BACKFILL
@@ -532,37 +586,22 @@ class Rebalance:
             if not move.takeover:
                 self._switch(move)
                 return
-            self._start_takeover(move)
-
-    def _start_takeover(self, move: VBucketMove) -> None:
-        conn = self.connection(move.source, move.target)
-        conn.close_stream(move.vbucket)
-        move.takeover_attempts += 1
-        move.takeover_opaque = conn.add_stream(move.vbucket, takeover=True)
-        move.fed[move.target] = None
-        move.phase = MovePhase.TAKEOVER
+            move.takeover_attempts += 1
+            move.takeover_started = self.rounds
+            self._begin_takeover(move)
+            move.phase = MovePhase.TAKEOVER
 
     def _advance_takeover(self, move: VBucketMove) -> None:
         c = self.cluster
         vb = move.vbucket
-        conn = self.connection(move.source, move.target)
-        if move.takeover_opaque is not None:
-            if move.takeover_opaque in conn.pending():
-                return
-            res = self._answer(conn, move.takeover_opaque)
-            move.takeover_opaque = None
-            if res is None or not res.ok:
-                self._revert(move)
-                return
-        is_open, reason = conn.stream_state(vb)
-        if is_open:
-            move.items_left = conn.takeover_estimate(vb) if not conn.consumer.closed else 0
+        ended_ok = self._takeover_result(move)
+        if ended_ok is None:
             return
-        # The stream ended (OK after the active message) or the connection was replaced: seed 003 -- check
-        # the states of both sides; anything but (dead, active) goes back to the original states.
+        # The stream ended (OK after the active message) or failed: seed 003 -- check the states of both
+        # sides; anything but (dead, active) goes back to the original states.
         old = c._control(move.source).vbucket_info(vb).state
         new = c._control(move.target).vbucket_info(vb).state
-        if reason is StreamEndReason.OK and old is VBucketState.DEAD and new is VBucketState.ACTIVE:
+        if ended_ok and old is VBucketState.DEAD and new is VBucketState.ACTIVE:
             # The nodes changed their own states: the manager's recorded state CASes are stale; read afresh.
             c._state_cas[(move.source, vb)] = c._control(move.source).state_cas(vb)
             c._state_cas[(move.target, vb)] = c._control(move.target).state_cas(vb)
@@ -576,17 +615,14 @@ class Rebalance:
         vb = move.vbucket
         self.reverts += 1
         move.reverts += 1
-        conn = self.connection(move.source, move.target)
-        conn.close_stream(vb)
-        with contextlib.suppress(NotMyVBucket):
-            conn.producer.discard_stream(vb)
+        self._cancel_takeover(move)
         if c._control(move.source).vbucket_info(vb).state is not VBucketState.ACTIVE:
             c._set_state(move.source, vb, VBucketState.ACTIVE)
         if c._control(move.target).vbucket_info(vb).state is not VBucketState.REPLICA:
             c._set_state(move.target, vb, VBucketState.REPLICA)
         if move.takeover_attempts >= MAX_TAKEOVER_ATTEMPTS:
             raise TemporaryFailure(f"vbucket {vb}: takeover failed {move.takeover_attempts} times")
-        move.fed[move.target] = conn.add_stream(vb)
+        self._refeed_target(move)
         move.phase = MovePhase.BACKFILL  # writes stay stopped; SETTLE is reached again once caught up
 
     def _switch(self, move: VBucketMove) -> None:
@@ -594,8 +630,7 @@ class Rebalance:
         replicate from the new active through the map's connections."""
         c = self.cluster
         vb = move.vbucket
-        for n in move.fed:
-            self.connection(move.source, n).close_stream(vb)
+        self._release(move)
         chains = [list(ch) for ch in c.vbucket_map().chains]
         chains[vb] = list(move.new)
         c._set_map(c.vbucket_map().with_chains(chains))
@@ -610,28 +645,27 @@ class Rebalance:
                 c._set_state(rep, vb, VBucketState.REPLICA)
         c._moving.pop(vb, None)
         c._blocked.discard(vb)
-        c._connect()
+        c._wire()
         move.items_left = 0
         move.phase = MovePhase.DONE
 
     def _finish(self) -> None:
         c = self.cluster
-        for conn in self.connections.values():
-            conn.close()
+        self._close_connections()
         vbmap = c.vbucket_map()
         c._set_map(vbmap.with_chains(vbmap.chains, self.final_nodes))
         for name in self.remove:
             c._eject(name)
         self.status = "done"
         c._rebalance = None
-        c._connect()
+        c._wire()
 
     def abort(self, reason: str) -> None:
         """Stop: every move in flight goes back to its original states (takeovers reverted, copies built
         for it but not in the map dead); the map keeps the moves already done."""
         c = self.cluster
-        for conn in self.connections.values():
-            conn.close()
+        with contextlib.suppress(EngineError):
+            self._close_connections()
         for move in self.running:
             vb = move.vbucket
             chain = c.vbucket_map().chains[vb]
@@ -654,10 +688,69 @@ class Rebalance:
         self.error = reason
         c._rebalance = None
         with contextlib.suppress(EngineError):
-            c._connect()
+            c._wire()
+
+
+class ProcessRebalance(Rebalance):
+    """The rebalance over node processes (engine/process_cluster.py). A node's consumers are its own
+    replication links (``replication:<src>-><dst>``, the named connection on both sides): the mover feeds
+    a copy by adding its vbucket to the destination's links (SET_REPLICATION), polls ``stats dcp-vbtakeover``
+    on the source, and starts the takeover with DCP_ADD_STREAM(TAKEOVER) on the destination, whose link
+    re-requests the vbucket as a takeover stream; the acks travel back as DCP responses. The same phases,
+    state checks and reverts as in process; a takeover not finished within ``takeover_timeout`` seconds is
+    reverted."""
+
+    takeover_timeout = 30.0
+
+    def _client(self, name: str) -> Any:
+        return self.cluster._control(name)
+
+    def _feed(self, move: VBucketMove) -> None:
+        for n in move.fed:
+            move.fed[n] = None  # the destination's link adds the stream itself (from SET_REPLICATION)
+
+    def _pump_connections(self) -> None:
+        return None  # the nodes replicate on their own
+
+    def _collect(self, move: VBucketMove) -> bool:
+        return True
+
+    def _estimates(self, move: VBucketMove) -> list[int]:
+        out = []
+        for n in move.fed:
+            st = self._client(move.source).takeover_stats(move.vbucket, f"replication:{move.source}->{n}")
+            # no stream yet: not ready, whatever the vbucket's size
+            out.append(ALMOST_CAUGHT_UP_ITEMS if st.get("status") == "does_not_exist" else int(st["estimate"]))
+        return out
+
+    def _begin_takeover(self, move: VBucketMove) -> None:
+        move.takeover_deadline = time.monotonic() + self.takeover_timeout
+        self._client(move.target).add_stream_takeover(move.source, move.vbucket)
+
+    def _takeover_result(self, move: VBucketMove) -> bool | None:
+        c = self.cluster
+        old = c._control(move.source).vbucket_info(move.vbucket).state
+        new = c._control(move.target).vbucket_info(move.vbucket).state
+        if old is VBucketState.DEAD and new is VBucketState.ACTIVE:
+            return True
+        if time.monotonic() > move.takeover_deadline:
+            return False
+        return None
+
+    def _cancel_takeover(self, move: VBucketMove) -> None:
+        return None  # the source ends a takeover stream whose vbucket was made active again (takeover.py)
+
+    def _refeed_target(self, move: VBucketMove) -> None:
+        return None  # the link re-adds the stream once the vbucket is a replica again
+
+    def _release(self, move: VBucketMove) -> None:
+        return None  # the next SET_REPLICATION drops the mover's streams
+
+    def _close_connections(self) -> None:
+        return None
 
 
 __all__ = [
-    "AddStreamResult", "MigratorConnection", "MovePhase", "Rebalance", "RebalanceProgress", "VBucketMove",
-    "plan_chains",
+    "AddStreamResult", "MigratorConnection", "MovePhase", "ProcessRebalance", "Rebalance", "RebalanceProgress",
+    "VBucketMove", "plan_chains",
 ]

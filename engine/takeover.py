@@ -70,12 +70,19 @@ class TakeoverStream(ActiveStream):
             return True
         if self.state is StreamState.DEAD or self.phase is TakeoverPhase.WAIT:
             return False
+        if self.takeover_state is VBucketState.ACTIVE and self.vb.state is not VBucketState.DEAD:
+            return True  # reverted: fill() ends the stream
         if self._caught_up():
             return self.waiting_marker_acks == 0  # the next SET_VBUCKET_STATE can go
         return super().has_work()
 
     def fill(self, max_items: int) -> None:
         if self.state is StreamState.DEAD or self.phase is TakeoverPhase.WAIT:
+            return
+        if self.takeover_state is VBucketState.ACTIVE and self.vb.state is not VBucketState.DEAD:
+            # The mover reverted the takeover (seed 003: original states back): never hand the active role
+            # over now -- the stream ends and the consumer's copy stays a replica.
+            self.end_stream(StreamEndReason.STATE_CHANGED)
             return
         if self._caught_up():
             if self.waiting_marker_acks == 0:
