@@ -319,11 +319,6 @@ class Cluster(ClusterManager):
                 self.failed.remove(n)
         return self._rebalance
 
-    @property
-    def rebalance_running(self) -> Rebalance | None:
-        """The rebalance in progress, if any."""
-        return self._rebalance
-
     def _eject(self, name: str) -> None:
         """A node the rebalance removed: every vbucket dead, connections dropped, the node closed and gone."""
         node = self.nodes.get(name)

@@ -161,6 +161,11 @@ class ClusterManager(ABC):
         """Start moving vbuckets to the map over the new node set (seed 003); see :meth:`rebalance`."""
         raise UnknownCommand(f"{type(self).__name__}: rebalance is implemented for the in-process cluster")
 
+    @property
+    def rebalance_running(self) -> Rebalance | None:
+        """The rebalance in progress, if any."""
+        return self._rebalance
+
     def _check_rebalance(self, add: Sequence[str], remove: Sequence[str]) -> tuple[list[str], list[str]]:
         """Validate a rebalance request (InvalidArgument / TemporaryFailure, see ``start_rebalance``)."""
         if self._rebalance is not None:

@@ -5,18 +5,24 @@ continue; a DCP client over TCP following the map never rolls back."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine import NotMyVBucket, TemporaryFailure, VBucketState
 from engine.exceptions import InvalidArgument
 from engine.process_cluster import ProcessCluster
 from engine.rebalance import RebalanceProgress
 from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
+from tests.engine.test_process_cluster import _OPS as _PC_OPS
+from tests.engine.test_process_cluster import Campaign
 
 NVB = 8
 CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2}
@@ -114,3 +120,124 @@ def test_process_takeover_stat_and_bad_add_stream(make_cluster) -> None:
     with pytest.raises(InvalidArgument):
         c.start_rebalance(remove=["n0"])  # one node cannot hold a replica
     assert c.client("n0").vbucket_state(vb) is VBucketState.ACTIVE
+
+
+# ---------------------------------------------------------------------------------------------- campaign
+_REB_OPS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
+    **_PC_OPS,
+    "rebalance_in": st.tuples(st.just("rebalance_in"), st.integers(0, 3)),
+    "rebalance_out": st.tuples(st.just("rebalance_out"), st.integers(0, 4)),
+    "rebalance_step": st.tuples(st.just("rebalance_step"), st.integers(1, 20)),
+    "rebalance_finish": st.tuples(st.just("rebalance_finish")),
+}
+_REB_WEIGHTS = {"write": 8, "burst": 3, "delete": 2, "pause": 1, "resume": 2, "persistence": 1, "client": 3,
+                "wait": 1, "kill": 1, "restart": 2, "hard_failover": 1, "graceful_failover": 1, "lagging_crash": 2,
+                "rebalance_in": 3, "rebalance_out": 3, "rebalance_step": 6, "rebalance_finish": 2}
+reb_op = st.sampled_from([k for k, w in _REB_WEIGHTS.items() for _ in range(w)]).flatmap(lambda k: _REB_OPS[k])
+
+
+class RebalanceCampaign(Campaign):
+    """test_process_cluster's campaign (SIGKILLs, lagging crashes, hard and graceful failovers, paused
+    replication, stopped persistence, two DCP clients) plus rebalances in and out of node processes, stepped
+    between the other operations. Every write acknowledged as replicated and persisted before a rebalance
+    step must be in its vbucket's history after it."""
+
+    def __init__(self, base: Path, nodes: int) -> None:
+        super().__init__(base, nodes)
+        self.fresh = 0
+        self.started: list[Any] = []
+
+    def _checked(self, fn: Callable[[], Any]) -> None:
+        c = self.c
+        safe = self._acknowledged()
+        fn()
+        for t in safe:
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                r = c.observe_seqno(t.vbucket, t.vbuuid)
+                kept = (not r.failed_over) or (r.last_seqno is not None and t.seqno <= r.last_seqno)
+                if not kept or r.current_seqno < t.seqno:
+                    self.lost.append((t, r))
+                self.checked += 1
+
+    def _start(self, add: list[str], remove: list[str]) -> None:
+        with contextlib.suppress(InvalidArgument, TemporaryFailure):
+            self.started.append(self.c.start_rebalance(add=add, remove=remove))
+
+    def _run_rebalance(self, steps: int) -> None:
+        for _ in range(steps):
+            if self.c.rebalance_running is None:
+                return
+            self.c._wait_progress()  # steps the rebalance
+
+    def step(self, o: tuple[Any, ...]) -> None:
+        c = self.c
+        kind = o[0]
+        vbmap = c.vbucket_map()
+        if kind == "rebalance_in":
+            back = sorted(set(c.ejected + c.failed) - set(vbmap.nodes))
+            if back and o[1] % 2:
+                name = back[o[1] % len(back)]
+            else:
+                self.fresh += 1
+                name = f"x{self.fresh}"
+            self._start([name], [])
+        elif kind == "rebalance_out":
+            self._start([], [vbmap.nodes[o[1] % len(vbmap.nodes)]])
+        elif kind == "rebalance_step":
+            self._checked(lambda: self._run_rebalance(o[1]))
+        elif kind == "rebalance_finish":
+            if c.rebalance_running is not None and not c.paused and not self.no_persist:
+                self._checked(lambda: self._run_rebalance(3000))
+        else:
+            super().step(o)
+
+    def finish(self) -> None:
+        c = self.c
+        for name in c.vbucket_map().nodes:
+            if not c.node(name).up:
+                c.restart(name)  # a node down stopped the rebalance already
+            c.start_persistence(name)
+        self.no_persist.clear()
+        c.resume_replication()
+        if c.rebalance_running is not None:
+            self._checked(lambda: self._run_rebalance(6000))
+        assert c.rebalance_running is None, "the rebalance did not finish"
+        super().finish()
+
+    @property
+    def finished(self) -> int:
+        return sum(1 for r in self.started if r.status == "done")
+
+
+REB_EXAMPLES = int(os.environ.get("PROCESS_REBALANCE_EXAMPLES", "8"))
+REB_STATS = {"runs": 0, "rebalances": 0, "finished": 0, "moved": 0, "kills": 0, "failovers": 0,
+             "acked_checked": 0, "client_rollbacks": 0, "lost_acked_writes": 0, "divergent_consumers": 0}
+
+
+@pytest.mark.slow
+@settings(max_examples=REB_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=st.lists(reb_op, min_size=15, max_size=40), nodes=st.integers(3, 4))
+def test_process_rebalance_campaign(tmp_path_factory, ops, nodes) -> None:
+    h = RebalanceCampaign(tmp_path_factory.mktemp("prb"), nodes)
+    try:
+        h.run(ops)
+    finally:
+        h.close()
+    REB_STATS["runs"] += 1
+    REB_STATS["rebalances"] += len(h.started)
+    REB_STATS["finished"] += h.finished
+    REB_STATS["moved"] += sum(r.moved for r in h.started)
+    REB_STATS["kills"] += h.kills
+    REB_STATS["failovers"] += h.failovers
+    REB_STATS["acked_checked"] += h.checked
+    REB_STATS["client_rollbacks"] += sum(cl.rollbacks() for cl in h.clients)
+    REB_STATS["lost_acked_writes"] += len(h.lost)
+    REB_STATS["divergent_consumers"] += len(h.divergent)
+    assert not h.divergent, h.divergent
+    assert not h.lost, h.lost
+
+
+@pytest.mark.slow
+def test_report_process_rebalance_campaign_counts() -> None:
+    print(f"\nprocess rebalance campaign: {REB_STATS}")
