@@ -139,3 +139,26 @@ def test_bad_takeover_acks_are_refused(pair) -> None:
         p.set_vbucket_state_ack(VB)
     with pytest.raises(InvalidArgument):  # no marker sent yet
         p.snapshot_marker_ack(VB)
+
+
+@pytest.mark.parametrize("state", [VBucketState.PENDING, VBucketState.ACTIVE])
+def test_set_vbucket_state_message_on_the_wire(state: VBucketState) -> None:
+    """DCP_SET_VBUCKET_STATE (0x5b): one byte of extras, the state code; bad extras are a ProtocolError."""
+    from engine.protocol import (
+        HEADER_LEN,
+        Opcode,
+        ProtocolError,
+        decode_dcp_message,
+        encode_dcp_message,
+        frame_from,
+        parse_header,
+        request,
+    )
+
+    raw = encode_dcp_message(SetVBucketStateMessage(VB, state), 77)
+    f = frame_from(parse_header(raw[:HEADER_LEN]), raw[HEADER_LEN:])
+    assert f.opcode == Opcode.DCP_SET_VBUCKET_STATE and f.opaque == 77 and len(f.extras) == 1
+    assert decode_dcp_message(f) == SetVBucketStateMessage(VB, state)
+    bad = request(Opcode.DCP_SET_VBUCKET_STATE, extras=b"\x09", vbucket=VB)
+    with pytest.raises(ProtocolError):
+        decode_dcp_message(frame_from(parse_header(bad[:HEADER_LEN]), bad[HEADER_LEN:]))
