@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 #: moves running at once (ns_server ``rebalance_moves_per_node`` defaults to 4)
 DEFAULT_CONCURRENT_MOVES: Final = 4
+#: DCP messages per mover connection per step (in process the mover shares the thread with the front end)
+DEFAULT_MESSAGES_PER_STEP: Final = 512
 #: a takeover whose states do not match afterwards is reverted and retried this many times
 MAX_TAKEOVER_ATTEMPTS: Final = 5
 
@@ -352,9 +354,14 @@ class Rebalance:
         self, cluster: ClusterManager, add: Sequence[str], remove: Sequence[str], *,
         concurrent_moves: int = DEFAULT_CONCURRENT_MOVES,
         progress: Callable[[RebalanceProgress], None] | None = None,
+        messages_per_step: int = DEFAULT_MESSAGES_PER_STEP,
     ) -> None:
         if concurrent_moves < 1:
             raise InvalidArgument("concurrent_moves must be >= 1")
+        if messages_per_step < 1:
+            raise InvalidArgument("messages_per_step must be >= 1")
+        #: DCP messages each mover connection moves per step: bounds the work a step adds to the pump loop
+        self.messages_per_step = messages_per_step
         self.cluster = cluster
         self.add = list(add)
         self.remove = list(remove)
@@ -402,7 +409,7 @@ class Rebalance:
             conn.process()
         for conn in sorted(self.connections.values(), key=lambda x: x.name):
             try:
-                conn.step()
+                conn.step(self.messages_per_step)
             except EngineError:
                 # A message the consumer could not apply (e.g. a takeover state change refused): the
                 # connection is replaced (same name: the old one is closed) and the moves re-add their
