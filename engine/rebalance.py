@@ -23,6 +23,8 @@ Pieces, named for the seed's nouns:
   copies become dead and the new replicas replicate from the new active like any other.
 * :class:`Rebalance` -- the whole rebalance, driven step-wise by :meth:`Rebalance.step` (a few moves at a time
   while writes continue); :class:`RebalanceProgress` reports vbuckets moved / total and items left.
+  :class:`ProcessRebalance` runs the same phases over node processes, where each node's replication link is
+  the consumer side (DCP_ADD_STREAM with TAKEOVER, acks as DCP responses, ``stats dcp-vbtakeover``).
 
 See docs/rebalance.md for the differences from ns_server.
 """
@@ -302,7 +304,6 @@ class VBucketMove:
     persist_target: int = 0
     takeover_opaque: int | None = None
     takeover_attempts: int = 0
-    takeover_started: int = 0
     takeover_deadline: float = 0.0
     reverts: int = 0
     items_left: int = 0
@@ -594,7 +595,6 @@ class Rebalance:
                 self._switch(move)
                 return
             move.takeover_attempts += 1
-            move.takeover_started = self.rounds
             self._begin_takeover(move)
             move.phase = MovePhase.TAKEOVER
 
