@@ -344,3 +344,18 @@ def test_swap_active_and_replica_keeps_old_active_as_replica(make_cluster) -> No
     _pump_until_done(c, reb, writer)
     assert c.vbucket_map().chains[0] == swapped[0]
     _assert_converged(c, writer)
+
+
+def test_blocking_rebalance_raises_when_it_stops(make_cluster) -> None:
+    c = make_cluster(nodes=3, replicas=1, num_vbuckets=8)
+    Writer(c).write(50)
+
+    def crash_new_node(p: RebalanceProgress) -> None:
+        if p.status == "running" and c.nodes["n3"].up:
+            c.kill("n3")
+
+    with pytest.raises(TemporaryFailure, match="n3"):
+        c.rebalance(add=["n3"], progress=crash_new_node)
+    assert c.rebalance_running is None
+    assert "n3" in c.vbucket_map().nodes  # in the map's node list, holding nothing
+    assert not c.vbucket_map().vbuckets_of("n3")
