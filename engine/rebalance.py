@@ -37,11 +37,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from engine.bucket import Bucket
 from engine.exceptions import EngineError, InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
+from engine.remote import RemoteNode
 from engine.replication import DcpConsumer, PassiveState
 from engine.stream import StreamEndReason
 from engine.takeover import ALMOST_CAUGHT_UP_ITEMS
@@ -709,8 +710,11 @@ class ProcessRebalance(Rebalance):
 
     takeover_timeout = 30.0
 
-    def _client(self, name: str) -> Any:
-        return self.cluster._control(name)
+    def _client(self, name: str) -> RemoteNode:
+        node = self.cluster._control(name)
+        if not isinstance(node, RemoteNode):
+            raise InvalidArgument("the process mover needs node processes")
+        return node
 
     def _feed(self, move: VBucketMove) -> None:
         for n in move.fed:
