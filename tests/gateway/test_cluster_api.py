@@ -220,5 +220,12 @@ def test_a_second_rebalance_while_one_runs_answers_409(kafka_broker: Broker, tmp
                            "rebalance_running")
         p = await (await http.get(f"{url}/cluster/rebalance")).json()
         assert p["status"] == "running" and p["moved"] == 0
+        # a node of the map going down stops it; a new one is refused until that node is failed over
+        assert svc.cluster is not None
+        svc.cluster.kill("n2")
+        p = await (await http.get(f"{url}/cluster/rebalance")).json()
+        assert p["status"] == "failed" and "n2" in p["error"]
+        await expect_error(await http.post(f"{url}/cluster/rebalance", json={"add": ["n4"]}), 503,
+                           "temporary_failure")
 
     run(kafka_broker, tmp_path, scenario)
