@@ -11,7 +11,8 @@ Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is call
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from engine.exceptions import (
 )
 from engine.manager import ClusterManager, FailoverReport, ObserveResult
 from engine.producer import DcpProducer
+from engine.rebalance import Rebalance, RebalanceProgress
 from engine.replication import DcpConsumer
 from engine.vbucket import GetResult, MutationResult, vbucket_of
 from engine.vbucket_map import VBucketMap
@@ -59,6 +61,8 @@ class Cluster(ClusterManager):
         self.base_dir = base_dir
         self.nodes = nodes
         self._conns: dict[tuple[str, str], DcpConsumer] = {}
+        #: nodes a rebalance removed from the cluster
+        self.ejected: list[str] = []
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -105,6 +109,13 @@ class Cluster(ClusterManager):
         for name in vbmap.nodes:
             cluster._apply_states(name)
         return cluster
+
+    def _wire(self) -> None:
+        self._connect()
+
+    def _set_map(self, vbmap: VBucketMap) -> None:
+        self._map = vbmap
+        self._save_map()
 
     def _save_map(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
@@ -214,6 +225,8 @@ class Cluster(ClusterManager):
         self._connect()
         chosen = None if only is None else set(only)
         moved = 0
+        if self._rebalance is not None and only is None:
+            self._rebalance.step()  # a bounded step of the rebalance in progress (engine/rebalance.py)
         for _ in range(rounds):
             n = 0
             for key in sorted(self._conns):
@@ -253,6 +266,7 @@ class Cluster(ClusterManager):
         self._drop_connections(name)
         bucket.close(clean=False)
         node.bucket = None
+        self._abort_rebalance(f"node {name} down")  # ns_server: a node going down stops the rebalance
 
     def restart(self, name: str) -> None:
         """Start a down node again (warmup; after a crash its actives get a failover entry) and set its
@@ -262,6 +276,62 @@ class Cluster(ClusterManager):
             raise InvalidArgument(f"node {name} is already up")
         node.bucket = Bucket(node.config)
         self._apply_states(name)
+
+    # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
+    def add_node(self, name: str) -> Node:
+        """Start a new node ``name`` (data under ``base_dir/name``, the other nodes' bucket settings); it
+        holds no vbucket (all dead) until a rebalance moves some to it. A node ejected or failed over earlier
+        can be added again: its old copies are streamed from their position (rolled back if they diverged)."""
+        if type(name) is not str or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise InvalidArgument(f"invalid node name {name!r}")
+        if name in self._map.nodes:
+            raise InvalidArgument(f"node {name} is already in the cluster")
+        existing = self.nodes.get(name)
+        if existing is not None and existing.up:
+            return existing
+        template = next(iter(self.nodes.values())).config
+        cfg = template.model_copy(update={"data_dir": self.base_dir / name})
+        node = Node(name, cfg, Bucket(cfg))
+        self.nodes[name] = node
+        if name in self.ejected:
+            self.ejected.remove(name)
+        self._apply_states(name)
+        return node
+
+    def start_rebalance(
+        self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
+        progress: Callable[[RebalanceProgress], None] | None = None, concurrent_moves: int = 4,
+    ) -> Rebalance:
+        """Start a rebalance (seed 003; engine/rebalance.py): nodes ``add`` in (started with :meth:`add_node`
+        when new), ``remove`` out; a new map over the new node set moving as few copies as possible; every
+        :meth:`pump` advances it while writes continue. With neither, the current nodes are rebalanced (empty
+        slots left by failovers refilled). :class:`InvalidArgument` for unknown / duplicate nodes, removing
+        every node, too few nodes for the replicas, or a rebalance already running; TemporaryFailure when a
+        node of the map is down (fail it over first)."""
+        add, remove = self._check_rebalance(add, remove)
+        for n in add:
+            self.add_node(n)
+        if add:
+            self._set_map(self._map.with_chains(self._map.chains, list(self._map.nodes) + add))
+        self._rebalance = Rebalance(self, add, remove, concurrent_moves=concurrent_moves, progress=progress)
+        for n in add:
+            if n in self.failed:
+                self.failed.remove(n)
+        return self._rebalance
+
+    def _eject(self, name: str) -> None:
+        """A node the rebalance removed: every vbucket dead, connections dropped, the node closed and gone."""
+        node = self.nodes.get(name)
+        if node is None:
+            return
+        if node.up:
+            self._apply_states(name)
+        self._drop_connections(name)
+        if node.bucket is not None and not node.bucket.closed:
+            node.bucket.close()
+        node.bucket = None
+        del self.nodes[name]
+        self.ejected.append(name)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

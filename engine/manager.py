@@ -18,14 +18,23 @@ Subclasses provide the node access and the replication plumbing (the ``_`` hooks
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from engine.exceptions import InvalidArgument, NotMyVBucket, StateCasMismatch, TemporaryFailure
+from engine.exceptions import (
+    InvalidArgument,
+    NotMyVBucket,
+    StateCasMismatch,
+    TemporaryFailure,
+    UnknownCommand,
+)
 from engine.failover_log import FailoverEntry
 from engine.vbucket import MutationToken, VBucketInfo, VBucketState
 from engine.vbucket_map import VBucketMap
+
+if TYPE_CHECKING:
+    from engine.rebalance import Rebalance, RebalanceProgress
 
 
 class NodeControl(Protocol):
@@ -101,6 +110,10 @@ class ClusterManager(ABC):
         self.stale_cas_retries = 0
         #: vbuckets a graceful failover made active again because a write slipped in after the catch-up
         self.graceful_reactivations = 0
+        #: vbucket -> nodes whose stream of it the rebalance mover drives (engine/rebalance.py), not the map
+        self._moving: dict[int, set[str]] = {}
+        #: the rebalance in progress, if any
+        self._rebalance: Rebalance | None = None
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
@@ -122,6 +135,82 @@ class ClusterManager(ABC):
     def _after_failover(self, name: str) -> None:
         """Persist the new map and wire replication from it."""
 
+    @abstractmethod
+    def _wire(self) -> None:
+        """Wire replication from the current map (and the rebalance mover's streams)."""
+
+    @abstractmethod
+    def _set_map(self, vbmap: VBucketMap) -> None:
+        """Adopt and persist a new map revision."""
+
+    @abstractmethod
+    def _eject(self, name: str) -> None:
+        """A node a rebalance removed: its vbuckets dead, the node stopped and forgotten."""
+
+    def _abort_rebalance(self, reason: str) -> None:
+        """Stop a running rebalance (ns_server stops a rebalance on failover): its moves go back to their
+        original states."""
+        if self._rebalance is not None:
+            self._rebalance.abort(reason)
+
+    # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
+    def start_rebalance(
+        self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
+        progress: Callable[[RebalanceProgress], None] | None = None,
+    ) -> Rebalance:
+        """Start moving vbuckets to the map over the new node set (seed 003); see :meth:`rebalance`."""
+        raise UnknownCommand(f"{type(self).__name__}: rebalance is implemented for the in-process cluster")
+
+    @property
+    def rebalance_running(self) -> Rebalance | None:
+        """The rebalance in progress, if any."""
+        return self._rebalance
+
+    def _check_rebalance(self, add: Sequence[str], remove: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Validate a rebalance request (InvalidArgument / TemporaryFailure, see ``start_rebalance``)."""
+        if self._rebalance is not None:
+            raise InvalidArgument("a rebalance is already running")
+        add_l, remove_l = list(add), list(remove)
+        for n in add_l + remove_l:
+            if type(n) is not str or not n:
+                raise InvalidArgument(f"invalid node name {n!r}")
+        if len(set(add_l)) != len(add_l) or len(set(remove_l)) != len(remove_l) or set(add_l) & set(remove_l):
+            raise InvalidArgument("a node is named twice in add / remove")
+        for n in add_l:
+            if n in self._map.nodes:
+                raise InvalidArgument(f"node {n} is already in the cluster")
+        for n in remove_l:
+            if n not in self._map.nodes:
+                raise InvalidArgument(f"unknown node {n!r}: not in the cluster")
+        final = [n for n in self._map.nodes if n not in remove_l] + add_l
+        if not final:
+            raise InvalidArgument("cannot remove every node")
+        if self._map.num_replicas >= len(final):
+            raise InvalidArgument(
+                f"{self._map.num_replicas} replicas need at least {self._map.num_replicas + 1} nodes")
+        for n in self._map.nodes:
+            if not self._is_up(n):
+                raise TemporaryFailure(f"node {n} is down: fail it over before rebalancing")
+        return add_l, remove_l
+
+    def rebalance(
+        self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
+        progress: Callable[[RebalanceProgress], None] | None = None, max_rounds: int = 1_000_000,
+    ) -> RebalanceProgress:
+        """Rebalance ``add`` in and ``remove`` out, moving vbuckets by DCP takeover while writes continue
+        (seed 003; engine/rebalance.py), and wait until it is done. ``progress`` is called after every step.
+        TemporaryFailure when it stopped (a node went down, a takeover kept failing)."""
+        reb = self.start_rebalance(add, remove, progress=progress)
+        for _ in range(max_rounds):
+            if reb.done:
+                break
+            self._wait_progress()
+        else:
+            reb.abort("did not finish")
+        if reb.status != "done":
+            raise TemporaryFailure(f"rebalance failed: {reb.error}")
+        return reb.progress()
+
     # ------------------------------------------------------------------ map
     def vbucket_map(self) -> VBucketMap:
         """The current map (clients reload it on NOT_MY_VBUCKET)."""
@@ -134,7 +223,7 @@ class ClusterManager(ABC):
     def _check_blocked(self, vbucket: int) -> None:
         if vbucket in self._blocked:
             # kv_engine takeover: the front end gets a temporary failure while the vbucket moves.
-            raise TemporaryFailure(f"vbucket {vbucket} is being failed over gracefully")
+            raise TemporaryFailure(f"vbucket {vbucket} is being moved (graceful failover or rebalance takeover)")
 
     def wanted_streams(self, exclude: str | None = None) -> dict[tuple[str, str], list[int]]:
         """``(active node, replica node) -> vbuckets``: the replication connections the map asks for between
@@ -144,8 +233,9 @@ class ClusterManager(ABC):
             a = chain[0]
             if a is None or a == exclude or not self._is_up(a):
                 continue
+            moving = self._moving.get(vb, ())
             for r in chain[1:]:
-                if r is not None and r != exclude and self._is_up(r):
+                if r is not None and r != exclude and r not in moving and self._is_up(r):
                     wanted.setdefault((a, r), []).append(vb)
         return wanted
 
@@ -234,6 +324,7 @@ class ClusterManager(ABC):
         """
         if name not in self._map.nodes:
             raise InvalidArgument(f"node {name} is not in the vbucket map (already failed over?)")
+        self._abort_rebalance(f"failover of {name}")  # its moves go back to their original states first
         mine = self._map.vbuckets_of(name, slot=0)
         rounds = 0
         if graceful:

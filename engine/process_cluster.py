@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import engine
 from engine.exceptions import InvalidArgument, TemporaryFailure
 from engine.failover_log import FailoverEntry
 from engine.manager import ClusterManager, NodeControl
+from engine.rebalance import ProcessRebalance, RebalanceProgress
 from engine.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
 from engine.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
 from engine.vbucket_map import VBucketMap
@@ -151,6 +153,8 @@ class ProcessCluster(ClusterManager):
         self.nodes = nodes
         #: nodes whose replication was paused by the test (their replica streams are not requested)
         self.paused: set[str] = set()
+        #: nodes a rebalance removed (their processes stopped)
+        self.ejected: list[str] = []
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -205,6 +209,15 @@ class ProcessCluster(ClusterManager):
     def _rewire(self, exclude: str | None = None) -> None:
         """Send every live node the replication streams the map gives it (a replica pulls from its active)."""
         wanted = self.wanted_streams(exclude=exclude)
+        # The rebalance mover's streams (engine/rebalance.py ProcessRebalance): a copy being built or taken
+        # over pulls its vbucket from the current active on the same link.
+        for vb, fed in sorted(self._moving.items()):
+            src = self._map.active(vb)
+            if src is None or src == exclude or not self._is_up(src):
+                continue
+            for dst in sorted(fed):
+                if dst != exclude and self._is_up(dst):
+                    wanted.setdefault((src, dst), []).append(vb)
         for name in sorted(self.nodes):
             node = self.nodes[name]
             if not node.up:
@@ -219,7 +232,70 @@ class ProcessCluster(ClusterManager):
                 node.require().set_replication(sources)
 
     def _wait_progress(self) -> None:
+        if self._rebalance is not None:
+            self._rebalance.step()
         time.sleep(0.01)
+
+    def _wire(self) -> None:
+        self._rewire()
+
+    def _set_map(self, vbmap: VBucketMap) -> None:
+        self._map = vbmap
+        self._save_map()
+
+    def _eject(self, name: str) -> None:
+        node = self.nodes.get(name)
+        if node is None:
+            return
+        if node.up:
+            with contextlib.suppress(NodeUnavailable):
+                self._apply_states(name)
+        node.stop()
+        del self.nodes[name]
+        self.ejected.append(name)
+        self._rewire()
+
+    # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
+    def add_node(self, name: str) -> NodeProcess:
+        """Start a new node process ``name`` (data under ``base_dir/name``, the other nodes' settings), all
+        its vbuckets dead until a rebalance moves some to it; a node ejected or failed over earlier can come
+        back (its old copies re-stream from their position)."""
+        if type(name) is not str or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise InvalidArgument(f"invalid node name {name!r}")
+        if name in self._map.nodes:
+            raise InvalidArgument(f"node {name} is already in the cluster")
+        existing = self.nodes.get(name)
+        if existing is not None and existing.up:
+            return existing
+        t = next(iter(self.nodes.values()))
+        node = NodeProcess(name, self.base_dir / name, t.num_vbuckets, dict(t.config), t.flush_interval_ms,
+                           t.replication_buffer_bytes, t.host)
+        node.start()
+        self.nodes[name] = node
+        if name in self.ejected:
+            self.ejected.remove(name)
+        self._apply_states(name)
+        return node
+
+    def start_rebalance(
+        self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
+        progress: Callable[[RebalanceProgress], None] | None = None, concurrent_moves: int = 1,
+    ) -> ProcessRebalance:
+        """As :meth:`engine.cluster.Cluster.start_rebalance` over node processes; :meth:`rebalance` drives it
+        (the nodes replicate on their own; the manager polls). One move at a time by default: every move
+        changes the replication links (SET_REPLICATION restarts a link whose vbucket set changed), which
+        would cut another move's takeover stream on the same link."""
+        add, remove = self._check_rebalance(add, remove)
+        for n in add:
+            self.add_node(n)
+        if add:
+            self._set_map(self._map.with_chains(self._map.chains, list(self._map.nodes) + add))
+        reb = ProcessRebalance(self, add, remove, concurrent_moves=concurrent_moves, progress=progress)
+        self._rebalance = reb
+        for n in add:
+            if n in self.failed:
+                self.failed.remove(n)
+        return reb
 
     def _after_failover(self, name: str) -> None:
         self._save_map()
@@ -269,8 +345,10 @@ class ProcessCluster(ClusterManager):
 
     # ------------------------------------------------------------------ faults and test controls
     def kill(self, name: str) -> None:
-        """SIGKILL node ``name``: what it had not persisted is lost; its connections drop."""
+        """SIGKILL node ``name``: what it had not persisted is lost; its connections drop (a running
+        rebalance stops, as in ns_server)."""
         self.node(name).kill()
+        self._abort_rebalance(f"node {name} down")
 
     def restart(self, name: str) -> None:
         """Start a down node again (warmup; after a SIGKILL its actives get a failover entry), set its states

@@ -21,6 +21,7 @@ from engine.exceptions import (
     RollbackRequired,
 )
 from engine.failover_log import FailoverEntry
+from engine.item import Item
 from engine.stream import (
     MAX_SEQNO,
     ActiveStream,
@@ -30,6 +31,7 @@ from engine.stream import (
     StreamFlags,
     StreamState,
 )
+from engine.takeover import TakeoverStream
 from engine.vbucket import VBucketState
 
 if TYPE_CHECKING:
@@ -122,7 +124,11 @@ class DcpProducer:
             end_seqno = vb.persisted_seqno
         if start_seqno > high:
             raise RangeError(f"start seqno {start_seqno} > high seqno {high}")
-        stream = ActiveStream(
+        if flags & StreamFlags.TAKEOVER:
+            # kv_engine: a takeover stream has no end; it ends OK after the consumer became active.
+            end_seqno = MAX_SEQNO
+        cls = TakeoverStream if flags & StreamFlags.TAKEOVER else ActiveStream
+        stream = cls(
             self, vb, self.bucket.storage, opaque=opaque, flags=flags, start=start_seqno, end=end_seqno,
             vbuuid=vbuuid, snap_start=snap_start, snap_end=snap_end,
             backfill_chunk=self.bucket.config.backfill_chunk_items)
@@ -143,6 +149,39 @@ class DcpProducer:
         old = self.streams.pop(vbucket, None)
         if old is not None:
             old.ready.clear()
+
+    # ------------------------------------------------------------------ takeover (engine/takeover.py)
+    def _takeover_stream(self, vbucket: int) -> TakeoverStream:
+        s = self.streams.get(vbucket)
+        if not isinstance(s, TakeoverStream) or s.state is StreamState.DEAD:
+            raise NotMyVBucket(f"no takeover stream for vbucket {vbucket} on {self.name!r}")
+        return s
+
+    def snapshot_marker_ack(self, vbucket: int) -> None:
+        """The consumer's response to a marker sent with the ACK flag (kv_engine
+        ``DcpProducer::handleResponse`` -> ``snapshotMarkerAckReceived``)."""
+        self._takeover_stream(vbucket).marker_acked()
+
+    def set_vbucket_state_ack(self, vbucket: int) -> None:
+        """The consumer's response to a DCP SET_VBUCKET_STATE (``setVBucketStateAckRecieved``)."""
+        self._takeover_stream(vbucket).set_state_acked()
+
+    def takeover_stats(self, vbucket: int) -> dict[str, int | str]:
+        """kv_engine ``stats dcp-vbtakeover <vb> <connection>``: ``status`` and ``estimate`` (items left to
+        send). Without a stream on this connection: ``does_not_exist`` with every item of the vbucket."""
+        s = self.streams.get(vbucket)
+        if s is None or s.state is StreamState.DEAD:
+            vb = self.bucket.vbucket(vbucket)
+            return {"name": self.name, "status": "does_not_exist", "estimate": vb.high_seqno,
+                    "vb_state": vb.state.value}
+        if isinstance(s, TakeoverStream):
+            estimate = s.items_remaining()
+            status = s.phase.value if s.state is StreamState.IN_MEMORY else s.state.value
+        else:
+            estimate = max(0, s.vb.high_seqno - s.last_read) + sum(1 for m in s.ready if type(m) is Item)
+            status = s.state.value
+        return {"name": self.name, "status": status, "estimate": estimate, "vb_state": s.vb.state.value,
+                "last_sent": s.last_sent}
 
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         return list(self.bucket.vbucket(vbucket).failover.entries)

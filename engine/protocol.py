@@ -31,7 +31,15 @@ from engine.exceptions import (
 )
 from engine.failover_log import FailoverEntry
 from engine.item import Item, Op
-from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
+from engine.stream import (
+    Message,
+    SetVBucketStateMessage,
+    SnapshotFlags,
+    SnapshotMarker,
+    StreamEnd,
+    StreamEndReason,
+)
+from engine.vbucket import VBucketState
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24
@@ -51,6 +59,7 @@ class Opcode(IntEnum):
     SET_VBUCKET_STATE = 0x3D
     GET_VBUCKET_STATE = 0x3E
     DCP_OPEN = 0x50
+    DCP_ADD_STREAM = 0x51
     DCP_CLOSE_STREAM = 0x52
     DCP_STREAM_REQ = 0x53
     DCP_GET_FAILOVER_LOG = 0x54
@@ -59,6 +68,7 @@ class Opcode(IntEnum):
     DCP_MUTATION = 0x57
     DCP_DELETION = 0x58
     DCP_EXPIRATION = 0x59
+    DCP_SET_VBUCKET_STATE = 0x5B
     DCP_NOOP = 0x5C
     DCP_BUFFER_ACKNOWLEDGEMENT = 0x5D
     DCP_CONTROL = 0x5E
@@ -253,7 +263,7 @@ def error_from(frame: Frame, vbucket: int = 0) -> EngineError:
 
 
 # ---------------------------------------------------------------------- DCP messages
-def encode_dcp_message(m: SnapshotMarker | Item | StreamEnd, opaque: int) -> bytes:
+def encode_dcp_message(m: Message, opaque: int) -> bytes:
     """A DCP message the producer pushes, as kv_engine encodes it (server -> client request)."""
     if type(m) is Item:
         v = m.value or b""
@@ -273,10 +283,14 @@ def encode_dcp_message(m: SnapshotMarker | Item | StreamEnd, opaque: int) -> byt
                        vbucket=m.vbucket, opaque=opaque)
     if type(m) is StreamEnd:
         return request(Opcode.DCP_STREAM_END, extras=U32.pack(int(m.reason)), vbucket=m.vbucket, opaque=opaque)
+    if type(m) is SetVBucketStateMessage:
+        # kv_engine DCP_SET_VBUCKET_STATE: 1 byte of extras, the state code (takeover: pending, active)
+        return request(Opcode.DCP_SET_VBUCKET_STATE, extras=bytes([STATE_CODES[m.state.value]]),
+                       vbucket=m.vbucket, opaque=opaque)
     raise ProtocolError(f"not a DCP message: {m!r}")
 
 
-def decode_dcp_message(f: Frame) -> SnapshotMarker | Item | StreamEnd:
+def decode_dcp_message(f: Frame) -> Message:
     """The engine message of a pushed DCP frame; :class:`ProtocolError` when the extras do not fit."""
     op = f.opcode
     try:
@@ -295,6 +309,10 @@ def decode_dcp_message(f: Frame) -> SnapshotMarker | Item | StreamEnd:
         if op == Opcode.DCP_STREAM_END:
             (reason,) = U32.unpack(f.extras)
             return StreamEnd(f.vbucket, StreamEndReason(reason))
+        if op == Opcode.DCP_SET_VBUCKET_STATE:
+            if len(f.extras) != 1 or f.extras[0] not in CODE_STATES:
+                raise ValueError(f"bad vbucket state extras {f.extras!r}")
+            return SetVBucketStateMessage(f.vbucket, VBucketState(CODE_STATES[f.extras[0]]))
     except (struct.error, ValueError) as e:
         raise ProtocolError(f"bad extras for opcode 0x{op:02x}: {e}") from e
     raise ProtocolError(f"opcode 0x{op:02x} is not a DCP data message")

@@ -28,6 +28,7 @@ from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
     KeyExists,
+    NotMyVBucket,
     StateCasMismatch,
     Status,
     TemporaryFailure,
@@ -55,6 +56,7 @@ from engine.protocol import (
     encode_stream_request,
     error_from,
     request,
+    response,
 )
 from engine.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
 from engine.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
@@ -276,6 +278,15 @@ class RemoteNode:
         body = {n: {"host": h, "port": p, "vbuckets": sorted(vbs)} for n, (h, p, vbs) in sources.items()}
         self._call(Opcode.SET_REPLICATION, value=orjson.dumps({"sources": body}), datatype=0x01)
 
+    def add_stream_takeover(self, source: str, vbucket: int) -> None:
+        """DCP_ADD_STREAM with the TAKEOVER flag (seed 003 "VBucket Takeover"): the node's replication link
+        from ``source`` re-requests ``vbucket`` as a takeover stream; answers at once (OK or an error)."""
+        self._call(Opcode.DCP_ADD_STREAM, vbucket=vbucket, key=source.encode(), extras=U32.pack(0x01))
+
+    def takeover_stats(self, vbucket: int, connection: str) -> dict[str, str]:
+        """``stats dcp-vbtakeover <vb> <connection>`` on this (producer) node: status and estimate."""
+        return self.stats(f"dcp-vbtakeover {vbucket} {connection}")
+
     def stop_persistence(self) -> None:
         """STOP_PERSISTENCE (kv_engine): the flusher stops until START_PERSISTENCE."""
         self._call(Opcode.STOP_PERSISTENCE)
@@ -448,6 +459,22 @@ class RemoteDcpProducer:
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         f, _ = self._call(Opcode.DCP_GET_FAILOVER_LOG, vbucket=vbucket)
         return decode_failover_log(f.value)
+
+    # ------------------------------------------------------------------ takeover acks (engine/takeover.py)
+    def _respond(self, opcode: int, vbucket: int) -> None:
+        # kv_engine: the consumer answers a pushed marker with ACK / a SET_VBUCKET_STATE with a response
+        # carrying the stream's opaque; the producer finds the stream by it (DcpProducer::handleResponse).
+        s = self.streams.get(vbucket)
+        if s is None:
+            raise NotMyVBucket(f"{self.name}: no stream for vbucket {vbucket}")
+        if not self._conn.closed:
+            self._conn.send(response(opcode, opaque=s.opaque))
+
+    def snapshot_marker_ack(self, vbucket: int) -> None:
+        self._respond(Opcode.DCP_SNAPSHOT_MARKER, vbucket)
+
+    def set_vbucket_state_ack(self, vbucket: int) -> None:
+        self._respond(Opcode.DCP_SET_VBUCKET_STATE, vbucket)
 
     @property
     def has_work(self) -> bool:

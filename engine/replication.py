@@ -26,14 +26,24 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine.bucket import Bucket
 from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
 from engine.failover_log import FailoverEntry
 from engine.item import Item
 from engine.producer import DcpProducer
-from engine.stream import MAX_SEQNO, SnapshotMarker, StreamEnd, StreamEndReason, StreamFlags
+from engine.stream import (
+    MAX_SEQNO,
+    Message,
+    SetVBucketStateMessage,
+    SnapshotFlags,
+    SnapshotMarker,
+    StreamEnd,
+    StreamEndReason,
+    StreamFlags,
+)
+from engine.vbucket import VBucketState
 
 #: a stream request that keeps being answered ROLLBACK this many times is an engine bug, not a history
 MAX_ROLLBACKS_PER_REQUEST = 64
@@ -69,7 +79,7 @@ class ProducerConnection(Protocol):
         opaque: int = ..., failover_log: Sequence[FailoverEntry] | None = ...,
     ) -> list[FailoverEntry]: ...
 
-    def step(self, max_messages: int = ...) -> Sequence[SnapshotMarker | Item | StreamEnd]: ...
+    def step(self, max_messages: int = ...) -> Sequence[Message]: ...
 
     def buffer_acknowledge(self, nbytes: int) -> None: ...
 
@@ -98,6 +108,25 @@ class ReplicaTarget(Protocol):
     def apply_replica_message(self, message: SnapshotMarker | Item) -> None: ...
 
 
+@runtime_checkable
+class TakeoverAcks(Protocol):
+    """The producer side of a takeover stream: the consumer's responses to markers sent with ACK and to
+    SET_VBUCKET_STATE (engine/takeover.py)."""
+
+    def snapshot_marker_ack(self, vbucket: int) -> None: ...
+
+    def set_vbucket_state_ack(self, vbucket: int) -> None: ...
+
+
+@runtime_checkable
+class TakeoverTarget(Protocol):
+    """The consumer side of a takeover: the state changes a SET_VBUCKET_STATE message asks for."""
+
+    def set_vbucket_state(self, vbucket: int, state: VBucketState, *, cas: int | None = None) -> int: ...
+
+    def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None: ...
+
+
 class DcpConsumer:
     """A replication connection: one active node's producer -> replica vbuckets of another bucket.
 
@@ -119,6 +148,7 @@ class DcpConsumer:
         self.streams: dict[int, PassiveStream] = {}
         self.rollbacks = 0
         self.messages = 0
+        self.takeover_states = 0
 
     def __repr__(self) -> str:
         return f"DcpConsumer({self.name!r} streams={sorted(self.streams)})"
@@ -164,6 +194,35 @@ class DcpConsumer:
         raise InvalidArgument(f"{self.name}: vbucket {vbucket} still asked to roll back after "
                               f"{MAX_ROLLBACKS_PER_REQUEST} rollbacks")
 
+    def request_stream(self, vbucket: int, *, takeover: bool = False) -> list[FailoverEntry] | None:
+        """One stream request from the replica's own position (seed 003 "Initial Stream Handshake" step 3):
+        the producer's failover log on OK (replaced into the replica, step 6), ``None`` after a ROLLBACK the
+        replica executed (step 5: request again). ``takeover`` sets the TAKEOVER flag (seed 003 "VBucket
+        Takeover"). The rebalance mover (engine/rebalance.py) drives the loop itself so its add-stream
+        requests complete out of order."""
+        if self.is_open(vbucket):
+            raise InvalidArgument(f"{self.name}: a stream for vbucket {vbucket} is already open")
+        stream = self.streams.get(vbucket) or PassiveStream(vbucket)
+        start, snap_start, snap_end = self.replica.replica_position(vbucket)
+        log = self.replica.failover_log(vbucket)
+        flags = StreamFlags.ACTIVE_VB_ONLY | (StreamFlags.TAKEOVER if takeover else StreamFlags.NONE)
+        try:
+            entries = self.producer.stream_request(
+                vbucket, start, MAX_SEQNO, log[0].vbuuid, snap_start, snap_end, flags=flags,
+                failover_log=log if self.use_client_log else None)
+        except RollbackRequired as rb:
+            self.replica.rollback_vbucket(vbucket, rb.seqno)
+            stream.rollbacks += 1
+            self.rollbacks += 1
+            self.streams.setdefault(vbucket, stream)
+            stream.state = PassiveState.DEAD
+            return None
+        self.replica.replace_failover_log(vbucket, entries)
+        stream.state = PassiveState.READING
+        stream.end_reason = None
+        self.streams[vbucket] = stream
+        return entries
+
     def close_stream(self, vbucket: int) -> None:
         """Stop replicating ``vbucket`` on this connection (no error if it is not open)."""
         s = self.streams.pop(vbucket, None)
@@ -199,7 +258,7 @@ class DcpConsumer:
             n += k
         return n
 
-    def _handle(self, m: SnapshotMarker | Item | StreamEnd) -> None:
+    def _handle(self, m: Message) -> None:
         s = self.streams.get(m.vbucket)
         if isinstance(m, StreamEnd):
             if s is not None:
@@ -208,11 +267,37 @@ class DcpConsumer:
             return
         if s is None or s.state is not PassiveState.READING:
             raise InvalidArgument(f"{self.name}: {m!r} for vbucket {m.vbucket} without an open stream")
+        if isinstance(m, SetVBucketStateMessage):
+            self._takeover_state(m)
+            return
         self.replica.apply_replica_message(m)
         if type(m) is SnapshotMarker:
             s.markers += 1
+            if m.flags & SnapshotFlags.ACK:
+                self._takeover_acks().snapshot_marker_ack(m.vbucket)
         else:
             s.items += 1
+
+    def _takeover_acks(self) -> TakeoverAcks:
+        p = self.producer
+        if not isinstance(p, TakeoverAcks):
+            raise InvalidArgument(f"{self.name}: the producer connection cannot take takeover acks")
+        return p
+
+    def _takeover_state(self, m: SetVBucketStateMessage) -> None:
+        """kv_engine ``DcpConsumer::setVBucketState`` of a takeover: pending first, then active with
+        ``transfer`` (no failover entry); each is acknowledged once executed (seed 003 "VBucket Takeover")."""
+        target = self.replica
+        if not isinstance(target, TakeoverTarget):
+            raise InvalidArgument(f"{self.name}: the replica side cannot change vbucket states")
+        if m.state is VBucketState.ACTIVE:
+            target.promote(m.vbucket, takeover=True)
+        elif m.state is VBucketState.PENDING:
+            target.set_vbucket_state(m.vbucket, VBucketState.PENDING)
+        else:
+            raise InvalidArgument(f"{self.name}: unexpected takeover state {m.state.value}")
+        self._takeover_acks().set_vbucket_state_ack(m.vbucket)
+        self.takeover_states += 1
 
     def close(self) -> None:
         """Disconnect: the producer side ends every stream."""

@@ -73,8 +73,8 @@ from engine.protocol import (
     response,
 )
 from engine.remote import RemoteDcpProducer
-from engine.replication import DcpConsumer
-from engine.stream import SnapshotMarker
+from engine.replication import MAX_ROLLBACKS_PER_REQUEST, DcpConsumer
+from engine.stream import SnapshotMarker, StreamFlags
 from engine.vbucket import VBucketState
 
 log = logging.getLogger("engine.server")
@@ -124,6 +124,13 @@ class _LoopBucket:
     def apply_replica_message(self, message: SnapshotMarker | Item) -> None:
         self._run(self._server.bucket.apply_replica_message, message)
 
+    # A takeover stream's state messages (engine/takeover.py): pending, then active with transfer.
+    def set_vbucket_state(self, vbucket: int, state: VBucketState, *, cas: int | None = None) -> int:
+        return self._run(lambda: self._server.bucket.set_vbucket_state(vbucket, state, cas=cas))
+
+    def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None:
+        return self._run(lambda: self._server.bucket.promote(vbucket, takeover=takeover, cas=cas))
+
 
 class ReplicationLink(threading.Thread):
     """One replication connection ``replication:<src>-><me>`` (kv_engine's name): pulls the vbuckets this node
@@ -142,6 +149,27 @@ class ReplicationLink(threading.Thread):
         self.errors = 0
         self.rollbacks = 0
         self.messages = 0
+        #: vbuckets to re-request as takeover streams (DCP_ADD_STREAM with TAKEOVER, seed 003)
+        self._takeovers: set[int] = set()
+        self._lock = threading.Lock()
+        self.takeovers = 0
+
+    def request_takeover(self, vbucket: int) -> None:
+        with self._lock:
+            self._takeovers.add(vbucket)
+
+    def _start_takeovers(self, consumer: DcpConsumer) -> None:
+        """Convert the requested streams to takeover streams: close, then request with TAKEOVER from the
+        replica's own position (rolling back if told, which a caught-up copy never is)."""
+        with self._lock:
+            todo, self._takeovers = sorted(self._takeovers), set()
+        for vb in todo:
+            consumer.close_stream(vb)
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyExists):
+                for _ in range(MAX_ROLLBACKS_PER_REQUEST):
+                    if consumer.request_stream(vb, takeover=True) is not None:
+                        self.takeovers += 1
+                        break
 
     @property
     def spec(self) -> tuple[str, int, tuple[int, ...]]:
@@ -160,6 +188,8 @@ class ReplicationLink(threading.Thread):
             consumer = self.consumer = DcpConsumer(self.name, target, producer)
             try:
                 while not self.stopping.is_set() and not producer.closed:
+                    if self._takeovers:
+                        self._start_takeovers(consumer)
                     for vb in self.vbuckets:
                         if not consumer.is_open(vb):
                             # NOT_MY_VBUCKET: the source is not active (yet) or this copy is not a replica
@@ -298,7 +328,8 @@ class NodeServer:
                     break
                 f = frame_from(h, await reader.readexactly(h[6]))
                 if not f.is_request:
-                    continue  # e.g. a client's answer to a DCP noop
+                    self._response(conn, f)  # a takeover ack, or e.g. a client's answer to a DCP noop
+                    continue
                 await self._dispatch(conn, f)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
@@ -311,6 +342,26 @@ class NodeServer:
                 conn.producer.close()
             with contextlib.suppress(Exception):
                 writer.close()
+
+    def _response(self, conn: _Conn, f: Frame) -> None:
+        """A consumer's response on a producer connection: the ack of a marker sent with ACK or of a
+        SET_VBUCKET_STATE of a takeover stream, matched to its stream by opaque (kv_engine
+        ``DcpProducer::handleResponse``)."""
+        p = conn.producer
+        if p is None or f.opcode not in (Opcode.DCP_SNAPSHOT_MARKER, Opcode.DCP_SET_VBUCKET_STATE):
+            return
+        vb = next((v for v, o in conn.opaques.items() if o == f.opaque), None)
+        if vb is None:
+            return  # a stream closed meanwhile
+        try:
+            if f.opcode == Opcode.DCP_SNAPSHOT_MARKER:
+                p.snapshot_marker_ack(vb)
+            else:
+                p.set_vbucket_state_ack(vb)
+        except EngineError as e:
+            log.warning("%s: takeover ack for vbucket %d refused: %s", p.name, vb, e)
+        conn.wake.set()
+        self.kick()
 
     async def _push(self, conn: _Conn) -> None:
         """Push the producer's messages to the client (kv_engine: the front-end thread steps the connection
@@ -415,6 +466,8 @@ class NodeServer:
         if op == Opcode.SET_REPLICATION:
             await self._set_replication(f)
             return response(op, opaque=f.opaque)
+        if op == Opcode.DCP_ADD_STREAM:
+            return self._add_stream(f)
         raise UnknownCommand(f"unknown opcode 0x{op:02x}")
 
     def _dcp(self, conn: _Conn, f: Frame) -> bytes | None:
@@ -455,6 +508,20 @@ class NodeServer:
         conn.wake.set()
         # Written before the pusher runs again (same loop, synchronous write): the OK precedes the data.
         return response(op, value=encode_failover_log(entries), opaque=f.opaque)
+
+    def _add_stream(self, f: Frame) -> bytes:
+        # DCP_ADD_STREAM (seed 003): here only with TAKEOVER, naming the source node whose replication link
+        # carries the vbucket (this node's consumers are its own outbound links); answered at once.
+        self._need(f, 4, key=True)
+        (flags,) = U32.unpack(f.extras)
+        if not flags & StreamFlags.TAKEOVER:
+            raise InvalidArgument("DCP_ADD_STREAM: only takeover streams are added this way (flag 0x01)")
+        src = f.key.decode(errors="replace")
+        link = self.links.get(src)
+        if link is None or f.vbucket not in link.vbuckets or not link.is_alive():
+            raise NotMyVBucket(f"no replication of vbucket {f.vbucket} from {src!r} on {self.name}")
+        link.request_takeover(f.vbucket)
+        return response(f.opcode, opaque=f.opaque)
 
     def _observe(self, f: Frame) -> bytes:
         # kv_engine OBSERVE_SEQNO: format 0 (vbuuid, persisted, current) or, when the client's vbuuid is not
@@ -525,6 +592,18 @@ class NodeServer:
                      "persisted_seqno": i.persisted_seqno, "snapshot_complete": i.snapshot_complete,
                      "snapshot_persisted": i.snapshot_persisted,
                      "failover_log": orjson.dumps(i.failover).decode()}
+        elif group.startswith("dcp-vbtakeover"):
+            parts = group.split()
+            if len(parts) != 3 or not parts[1].isdigit():
+                raise InvalidArgument("usage: dcp-vbtakeover <vbucket> <connection>")
+            vbid = int(parts[1])
+            producer = b.producers.get(parts[2])
+            if producer is None:
+                v = b.vbucket(vbid)
+                stats = {"name": parts[2], "status": "does_not_exist", "estimate": v.high_seqno,
+                         "vb_state": v.state.value}
+            else:
+                stats = dict(producer.takeover_stats(vbid))
         elif group == "replication":
             stats = {}
             for src, link in sorted(self.links.items()):
@@ -533,6 +612,7 @@ class NodeServer:
                 stats[f"{src}:errors"] = link.errors
                 stats[f"{src}:rollbacks"] = link.rollbacks
                 stats[f"{src}:messages"] = link.messages
+                stats[f"{src}:takeovers"] = link.takeovers
         else:
             raise InvalidArgument(f"unknown stat group {group!r}")
         out = [response(f.opcode, key=k.encode(), value=str(v).encode(), opaque=f.opaque)

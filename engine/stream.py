@@ -31,7 +31,7 @@ from engine.item import Item, Op
 if TYPE_CHECKING:
     from engine.producer import DcpProducer
     from engine.storage import Storage
-    from engine.vbucket import VBucket
+    from engine.vbucket import VBucket, VBucketState
 
 
 class SnapshotFlags(IntFlag):
@@ -107,8 +107,24 @@ class StreamEnd:
         return STREAM_END_SIZE
 
 
-#: what a producer hands its consumer: markers, data items (op = mutation / deletion / expiration), ends.
-Message = SnapshotMarker | Item | StreamEnd
+SET_VBUCKET_STATE_SIZE: Final = 24 + 1
+
+
+@dataclass(frozen=True, slots=True)
+class SetVBucketStateMessage:
+    """DCP ``SET_VBUCKET_STATE`` sent by a takeover stream, pending then active (engine/takeover.py)."""
+
+    vbucket: int
+    state: VBucketState
+
+    @property
+    def dcp_size(self) -> int:
+        return SET_VBUCKET_STATE_SIZE
+
+
+#: what a producer hands its consumer: markers, data items (op = mutation / deletion / expiration), ends,
+#: and the takeover stream's set-vbucket-state messages.
+Message = SnapshotMarker | Item | StreamEnd | SetVBucketStateMessage
 
 
 _OPS: Final = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)

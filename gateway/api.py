@@ -6,7 +6,9 @@ a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` an
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
 Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
 Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
-(``{"node": "n1", "graceful": false}``; answers the failover report).
+(``{"node": "n1", "graceful": false}``; answers the failover report), ``POST /cluster/rebalance``
+(``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
+(progress of the running or last rebalance).
 
 Every error is a JSON body ``{"error": <code>, "message": <text>}`` with a 4xx status (5xx only for server
 faults), mapped from the engine's typed exceptions.
@@ -338,6 +340,7 @@ async def cluster_status(request: web.Request) -> web.Response:
         "held": svc.publisher.held,
         "rollback_mitigation": svc.publisher.rollback_mitigation,
     }
+    body["rebalance"] = None if svc.last_rebalance is None else svc.last_rebalance.progress().to_json()
     return web.json_response(body)
 
 
@@ -366,6 +369,41 @@ async def cluster_failover(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid_argument", '"graceful" must be true or false')
     report = svc.failover(node, graceful)
     return web.json_response(failover_report_json(report))
+
+
+def _node_list(body: dict[str, Any], field: str) -> list[str]:
+    value = body.get(field, [])
+    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        raise ApiError(400, "invalid_argument", f'"{field}" must be a list of node names (non-empty strings)')
+    return list(value)
+
+
+async def cluster_rebalance(request: web.Request) -> web.Response:
+    """Start a rebalance; 202 with its progress. The pump loop runs it step by step (gateway/service.py)."""
+    svc = _svc(request)
+    c = _cluster(svc)
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, "invalid_json", f"body must be a JSON object: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_argument", 'body must be a JSON object {"add": [...], "remove": [...]}')
+    unknown = sorted(set(body) - {"add", "remove"})
+    if unknown:
+        raise ApiError(400, "invalid_argument", f"unknown fields {unknown}")
+    add, remove = _node_list(body, "add"), _node_list(body, "remove")
+    if c.rebalance_running is not None:
+        raise ApiError(409, "rebalance_running", "a rebalance is already running (GET /cluster/rebalance)")
+    reb = svc.rebalance(add, remove)
+    return web.json_response(reb.progress().to_json(), status=202)
+
+
+async def cluster_rebalance_progress(request: web.Request) -> web.Response:
+    svc = _svc(request)
+    _cluster(svc)
+    if svc.last_rebalance is None:
+        raise ApiError(404, "no_rebalance", "no rebalance was started (POST /cluster/rebalance)")
+    return web.json_response(svc.last_rebalance.progress().to_json())
 
 
 def failover_report_json(report: FailoverReport) -> dict[str, Any]:
@@ -398,4 +436,6 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_get("/cluster", cluster_status)
     app.router.add_get("/cluster/map", cluster_map)
     app.router.add_post("/cluster/failover", cluster_failover)
+    app.router.add_post("/cluster/rebalance", cluster_rebalance)
+    app.router.add_get("/cluster/rebalance", cluster_rebalance_progress)
     return app

@@ -2,7 +2,8 @@
 
 * ``dcpgw up``      engine + gateway + HTTP API, on the embedded broker unless ``KAFKA_BOOTSTRAP_SERVERS`` is set;
   ``--nodes 3 --replicas 1`` runs an in-process cluster of engine nodes behind the one gateway
-* ``dcpgw cluster status|map|failover NODE [--graceful]``  the running gateway's cluster (HTTP admin API)
+* ``dcpgw cluster status|map|failover NODE [--graceful]|rebalance [--add N] [--remove N]``  the running
+  gateway's cluster (HTTP admin API)
 * ``dcpgw load``    write generator (through the HTTP API), with a progress bar
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
@@ -291,7 +292,7 @@ def status(
 
 
 # ---------------------------------------------------------------------- cluster
-cluster_app = typer.Typer(help="The running gateway's cluster: status, vbucket map, failover.",
+cluster_app = typer.Typer(help="The running gateway's cluster: status, vbucket map, failover, rebalance.",
                           no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
 
@@ -389,6 +390,54 @@ def cluster_failover(
     typer.echo(json.dumps({"node": node, "graceful": graceful, "revision": report["revision"],
                            "promoted": len(report["promoted"]), "new_branches": new_branches,
                            "lost": report["lost"], "gateway_rollbacks": rollbacks}))
+
+
+@cluster_app.command("rebalance")
+def cluster_rebalance(
+    add: list[str] = typer.Option([], "--add", help="A node to rebalance in (repeat for several)."),
+    remove: list[str] = typer.Option([], "--remove", help="A node to rebalance out (repeat for several)."),
+    url: str | None = _URL,
+    data_dir: Path = _DATA_DIR,
+    timeout: float = typer.Option(600.0, help="Seconds to wait for the rebalance and the gateway to follow."),
+) -> None:
+    """Rebalance nodes in / out (vbuckets move by DCP takeover while writes continue); progress bars for the
+    vbuckets moved and the gateway following the new map. Prints one JSON line at the end."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+    base = _url(url, data_dir)
+    con = Console(stderr=True)
+    before = _http("GET", f"{base}/cluster")
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), console=con, transient=False) as bar:
+        p = _http("POST", f"{base}/cluster/rebalance", json.dumps({"add": add, "remove": remove}).encode())
+        what = " ".join([*(f"+{n}" for n in add), *(f"-{n}" for n in remove)]) or "(same nodes)"
+        task = bar.add_task(f"rebalance {what}", total=max(int(p["total"]), 1))
+        deadline = time.monotonic() + timeout
+        while p["status"] == "running":
+            if time.monotonic() > deadline:
+                _fail(f"the rebalance moved {p['moved']}/{p['total']} vbuckets in {timeout:.0f}s (still running)")
+            time.sleep(0.1)
+            p = _http("GET", f"{base}/cluster/rebalance")
+            bar.update(task, completed=int(p["moved"]),
+                       description=f"rebalance {what}: {len(p['moving'])} moving, {p['items_left']} items left")
+        if p["status"] != "done":
+            _fail(f"rebalance {p['status']}: {p['error']}")
+        bar.update(task, completed=max(int(p["total"]), 1), description=f"rebalance {what}: done")
+        total = int(before["num_vbuckets"]) - len(before["vbuckets_without_active"])
+        follow = bar.add_task("gateway streaming from the new actives", total=total)
+        while True:
+            st = _http("GET", f"{base}/cluster")
+            done = int(st["gateway"]["following_map"])
+            bar.update(follow, completed=min(done, total))
+            if done >= total:
+                break
+            if time.monotonic() > deadline:
+                _fail(f"the gateway follows the map for only {done}/{total} vbuckets after {timeout:.0f}s")
+            time.sleep(0.2)
+    typer.echo(json.dumps({"status": p["status"], "moved": p["moved"], "total": p["total"],
+                           "revision": p["revision"], "nodes": p["nodes"], "reverts": p["reverts"],
+                           "gateway_rollbacks": int(st["gateway"]["rollbacks"]) - int(before["gateway"]["rollbacks"])}))
 
 
 # ---------------------------------------------------------------------- replicate

@@ -53,6 +53,7 @@ from engine import (
 from engine.cluster import Cluster
 from engine.failover_log import FailoverEntry
 from engine.process_cluster import ProcessCluster
+from engine.stream import Message as DcpStreamMessage
 from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
@@ -62,8 +63,8 @@ from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, mak
 
 log = logging.getLogger(__name__)
 
-#: what a DCP step hands the publisher
-DcpMessage = SnapshotMarker | Item | StreamEnd
+#: what a DCP step hands the publisher (its streams never have the TAKEOVER flag, so no set-vbucket-state)
+DcpMessage = DcpStreamMessage
 
 
 class PublishError(GatewayError):

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from engine import Bucket, InvalidArgument
 from engine.cluster import MAP_FILE, Cluster, FailoverReport
+from engine.rebalance import Rebalance
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import KeyFilter, Publisher
@@ -39,6 +40,8 @@ class GatewayService:
         self.metrics = GatewayMetrics()
         self.bucket: Bucket | None = None
         self.cluster: Cluster | None = None
+        #: the rebalance started last through :meth:`rebalance` (running or finished)
+        self.last_rebalance: Rebalance | None = None
         self.publisher: Publisher | None = None
         self.checkpoints: CheckpointWriter | None = None
         self.runner: web.AppRunner | None = None
@@ -145,6 +148,21 @@ class GatewayService:
         self.wake()
         return report
 
+    def rebalance(self, add: list[str], remove: list[str]) -> Rebalance:
+        """Start a rebalance (engine/rebalance.py, seed 003): ``add`` nodes in, ``remove`` nodes out.
+
+        It runs **step-wise inside the pump loop**: every ``Cluster.pump`` advances it a bounded amount
+        (add-stream handshakes, one batch per mover connection, the moves' checks), interleaved with
+        ``Publisher.pump`` on the same event-loop thread, so publishing never waits for it and the in-process
+        cluster (not thread-safe) is never touched from another thread. Progress: :attr:`last_rebalance`.
+        :class:`InvalidArgument` for bad node sets or a rebalance already running."""
+        c = self.cluster
+        if c is None:
+            raise InvalidArgument("the gateway runs a single bucket, not a cluster (dcpgw up --nodes N)")
+        self.last_rebalance = c.start_rebalance(add, remove)
+        self.wake()
+        return self.last_rebalance
+
     def wake(self) -> None:
         """Writes happened: the pump loop should run now."""
         self._wake.set()
@@ -161,6 +179,8 @@ class GatewayService:
             n = pub.pump()
             if cluster is not None:
                 n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
+                if cluster.rebalance_running is not None:
+                    n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
             if n:
                 idle = 0
                 await asyncio.sleep(0)

@@ -60,7 +60,7 @@ class ProcessClusterClient:
     def open_streams(self) -> None:
         vbmap = self.cluster.vbucket_map()
         for node in list(self.producers):
-            if self.producers[node].closed or not self.cluster.node(node).up:
+            if self.producers[node].closed or node not in self.cluster.nodes or not self.cluster.node(node).up:
                 self._drop(node)
         for vb, st in self.consumer.vbs.items():
             src = self.source.get(vb)

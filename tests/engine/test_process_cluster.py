@@ -330,61 +330,68 @@ class Campaign:
             self.checked += 1
 
     def run(self, ops: list[tuple[Any, ...]]) -> None:
-        c = self.c
         for o in ops:
-            kind = o[0]
-            if kind == "write":
-                self._write(o[1], o[2])
-            elif kind == "burst":
-                for i in range(o[1]):
-                    self._write(KEYS[(i * 7 + len(self.tokens)) % len(KEYS)], f"b{len(self.tokens)}".encode())
-            elif kind == "delete":
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
-                    self.tokens.append(c.delete(o[1]).token)
-            elif kind == "pause":
-                c.pause_replication([self._name(o[1])])
-            elif kind == "resume":
-                c.resume_replication([self._name(o[1])])
-            elif kind == "persistence":
-                name = self._name(o[1])
-                if c.node(name).up:
-                    (c.start_persistence if o[2] else c.stop_persistence)(name)
-                    (self.no_persist.discard if o[2] else self.no_persist.add)(name)
-            elif kind == "client":
-                self.clients[o[1]].poll_once()
-            elif kind == "wait":
-                time.sleep(o[1])
-            elif kind == "kill":
-                name = self._name(o[1])
-                if c.node(name).up:
-                    c.kill(name)
-                    self.kills += 1
-                    self.no_persist.discard(name)  # a restarted node persists again
-            elif kind == "restart":
-                name = self._name(o[1])
-                if not c.node(name).up:
-                    c.restart(name)
-            elif kind == "lagging_crash":
-                name = self._name(o[1])
-                if c.node(name).up and self._can_fail_over(name, False):
-                    self._await_acks()
-                    before = set(c.paused)
-                    c.pause_replication([n for n in c.nodes if n != name])
-                    for i in range(o[2]):
-                        self._write(KEYS[(i * 5 + len(self.tokens)) % len(KEYS)], f"l{len(self.tokens)}".encode())
-                    for client in self.clients:
-                        client.poll(quiet_rounds=2)
-                    c.kill(name)
-                    self.kills += 1
-                    self.no_persist.discard(name)
-                    self.lagging_crashes += 1
-                    self.failover(name, False)
-                    c.resume_replication(set(c.paused) - before)
-            elif kind in ("hard_failover", "graceful_failover"):
-                name = self._name(o[1])
-                graceful = kind == "graceful_failover"
-                if self._can_fail_over(name, graceful):
-                    self.failover(name, graceful)
+            self.step(o)
+        self.finish()
+
+    def step(self, o: tuple[Any, ...]) -> None:
+        c = self.c
+        kind = o[0]
+        if kind == "write":
+            self._write(o[1], o[2])
+        elif kind == "burst":
+            for i in range(o[1]):
+                self._write(KEYS[(i * 7 + len(self.tokens)) % len(KEYS)], f"b{len(self.tokens)}".encode())
+        elif kind == "delete":
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
+                self.tokens.append(c.delete(o[1]).token)
+        elif kind == "pause":
+            c.pause_replication([self._name(o[1])])
+        elif kind == "resume":
+            c.resume_replication([self._name(o[1])])
+        elif kind == "persistence":
+            name = self._name(o[1])
+            if c.node(name).up:
+                (c.start_persistence if o[2] else c.stop_persistence)(name)
+                (self.no_persist.discard if o[2] else self.no_persist.add)(name)
+        elif kind == "client":
+            self.clients[o[1]].poll_once()
+        elif kind == "wait":
+            time.sleep(o[1])
+        elif kind == "kill":
+            name = self._name(o[1])
+            if c.node(name).up:
+                c.kill(name)
+                self.kills += 1
+                self.no_persist.discard(name)  # a restarted node persists again
+        elif kind == "restart":
+            name = self._name(o[1])
+            if not c.node(name).up:
+                c.restart(name)
+        elif kind == "lagging_crash":
+            name = self._name(o[1])
+            if c.node(name).up and self._can_fail_over(name, False):
+                self._await_acks()
+                before = set(c.paused)
+                c.pause_replication([n for n in c.nodes if n != name])
+                for i in range(o[2]):
+                    self._write(KEYS[(i * 5 + len(self.tokens)) % len(KEYS)], f"l{len(self.tokens)}".encode())
+                for client in self.clients:
+                    client.poll(quiet_rounds=2)
+                c.kill(name)
+                self.kills += 1
+                self.no_persist.discard(name)
+                self.lagging_crashes += 1
+                self.failover(name, False)
+                c.resume_replication(set(c.paused) - before)
+        elif kind in ("hard_failover", "graceful_failover"):
+            name = self._name(o[1])
+            graceful = kind == "graceful_failover"
+            if self._can_fail_over(name, graceful):
+                self.failover(name, graceful)
+
+    def finish(self) -> None:
+        c = self.c
         # Final: every node of the map up and persisting, replication resumed and settled.
         for name in c.vbucket_map().nodes:
             if not c.node(name).up:

@@ -5,6 +5,7 @@ through the map, the gateway following a failover, and ``dcpgw cluster ...`` aga
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import uuid
@@ -144,3 +145,87 @@ def test_cluster_routes_on_a_single_bucket_answer_404(kafka_broker: Broker, tmp_
         await expect_error(await http.post(f"{url}/cluster/failover", json={"node": "n0"}), 404, "not_a_cluster")
 
     run(kafka_broker, tmp_path, scenario, cluster_nodes=1)
+
+
+def test_cluster_rebalance_route_cli_and_bad_input(kafka_broker: Broker, tmp_path: Path) -> None:
+    """POST /cluster/rebalance (4xx JSON for bad input), the rebalance running inside the pump loop while
+    documents are written and published, GET /cluster/rebalance progress, and `dcpgw cluster rebalance`."""
+
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        await http.post(f"{url}/docs/_bulk", data=json.dumps([{"key": f"d{i}", "value": i} for i in range(100)]))
+        await caught_up(http, url)
+        await expect_error(await http.get(f"{url}/cluster/rebalance"), 404, "no_rebalance")
+        for data, code in [(b"{", "invalid_json"), (b"[1]", "invalid_argument"),
+                           (b'{"add": "n3"}', "invalid_argument"), (b'{"add": [3]}', "invalid_argument"),
+                           (b'{"add": [""]}', "invalid_argument"), (b'{"nodes": ["n3"]}', "invalid_argument"),
+                           (b'{"remove": ["n9"]}', "invalid_argument"),
+                           (b'{"remove": ["n0", "n1", "n2"]}', "invalid_argument"),
+                           (b'{"remove": ["n0", "n1"]}', "invalid_argument"),  # 1 node cannot hold a replica
+                           (b'{"add": ["n1"]}', "invalid_argument"),
+                           (b'{"add": ["n3"], "remove": ["n3"]}', "invalid_argument")]:
+            await expect_error(await http.post(f"{url}/cluster/rebalance", data=data), 400, code)
+        assert (await (await http.get(f"{url}/cluster/map")).json())["revision"] == 1
+
+        # rebalance n3 in through the API while documents keep coming
+        r = await http.post(f"{url}/cluster/rebalance", json={"add": ["n3"]})
+        assert r.status == 202, await r.text()
+        p = await r.json()
+        assert p["status"] == "running" and p["total"] > 0 and "n3" in p["nodes"]
+        written = 0
+        for _ in range(2000):
+            p = await (await http.get(f"{url}/cluster/rebalance")).json()
+            if p["status"] != "running":
+                break
+            r = await http.put(f"{url}/docs/w{written % 40}", data=json.dumps({"w": written}).encode())
+            assert r.status in (200, 503), await r.text()  # 503: the vbucket is being taken over
+            if r.status == 200:
+                written += 1
+            await asyncio.sleep(0.005)
+        assert p["status"] == "done" and p["moved"] == p["total"], p
+        assert written > 0
+        st = await caught_up(http, url)
+        assert st["rebalance"]["status"] == "done"
+        n3 = next(n for n in st["nodes"] if n["name"] == "n3")
+        assert n3["in_map"] and n3["active_vbuckets"] > 0
+        assert st["gateway"]["rollbacks"] == 0
+
+        # and n0 out with the CLI (progress bars on stderr, one JSON line on stdout)
+        rc, out, err = await cli("cluster", "rebalance", "--remove", "n0", "--url", url)
+        assert rc == 0, err
+        res = json.loads(out.strip().splitlines()[-1])
+        assert res["status"] == "done" and res["moved"] == res["total"] > 0 and "n0" not in res["nodes"]
+        assert res["gateway_rollbacks"] == 0
+        assert "rebalance -n0: done" in err and "gateway streaming from the new actives" in err
+        rc, out, err = await cli("cluster", "rebalance", "--remove", "n9", "--url", url)
+        assert rc == 2 and "400" in err and "unknown node" in err
+        st = await caught_up(http, url)
+        assert [n["name"] for n in st["nodes"] if n["in_map"]] == ["n1", "n2", "n3"]
+        for i in range(100):
+            r = await http.get(f"{url}/docs/d{i}")
+            assert r.status == 200 and json.loads(await r.read()) == i
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_a_second_rebalance_while_one_runs_answers_409(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        await caught_up(http, url)
+        pump = next(t for t in svc._tasks if t.get_name() == "dcpgw-pump")
+        pump.cancel()  # nothing steps the rebalance: it stays running (deterministic)
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+        r = await http.post(f"{url}/cluster/rebalance", json={"add": ["n3"]})
+        assert r.status == 202
+        await expect_error(await http.post(f"{url}/cluster/rebalance", json={"add": ["n4"]}), 409,
+                           "rebalance_running")
+        p = await (await http.get(f"{url}/cluster/rebalance")).json()
+        assert p["status"] == "running" and p["moved"] == 0
+        # a node of the map going down stops it; a new one is refused until that node is failed over
+        assert svc.cluster is not None
+        svc.cluster.kill("n2")
+        p = await (await http.get(f"{url}/cluster/rebalance")).json()
+        assert p["status"] == "failed" and "n2" in p["error"]
+        await expect_error(await http.post(f"{url}/cluster/rebalance", json={"add": ["n4"]}), 503,
+                           "temporary_failure")
+
+    run(kafka_broker, tmp_path, scenario)

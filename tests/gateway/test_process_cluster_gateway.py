@@ -331,3 +331,63 @@ def test_mitigation_hard_failover_after_catch_up_publishes_no_rollback(process_h
         assert not rep.rollbacks
         assert rep.docs() == h.actives()
     print(f"\nmitigation: {held} messages held at the SIGKILL, no rollback record, {pub.restreams} re-streams")
+
+
+def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(process_harness) -> None:
+    """Issue 6 proof 1 with node processes: n3 rebalanced in and n0 out (takeover over TCP) while a writer
+    thread continues and the publisher pumps: no rollback record, no data record twice, consumers equal the
+    actives, every acknowledged write present, no failover entry."""
+    h: ProcessHarness = process_harness(rollback_mitigation=False)
+    c = h.cluster
+    acked: dict[str, bytes] = {}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                k = f"r{i % 96}"
+                v = f'{{"i": {i}}}'.encode()
+                try:
+                    c.write(k, v)
+                except (TemporaryFailure, NotMyVBucket):
+                    time.sleep(0.002)  # its vbucket is being taken over, or the map just changed
+                    continue
+                acked[k] = v
+                i += 1
+        except BaseException as e:  # surfaced by the test
+            errors.append(e)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        h.pump_for(0.5)
+        logs = {vb: c.client(c.vbucket_map().active(vb) or "").failover_log(vb) for vb in range(NVB)}
+        pub = h.publisher
+        first = c.rebalance(add=["n3"], progress=lambda _p: [pub.pump() for _ in range(3)])
+        second = c.rebalance(remove=["n0"], progress=lambda _p: [pub.pump() for _ in range(3)])
+        h.pump_for(0.5)
+    finally:
+        stop.set()
+        t.join(10)
+    assert not errors, errors
+    assert first.status == second.status == "done" and first.moved > 0 and second.moved > 0
+    assert "n0" not in c.vbucket_map().nodes and c.vbucket_map().vbuckets_of("n3", slot=0)
+    h.keys.update(acked)
+    c.settle()
+    h.publish()
+    assert h.following_the_map()
+    for vb in range(NVB):
+        assert c.client(c.vbucket_map().active(vb) or "").failover_log(vb) == logs[vb]
+    recs = h.check()
+    assert not _rollbacks(recs) and h.publisher.rollbacks == 0
+    data = Counter((r.vbucket, r.vbuuid, r.seqno) for _p, _o, r in recs if r.is_data)
+    assert not [k for k, n in data.items() if n > 1], "a data record was published twice"
+    expected = h.actives()
+    assert {k.decode(): v for k, (v, _vb) in expected.items()} == acked  # nothing acknowledged was lost
+    with h.replicate() as rep:
+        assert not rep.rollbacks
+        assert rep.docs() == expected
+    print(f"\nrebalance of node processes under writes: {len(acked)} keys, {first.moved}+{second.moved} "
+          f"vbuckets moved, {len(data)} data records")
