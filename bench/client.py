@@ -22,7 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from bench.report import figure
-from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
+from connectors.client.consumer import FETCH_DEFAULTS, ChangeStreamConsumer, RollbackInstruction
 from connectors.client.replay import Snapshot
 from engine import Bucket, BucketConfig
 from gateway.broker import select_broker
@@ -57,8 +57,9 @@ def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> 
 
 def raw_consume(client: dict[str, Any], topic: str) -> tuple[float, int]:
     t = time.perf_counter()  # from nothing to caught up, as the client is timed
-    c = Consumer({**client, "group.id": f"bench-raw-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                  "enable.partition.eof": True, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100})
+    # the client's fetch settings (FETCH_DEFAULTS), so the ratio measures the client's own work
+    c = Consumer({**FETCH_DEFAULTS, **client, "group.id": f"bench-raw-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
     parts = sorted(c.list_topics(topic, timeout=30).topics[topic].partitions)
     c.assign([TopicPartition(topic, p, 0) for p in parts])
     pending = set(parts)

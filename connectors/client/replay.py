@@ -118,6 +118,8 @@ class VBucketReplayer:
     state produces the same events (deterministic replay, which Spark's recovery relies on).
     """
 
+    __slots__ = ("_last_offset", "_pending", "_range", "_vbuuid", "accepted", "last_change", "state")
+
     def __init__(self, state: VBucketState) -> None:
         self.state = state
         self._pending: list[Change] = []
@@ -224,20 +226,21 @@ class VBucketReplayer:
         rng = self._range
         if rng is None:
             return None  # data outside any snapshot cannot be applied (invariant violation upstream)
-        seqno = ch.seqno
+        # fields by index on this hot path: 4 vbuuid, 5 seqno, 11 offset (see Change)
+        seqno = ch[5]
         st = self.state
-        if seqno <= st.applied_seqno and ch.vbuuid == st.vbuuid:
+        if seqno <= st.applied_seqno and ch[4] == st.vbuuid:
             return None  # a duplicate of what was applied: exactly once
         pending = self._pending
-        if pending and seqno <= pending[-1].seqno:
+        if pending and seqno <= pending[-1][5]:
             return None  # a duplicate inside the buffer
         pending.append(ch)
-        self._vbuuid = ch.vbuuid
-        self._last_offset = ch.offset
+        self._vbuuid = ch[4]
+        self._last_offset = ch[11]
         self.accepted += 1
         self.last_change = ch
         if seqno >= rng[1]:
-            return self._complete(ch.offset)
+            return self._complete(ch[11])
         return None
 
     def _complete(self, offset: int) -> Snapshot | None:

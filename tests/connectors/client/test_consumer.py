@@ -22,7 +22,7 @@ from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
-from gateway.records import read_change_value
+from gateway.records import read_change
 from tests.harness import Harness, write
 
 
@@ -191,14 +191,14 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
     class Killed(Exception):
         pass
 
-    def read(value: bytes) -> Any:
+    def read(value: bytes, offset: int, cls: Any) -> Any:
         nonlocal handled
         handled += 1
         if handled == 250:
             raise Killed  # the process dies here, in the middle of a snapshot
-        return read_change_value(value)
+        return read_change(value, offset, cls)
 
-    monkeypatch.setattr(consumer_module, "read_change_value", read)
+    monkeypatch.setattr(consumer_module, "read_change", read)
     exposed: list[Snapshot] = []
     with pytest.raises(Killed):
         for ev in c.events():
@@ -210,7 +210,7 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
     # every exposed snapshot was complete: its changes end at its end seqno
     assert all(ev.changes[-1].seqno == ev.end for ev in exposed if ev.changes)
     # one more event applied but never confirmed: rolled back with the dying process
-    monkeypatch.setattr(consumer_module, "read_change_value", read_change_value)
+    monkeypatch.setattr(consumer_module, "read_change", read_change)
     ev = next(c.events())
     rep.on_snapshot(ev)
     unconfirmed = {(ch.vbucket, ch.seqno) for ch in ev.changes}
