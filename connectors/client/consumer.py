@@ -325,9 +325,12 @@ class ChangeStreamConsumer:
         eof = self._eof
         pop = backlog.popleft
         n = 0
-        # the partition of the previous fast-path record: checked (assigned) and marked not at EOF already --
-        # an EOF only comes through _handle, which resets it
-        last_p = -1
+        # The partition of the previous fast-path record (checked: assigned, and marked not at EOF -- an EOF
+        # only comes through _handle, which resets it) and the vbucket (its state and replayer: neither is
+        # replaced while the backlog is fed; confirmations come between calls).
+        last_p = last_vb = -1
+        s: _VB | None = None
+        feed: Callable[[Change], Snapshot | None] | None = None
         try:
             while backlog:
                 m = pop()
@@ -343,17 +346,20 @@ class ChangeStreamConsumer:
                             last_p = p
                         n += 1
                         vb = ch[3]  # Change.vbucket
-                        s = vbs.get(vb)
-                        if s is None:
-                            s = self._vb(vb, p, ch[11])
+                        if vb != last_vb or s is None or feed is None:
+                            s = vbs.get(vb)
+                            if s is None:
+                                s = self._vb(vb, p, ch[11])
+                            feed = s.replayer.feed_change
+                            last_vb = vb
                         if ch[11] > s.skip_through:  # Change.offset
                             s.last_fed = ch[11]
-                            snap = s.replayer.feed_change(ch)
+                            snap = feed(ch)
                             if snap is not None:
                                 queue.append((vb, p, snap))
                         continue
                 self._handle(m)
-                last_p = -1
+                last_p = last_vb = -1
                 if queue and queue[-1][2].__class__ is Rollback:
                     return
         finally:

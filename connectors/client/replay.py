@@ -19,7 +19,6 @@ both apply exactly the same rules (docs/record-format.md, "What consumers must d
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -97,7 +96,8 @@ class VBucketState:
     offset: int = -1
 
     def copy(self) -> VBucketState:
-        return dataclasses.replace(self, failover_log=list(self.failover_log))
+        return VBucketState(self.vbucket, self.vbuuid, self.applied_seqno, self.snap_start, self.snap_end,
+                            list(self.failover_log), self.offset)
 
     def to_dict(self) -> dict[str, Any]:
         return {"vbucket": self.vbucket, "vbuuid": self.vbuuid, "applied_seqno": self.applied_seqno,
