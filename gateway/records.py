@@ -1091,17 +1091,43 @@ def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
     if m is None or len(key) != kz >> 1:
         return None
     g_head, g_seqno, g_rev, c_lo, c_mid, c_hi, g_cas, g_rest = m.groups()
+    try:
+        # the common case from the caches and tables alone (every entry in them is a checked value); a KeyError
+        # -- a group not seen yet, a seqno or rev_seqno of more than 14 bits, a cas that is not a non-negative
+        # 9-byte varint -- takes the general path
+        head = _HEAD_CACHE[g_head]
+        seqno = _VARINT_U64[g_seqno]
+        rev = _VARINT_U64[g_rev]
+        cas = _CAS_HI[c_hi] | _CAS_LO[c_lo] | _CAS_MID[c_mid]
+        rest = _REST_CACHE[g_rest]
+    except KeyError:
+        tail = _change_tail(g_head, g_seqno, g_rev, c_lo, c_mid, c_hi, g_cas, g_rest)
+        if tail is None:
+            return None
+        head, seqno, rev, cas, rest = tail
+    if cls is None:
+        return (rtype, key, body, head[0], head[1], seqno, rev, cas, *rest)
+    return tuple.__new__(cls, (rtype, key, body, head[0], head[1], seqno, rev, cas, rest[0], rest[1], rest[2],
+                               offset))
+
+
+def _change_tail(
+    g_head: bytes, g_seqno: bytes, g_rev: bytes, c_lo: bytes | None, c_mid: bytes | None, c_hi: bytes | None,
+    g_cas: bytes | None, g_rest: bytes,
+) -> tuple[tuple[int, ...], int, int, int, tuple[int, ...]] | None:
+    """:func:`read_change`'s general path for the groups of ``_CHANGE_TAIL``: (head, seqno, rev, cas, rest),
+    filling the caches; None when a value is out of range."""
     head = _HEAD_CACHE.get(g_head) or _varint_group(g_head, _HEAD_CACHE, _HEAD_LIMITS)
     rest = _REST_CACHE.get(g_rest) or _varint_group(g_rest, _REST_CACHE, _REST_LIMITS)
-    get = _VARINT_U64.get
-    seqno = get(g_seqno)
+    seqno = _VARINT_U64.get(g_seqno)
     if seqno is None:
         seqno = _varint_u64(g_seqno)
-    rev = get(g_rev)
+    rev = _VARINT_U64.get(g_rev)
     if rev is None:
         rev = _varint_u64(g_rev)
     cas: int | None
     if g_cas is None:
+        assert c_lo is not None and c_mid is not None and c_hi is not None
         lo = _CAS_LO.get(c_lo)
         if lo is None:  # a negative long: two's complement
             cas = _varint_u64(c_lo + c_mid + c_hi)
@@ -1116,10 +1142,7 @@ def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
         cas = _varint_u64(g_cas)
     if head is None or rest is None or seqno is None or rev is None or cas is None:
         return None
-    if cls is None:
-        return (rtype, key, body, head[0], head[1], seqno, rev, cas, *rest)
-    return tuple.__new__(cls, (rtype, key, body, head[0], head[1], seqno, rev, cas, rest[0], rest[1], rest[2],
-                               offset))
+    return head, seqno, rev, cas, rest
 
 
 def _fast_change_body(
