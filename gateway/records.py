@@ -1022,6 +1022,34 @@ def read_change_value(value: bytes) -> ChangeFields | None:
     return read_change(value, 0, None)
 
 
+#: the first 12 bytes of a ChangeEvent value with a key shorter than 64 bytes (prefix, op, key length) ->
+#: (type, start of the key, end of the key)
+_KEY_HEAD: Final = {_CHANGE_PREFIX + bytes((op, kz)): (t, 12, 12 + (kz >> 1))
+                    for op, t in enumerate(_CHANGE_TYPES) if t is not None for kz in range(0, 0x80, 2)}
+
+
+def _key_head(value: bytes) -> tuple[RecordType, int, int] | None:
+    """:func:`read_change`'s general path for what ``_KEY_HEAD`` does not hold: (type, start and end of the key),
+    None when ``value`` is not a ChangeEvent or its op or key length is invalid."""
+    if not value.startswith(_CHANGE_PREFIX):
+        return None
+    try:
+        rtype = _CHANGE_TYPES[value[10]]
+        kz = value[11]
+        if kz < 0x80:
+            p = 12
+        else:
+            kz = (kz & 0x7F) | (value[12] << 7)
+            p = 13
+            if kz >= 0x4000:
+                return None
+    except IndexError:
+        return None
+    if rtype is None or kz & 1:
+        return None
+    return rtype, p, p + (kz >> 1)
+
+
 @overload
 def read_change(value: bytes, offset: int, cls: type[_T]) -> _T | None: ...
 @overload
@@ -1041,21 +1069,15 @@ def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
     The Avro value is the authoritative copy of a change; the headers repeat its fields for header-only
     consumers (docs/record-format.md). :func:`decode` checks the two agree; this reads the value only.
     """
-    if not value.startswith(_CHANGE_PREFIX):
-        return None
     try:
-        rtype = _CHANGE_TYPES[value[10]]
-        kz = value[11]
-        if kz < 0x80:
-            p = 12
-        else:
-            kz = (kz & 0x7F) | (value[12] << 7)
-            p = 13
-            if kz >= 0x4000:
-                return None
-        if rtype is None or kz & 1:
+        # prefix, op and a key length of one byte -> (type, start and end of the key)
+        rtype, p, q = _KEY_HEAD[value[:12]]
+    except KeyError:
+        h = _key_head(value)
+        if h is None:
             return None
-        q = p + (kz >> 1)
+        rtype, p, q = h
+    try:
         key = value[p:q]
         branch = value[q]
         if branch == 2:
@@ -1087,8 +1109,9 @@ def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
             return None
     except IndexError:
         return None
+    # (a key cut short by the end of the value raised the IndexError above: value[q] was past the end)
     m = _CHANGE_TAIL.fullmatch(value, q)
-    if m is None or len(key) != kz >> 1:
+    if m is None:
         return None
     g_head, g_seqno, g_rev, c_lo, c_mid, c_hi, g_cas, g_rest = m.groups()
     try:
