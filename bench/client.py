@@ -6,7 +6,7 @@ broker the product would use (gateway.broker.select_broker), then measures, in t
 * ``client.throughput``  records/s through the rollback-aware client (connectors.client): decode + per-vbucket
   snapshot buffering + duplicate checks + SQLite state per confirmed snapshot, callback API, until caught up --
   vs a raw confluent-kafka Consumer reading the same partitions to EOF (no decoding) (target >= 0.7x), with
-  the client's fetch settings (``FETCH_DEFAULTS``). Each reader runs as a process of its own (started by this
+  the client's fetch settings (``FETCH_DEFAULTS``) and batch size (``DEFAULT_BATCH_SIZE``). Each reader runs as a process of its own (started by this
   one, timed inside it from the reader's construction until it is caught up; imports, closing and process
   start are not timed), as an application would run it; both run ``--rounds`` times, alternating, and each
   keeps its best round.
@@ -62,8 +62,9 @@ def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> 
     return topic
 
 
-def raw_consume(client: dict[str, Any], topic: str) -> tuple[float, int]:
-    """``client``: the Kafka config, the client's fetch settings included."""
+def raw_consume(client: dict[str, Any], topic: str, batch: int = 2000) -> tuple[float, int]:
+    """``client``: the Kafka config, the client's fetch settings included; ``batch``: records per consume()
+    call (the client's ``DEFAULT_BATCH_SIZE``)."""
     t = time.perf_counter()  # from nothing to caught up, as the client is timed
     c = Consumer({**client, "group.id": f"bench-raw-{uuid.uuid4().hex}", "enable.auto.commit": False,
                   "enable.partition.eof": True, "auto.offset.reset": "earliest"})
@@ -72,10 +73,10 @@ def raw_consume(client: dict[str, Any], topic: str) -> tuple[float, int]:
     pending = set(parts)
     n = 0
     while pending:
-        msgs = c.consume(2000, 0)  # what is fetched, without waiting for a full batch (as the client does)
+        msgs = c.consume(batch, 0)  # what is fetched, without waiting for a full batch (as the client does)
         if not msgs:
             first = c.poll(0.2)
-            msgs = [first, *c.consume(1999, 0)] if first is not None else []
+            msgs = [first, *c.consume(batch - 1, 0)] if first is not None else []
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -115,7 +116,8 @@ def client_consume(client: dict[str, Any], topic: str, tmp: Path) -> tuple[float
 
 def in_process(reader: str, client: dict[str, Any], topic: str, tmp: Path) -> tuple[float, int, int]:
     if reader == "raw":
-        rate, records = raw_consume(client, topic)
+        rate, records = raw_consume({k: v for k, v in client.items() if k != "bench.batch"}, topic,
+                                    int(client.get("bench.batch", 2000)))
         return rate, records, 0
     return client_consume(client, topic, tmp)
 
@@ -143,7 +145,7 @@ def main() -> None:
         return
 
     from bench.report import figure
-    from connectors.client.consumer import FETCH_DEFAULTS
+    from connectors.client.consumer import DEFAULT_BATCH_SIZE, FETCH_DEFAULTS
     from gateway.broker import select_broker
     from gateway.config import load_settings
 
@@ -153,8 +155,9 @@ def main() -> None:
         conf = {**settings.producer_config(), "bootstrap.servers": broker.bootstrap_servers}
         client = {"bootstrap.servers": broker.bootstrap_servers}
         topic = publish(conf, client, n, Path(td))
-        # the raw reader gets the client's fetch settings, so the ratio measures the client's own work
-        raw_client = {**FETCH_DEFAULTS, **client}
+        # the raw reader gets the client's fetch settings and batch size, so the ratio measures the client's own
+        # work ("bench.batch" is taken out of the config before it reaches librdkafka)
+        raw_client = {**FETCH_DEFAULTS, **client, "bench.batch": DEFAULT_BATCH_SIZE}
         # Alternate the two readers and keep each one's best round: on a shared 2-core machine one round
         # can be slowed by anything else running; the broker serves the same records every round.
         best = {"own": [0.0, 0.0], "engine_gc": [0.0, 0.0]}

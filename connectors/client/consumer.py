@@ -41,7 +41,7 @@ from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
 from gateway.records import decode, read_change
 
-__all__ = ["FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter", "PartialChange", "PriorLookup",
+__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter", "PartialChange", "PriorLookup",
            "RollbackInstruction"]
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 #:   waiting for one huge response and then decoding it while the fetcher idles (docs/performance.md: twice the
 #:   throughput from the embedded broker). A record larger than this is still returned, alone.
 FETCH_DEFAULTS: Final[Mapping[str, Any]] = {"fetch.wait.max.ms": 100, "fetch.max.bytes": 1 << 20}
+#: records taken from librdkafka at a time (bench.client gives its raw baseline consumer the same)
+DEFAULT_BATCH_SIZE: Final = 2000
 
 #: ``prior_lookup(vbucket, keys)`` -> {key: (value, seqno)} of the keys that exist in the application now
 PriorLookup = Callable[[int, Sequence[bytes]], Mapping[bytes, Prior]]
@@ -154,7 +156,7 @@ class ChangeStreamConsumer:
         dead_letter: str | Callable[[DeadLetter], None] | None = "{topic}.dlq",
         prior_lookup: PriorLookup | None = None,
         mutation_log_max: int = DEFAULT_MAX_ENTRIES,
-        batch_size: int = 2000,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         poll_timeout: float = 0.2,
         group_commit: int = 64,
     ) -> None:
