@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 # Only what the raw reader needs at module level: a reader process imports no more than an application would.
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 NVB = 1024
 
@@ -69,7 +69,7 @@ def raw_consume(client: dict[str, Any], topic: str, batch: int = 2000) -> tuple[
     c = Consumer({**client, "group.id": f"bench-raw-{uuid.uuid4().hex}", "enable.auto.commit": False,
                   "enable.partition.eof": True, "auto.offset.reset": "earliest"})
     parts = sorted(c.list_topics(topic, timeout=30).topics[topic].partitions)
-    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])  # from their start, as the client
     pending = set(parts)
     n = 0
     while pending:
