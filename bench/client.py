@@ -5,11 +5,11 @@ broker the product would use (gateway.broker.select_broker), then measures, in t
 
 * ``client.throughput``  records/s through the rollback-aware client (connectors.client): decode + per-vbucket
   snapshot buffering + duplicate checks + SQLite state per confirmed snapshot, callback API, until caught up --
-  vs a raw confluent-kafka Consumer reading the same partitions to EOF (no decoding) (target >= 0.7x), with
-  the client's fetch settings (``FETCH_DEFAULTS``) and batch size (``DEFAULT_BATCH_SIZE``). Each reader runs as a process of its own (started by this
-  one, timed inside it from the reader's construction until it is caught up; imports, closing and process
-  start are not timed), as an application would run it; both run ``--rounds`` times, alternating, and each
-  keeps its best round.
+  vs a raw confluent-kafka Consumer reading the same partitions from their start to EOF (no decoding)
+  (target >= 0.7x), with the client's fetch settings (``FETCH_DEFAULTS``) and batch size
+  (``DEFAULT_BATCH_SIZE``). Each reader runs as a process of its own (started by this one, timed inside it
+  from the reader's construction until it is caught up; imports, closing and process start are not timed), as
+  an application would run it; both run ``--rounds`` times, alternating, and each keeps its best round.
 
 Why processes of their own: the in-process publisher's engine tunes CPython's cyclic GC for its millions of
 items (``engine.bucket.tune_gc``: thresholds (50000, 20, 100) and ``gc.freeze()``), which a consumer process

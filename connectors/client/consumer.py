@@ -41,8 +41,8 @@ from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
 from gateway.records import decode, read_change
 
-__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter", "PartialChange", "PriorLookup",
-           "RollbackInstruction"]
+__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
+           "PartialChange", "PriorLookup", "RollbackInstruction"]
 
 log = logging.getLogger(__name__)
 
