@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar, overload
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
@@ -59,6 +59,7 @@ __all__ = [
     "decode",
     "load_schema",
     "partition_for",
+    "read_change",
     "read_change_value",
     "schema_fingerprint",
     "single_object_decode",
@@ -947,10 +948,14 @@ def _decode_data_fast(key: bytes, value: bytes | None, headers: list[tuple[str, 
 _VARINT_U64: Final = {_VARINT[z]: ((z >> 1) ^ -(z & 1)) & _U64_MAX for z in range(1 << 14)}
 _V: Final = rb"[\x80-\xff]{0,9}[\x00-\x7f]"  # one varint
 _VARINT_RE: Final = re.compile(_V, re.S)
-#: what follows a ChangeEvent's value, in five groups: (vbucket, vbuuid) -- the same for a whole branch of a
-#: vbucket --, seqno, rev_seqno, cas, and (flags, expiry, datatype, snap_start, snap_end) -- mostly the same for
-#: a whole snapshot; nothing may follow
-_CHANGE_TAIL: Final = re.compile(b"(" + _V * 2 + b")(" + _V + b")(" + _V + b")(" + _V + b")(" + _V * 5 + b")", re.S)
+#: what follows a ChangeEvent's value: (vbucket, vbuuid) -- the same for a whole branch of a vbucket --, seqno,
+#: rev_seqno, the cas -- a 9-byte varint (an HLC cas, wall-clock ns) in three groups (2, 2 and 5 bytes), any other
+#: length in one --, and (flags, expiry, datatype, snap_start, snap_end) -- mostly the same for a whole snapshot;
+#: nothing may follow
+_C: Final = rb"[\x80-\xff]"
+_CHANGE_TAIL: Final = re.compile(
+    b"(" + _V * 2 + b")(" + _V + b")(" + _V + b")(?:(" + _C + b"{2})(" + _C + b"{2})(" + _C + b"{4}[\x00-\x7f])|("
+    + _V + b"))(" + _V * 5 + b")", re.S)
 _CHANGE_TYPES: Final = (RecordType.MUTATION, None, RecordType.DELETION, None, RecordType.EXPIRATION)
 #: decoded (vbucket, vbuuid) and (flags, expiry, datatype, snap_start, snap_end) groups, by their bytes
 _HEAD_CACHE: dict[bytes, tuple[int, ...]] = {}
@@ -966,9 +971,12 @@ def _varint_z(g: bytes) -> int:
             | (x >> 8 & 0x7F00000000000000) | (x >> 9 & 0x3F8000000000000000))
 
 
-#: two varint bytes, both with the continuation bit -> their 14 payload bits
-_CONT14: Final = {c: z for z, c in enumerate(_VARINT_CONT)}
-#: the bytes after the first four of a 9-byte CAS varint -> their payload bits, shifted into place
+#: A 9-byte cas varint holds 63 payload bits: zigzag z < 2**63, and the cas is z >> 1 when z is even (a
+#: non-negative Avro long). Its first two bytes -> their payload bits >> 1 (even zigzag values only: an odd one is
+#: a negative long, read by the general path); the next two -> their payload bits << 13; the last five (the
+#: slow-moving high bits, cached) -> their payload bits << 27. The cas is the OR of the three.
+_CAS_LO: Final = {c: z >> 1 for z, c in enumerate(_VARINT_CONT) if not z & 1}
+_CAS_MID: Final = {c: z << 13 for z, c in enumerate(_VARINT_CONT)}
 _CAS_HI: dict[bytes, int] = {}
 
 
@@ -1001,21 +1009,28 @@ _REST_LIMITS: Final = (_U64_MAX, _U64_MAX, _I32_MAX, _U64_MAX, _U64_MAX)
 
 
 ChangeFields = tuple[RecordType, bytes, "bytes | None", int, int, int, int, int, int, int, int, int, int]
+_T = TypeVar("_T", bound=tuple[Any, ...])
 
 
 def read_change_value(value: bytes) -> ChangeFields | None:
-    """Decode a ChangeEvent value from the value alone, without the ``dcp.*`` headers (consumers' hot path).
+    """Decode a ChangeEvent value from the value alone, without the ``dcp.*`` headers.
 
     Returns ``(type, key, value, vbucket, vbuuid, seqno, rev_seqno, cas, flags, expiry, datatype,
-    snap_start, snap_end)`` -- u64s restored -- when ``value`` is a well-formed single-object ChangeEvent: the
-    ChangeEvent fingerprint, a valid op, key and body exactly as long as their lengths say, ten longs/ints in
-    range, and no byte after them. Anything else -- another schema, a control record, a corrupt or
-    truncated value, a key of 8 KiB or more -- returns None, and :func:`decode` (with the headers) decodes it
-    or raises the precise :class:`RecordFormatError`.
-
-    The Avro value is the authoritative copy of a change; the headers repeat its fields for header-only
-    consumers (docs/record-format.md). :func:`decode` checks the two agree; this reads the value only.
+    snap_start, snap_end)`` -- u64s restored -- when ``value`` is a well-formed single-object ChangeEvent, else
+    None; see :func:`read_change` (the consumers' hot path, which builds their change tuple directly).
     """
+    return read_change(value, 0, None)
+
+
+#: the first 12 bytes of a ChangeEvent value with a key shorter than 64 bytes (prefix, op, key length) ->
+#: (type, start of the key, end of the key)
+_KEY_HEAD: Final = {_CHANGE_PREFIX + bytes((op, kz)): (t, 12, 12 + (kz >> 1))
+                    for op, t in enumerate(_CHANGE_TYPES) if t is not None for kz in range(0, 0x80, 2)}
+
+
+def _key_head(value: bytes) -> tuple[RecordType, int, int] | None:
+    """:func:`read_change`'s general path for what ``_KEY_HEAD`` does not hold: (type, start and end of the key),
+    None when ``value`` is not a ChangeEvent or its op or key length is invalid."""
     if not value.startswith(_CHANGE_PREFIX):
         return None
     try:
@@ -1028,9 +1043,41 @@ def read_change_value(value: bytes) -> ChangeFields | None:
             p = 13
             if kz >= 0x4000:
                 return None
-        if rtype is None or kz & 1:
+    except IndexError:
+        return None
+    if rtype is None or kz & 1:
+        return None
+    return rtype, p, p + (kz >> 1)
+
+
+@overload
+def read_change(value: bytes, offset: int, cls: type[_T]) -> _T | None: ...
+@overload
+def read_change(value: bytes, offset: int, cls: None) -> ChangeFields | None: ...
+def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
+    """Decode a ChangeEvent value from the value alone, without the ``dcp.*`` headers (consumers' hot path).
+
+    ``cls`` a tuple type of 12 fields (a NamedTuple such as the client's ``Change``): returns
+    ``cls((type, key, value, vbucket, vbuuid, seqno, rev_seqno, cas, flags, expiry, datatype, offset))``,
+    built without calling ``cls``; None: the 13-tuple of :func:`read_change_value` (``offset`` unused) --
+    u64s restored -- when ``value`` is a well-formed single-object ChangeEvent: the ChangeEvent fingerprint, a
+    valid op, key and body exactly as long as their lengths say, ten longs/ints in range, and no byte after
+    them. Anything else -- another schema, a control record, a corrupt or truncated value, a key of 8 KiB or
+    more -- returns None, and :func:`decode` (with the headers) decodes it or raises the precise
+    :class:`RecordFormatError`.
+
+    The Avro value is the authoritative copy of a change; the headers repeat its fields for header-only
+    consumers (docs/record-format.md). :func:`decode` checks the two agree; this reads the value only.
+    """
+    try:
+        # prefix, op and a key length of one byte -> (type, start and end of the key)
+        rtype, p, q = _KEY_HEAD[value[:12]]
+    except KeyError:
+        h = _key_head(value)
+        if h is None:
             return None
-        q = p + (kz >> 1)
+        rtype, p, q = h
+    try:
         key = value[p:q]
         branch = value[q]
         if branch == 2:
@@ -1062,34 +1109,63 @@ def read_change_value(value: bytes) -> ChangeFields | None:
             return None
     except IndexError:
         return None
+    # (a key cut short by the end of the value raised the IndexError above: value[q] was past the end)
     m = _CHANGE_TAIL.fullmatch(value, q)
-    if m is None or len(key) != kz >> 1:
+    if m is None:
         return None
-    g_head, g_seqno, g_rev, g_cas, g_rest = m.groups()
+    g_head, g_seqno, g_rev, c_lo, c_mid, c_hi, g_cas, g_rest = m.groups()
+    try:
+        # the common case from the caches and tables alone (every entry in them is a checked value); a KeyError
+        # -- a group not seen yet, a seqno or rev_seqno of more than 14 bits, a cas that is not a non-negative
+        # 9-byte varint -- takes the general path
+        head = _HEAD_CACHE[g_head]
+        seqno = _VARINT_U64[g_seqno]
+        rev = _VARINT_U64[g_rev]
+        cas = _CAS_HI[c_hi] | _CAS_LO[c_lo] | _CAS_MID[c_mid]
+        rest = _REST_CACHE[g_rest]
+    except KeyError:
+        tail = _change_tail(g_head, g_seqno, g_rev, c_lo, c_mid, c_hi, g_cas, g_rest)
+        if tail is None:
+            return None
+        head, seqno, rev, cas, rest = tail
+    if cls is None:
+        return (rtype, key, body, head[0], head[1], seqno, rev, cas, *rest)
+    return tuple.__new__(cls, (rtype, key, body, head[0], head[1], seqno, rev, cas, rest[0], rest[1], rest[2],
+                               offset))
+
+
+def _change_tail(
+    g_head: bytes, g_seqno: bytes, g_rev: bytes, c_lo: bytes | None, c_mid: bytes | None, c_hi: bytes | None,
+    g_cas: bytes | None, g_rest: bytes,
+) -> tuple[tuple[int, ...], int, int, int, tuple[int, ...]] | None:
+    """:func:`read_change`'s general path for the groups of ``_CHANGE_TAIL``: (head, seqno, rev, cas, rest),
+    filling the caches; None when a value is out of range."""
     head = _HEAD_CACHE.get(g_head) or _varint_group(g_head, _HEAD_CACHE, _HEAD_LIMITS)
     rest = _REST_CACHE.get(g_rest) or _varint_group(g_rest, _REST_CACHE, _REST_LIMITS)
-    get = _VARINT_U64.get
-    seqno = get(g_seqno)
+    seqno = _VARINT_U64.get(g_seqno)
     if seqno is None:
         seqno = _varint_u64(g_seqno)
-    rev = get(g_rev)
+    rev = _VARINT_U64.get(g_rev)
     if rev is None:
         rev = _varint_u64(g_rev)
-    if len(g_cas) == 9:
-        # an HLC CAS (wall-clock ns, 9 varint bytes): the low 28 bits of its zigzag value from two 14-bit
-        # tables, the slow-moving high bits cached
-        hi = _CAS_HI.get(g_cas[4:])
-        if hi is None:
-            if len(_CAS_HI) > 8192:
-                _CAS_HI.clear()
-            hi = _CAS_HI[g_cas[4:]] = _varint_z(g_cas[4:]) << 28
-        z = hi | _CONT14[g_cas[0:2]] | (_CONT14[g_cas[2:4]] << 14)
-        cas: int | None = None if z >> 64 else ((z >> 1) ^ -(z & 1)) & _U64_MAX
+    cas: int | None
+    if g_cas is None:
+        assert c_lo is not None and c_mid is not None and c_hi is not None
+        lo = _CAS_LO.get(c_lo)
+        if lo is None:  # a negative long: two's complement
+            cas = _varint_u64(c_lo + c_mid + c_hi)
+        else:
+            hi = _CAS_HI.get(c_hi)
+            if hi is None:
+                if len(_CAS_HI) > 8192:
+                    _CAS_HI.clear()
+                hi = _CAS_HI[c_hi] = _varint_z(c_hi) << 27
+            cas = hi | lo | _CAS_MID[c_mid]
     else:
         cas = _varint_u64(g_cas)
     if head is None or rest is None or seqno is None or rev is None or cas is None:
         return None
-    return (rtype, key, body, head[0], head[1], seqno, rev, cas, *rest)  # type: ignore[return-value]
+    return head, seqno, rev, cas, rest
 
 
 def _fast_change_body(

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -39,12 +39,24 @@ from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
-from gateway.records import decode, read_change_value
+from gateway.records import decode, read_change
 
-__all__ = ["ChangeStreamConsumer", "ClientEvent", "DeadLetter", "PartialChange", "PriorLookup",
-           "RollbackInstruction"]
+__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
+           "PartialChange", "PriorLookup", "RollbackInstruction"]
 
 log = logging.getLogger(__name__)
+
+#: librdkafka fetch settings of the client unless the caller's config sets them (bench.client gives its raw
+#: baseline consumer the same ones):
+#:
+#: * ``fetch.wait.max.ms``: partition EOF (caught_up) is only reported after an empty fetch: keep that wait short;
+#: * ``fetch.max.bytes``: fetch responses of 1 MiB (librdkafka's minimum with the default ``message.max.bytes``)
+#:   instead of 50 MiB: the application decodes one response while the broker prepares the next, instead of
+#:   waiting for one huge response and then decoding it while the fetcher idles (docs/performance.md: twice the
+#:   throughput from the embedded broker). A record larger than this is still returned, alone.
+FETCH_DEFAULTS: Final[Mapping[str, Any]] = {"fetch.wait.max.ms": 100, "fetch.max.bytes": 1 << 20}
+#: records taken from librdkafka at a time (bench.client gives its raw baseline consumer the same)
+DEFAULT_BATCH_SIZE: Final = 2000
 
 #: ``prior_lookup(vbucket, keys)`` -> {key: (value, seqno)} of the keys that exist in the application now
 PriorLookup = Callable[[int, Sequence[bytes]], Mapping[bytes, Prior]]
@@ -144,7 +156,7 @@ class ChangeStreamConsumer:
         dead_letter: str | Callable[[DeadLetter], None] | None = "{topic}.dlq",
         prior_lookup: PriorLookup | None = None,
         mutation_log_max: int = DEFAULT_MAX_ENTRIES,
-        batch_size: int = 2000,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         poll_timeout: float = 0.2,
         group_commit: int = 64,
     ) -> None:
@@ -163,8 +175,8 @@ class ChangeStreamConsumer:
         self._client_conf = {k: v for k, v in conf.items() if not k.startswith(("group.", "enable.", "auto."))}
         conf.update({"group.id": group_id or f"dcpgw-client-{uuid.uuid4().hex}", "enable.auto.commit": False,
                      "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-        # partition EOF (caught_up) is only reported after an empty fetch: keep that wait short
-        conf.setdefault("fetch.wait.max.ms", 100)
+        for k, v in FETCH_DEFAULTS.items():
+            conf.setdefault(k, v)
         if group_id is not None:
             conf.setdefault("partition.assignment.strategy", "range")
         self._owns_store = state_store is None
@@ -298,9 +310,10 @@ class ChangeStreamConsumer:
         """Feed the backlog to the vbuckets' replayers, stopping after a record that produced a rollback (its
         confirmation may rewind the partition) or, in per-record mode, after any event.
 
-        Hot path: a well-formed data record is decoded from its Avro value alone (``read_change_value``) and
-        fed as a :class:`Change`; every other record (control records, raw values, anything the fast reader
-        does not accept, errors) goes through :meth:`_handle` and the full, header-checking decoder.
+        Hot path: a well-formed data record is decoded from its Avro value alone, straight into a
+        :class:`Change` (``read_change``), and fed to its vbucket's replayer; every other record (control
+        records, raw values, anything the fast reader does not accept, errors) goes through :meth:`_handle` and
+        the full, header-checking decoder.
         """
         backlog = self._backlog
         queue = self._queue
@@ -308,37 +321,47 @@ class ChangeStreamConsumer:
             while backlog and not queue:
                 self._handle(backlog.popleft())
             return
-        read = read_change_value
-        new_tuple = tuple.__new__
+        read = read_change
         vbs = self._vbs
         assigned = self._assigned
         eof = self._eof
         pop = backlog.popleft
         n = 0
+        # The partition of the previous fast-path record (checked: assigned, and marked not at EOF -- an EOF
+        # only comes through _handle, which resets it) and the vbucket (its state and replayer: neither is
+        # replaced while the backlog is fed; confirmations come between calls).
+        last_p = last_vb = -1
+        s: _VB | None = None
+        feed: Callable[[Change], Snapshot | None] | None = None
         try:
             while backlog:
                 m = pop()
                 if m.error() is None:
                     v = m.value()
-                    f = read(v) if v is not None else None
-                    if f is not None:
+                    ch = read(v, m.offset(), Change) if v is not None else None
+                    if ch is not None:
                         p = m.partition()
-                        if p in assigned:
-                            n += 1
+                        if p != last_p:
+                            if p not in assigned:
+                                continue
                             eof[p] = False
-                            off = m.offset()
-                            vb = f[3]
+                            last_p = p
+                        n += 1
+                        vb = ch[3]  # Change.vbucket
+                        if vb != last_vb or s is None or feed is None:
                             s = vbs.get(vb)
                             if s is None:
-                                s = self._vb(vb, p, off)
-                            if off > s.skip_through:
-                                s.last_fed = off
-                                # Change(type, key, value, vbucket, ..., datatype) + offset: the reader's order
-                                snap = s.replayer.feed_change(new_tuple(Change, (*f[:11], off)))
-                                if snap is not None:
-                                    queue.append((vb, p, snap))
+                                s = self._vb(vb, p, ch[11])
+                            feed = s.replayer.feed_change
+                            last_vb = vb
+                        if ch[11] > s.skip_through:  # Change.offset
+                            s.last_fed = ch[11]
+                            snap = feed(ch)
+                            if snap is not None:
+                                queue.append((vb, p, snap))
                         continue
                 self._handle(m)
+                last_p = last_vb = -1
                 if queue and queue[-1][2].__class__ is Rollback:
                     return
         finally:
@@ -496,16 +519,17 @@ class ChangeStreamConsumer:
         elif op.state is not None:
             states.append(op.state)
             s.confirmed = op.state.offset
-        if op.state is not None or op.rebuild:
+        part = self._by_part.get(p, {})
+        if (op.state is not None or op.rebuild) and len(part) > 1:
             queued = {q[0] for q in self._queue}
-            for vb, o in self._by_part.get(p, {}).items():
+            for vb, o in part.items():
                 if (vb != op.vbucket and vb not in queued and not o.replayer.has_partial
                         and o.replayer.state.offset == o.last_fed and o.last_fed > o.confirmed):
                     states.append(o.replayer.state.copy())
                     o.confirmed = o.last_fed
         offsets: dict[int, int] = {}
         if states:
-            offsets[p] = min(o.confirmed + 1 for o in self._by_part.get(p, {}).values())
+            offsets[p] = min(o.confirmed + 1 for o in part.values())
             if self.mutation_log is not None and s.last_fed > s.rebuild_until:
                 self.mutation_log.trim(op.vbucket)
         self.store.save(states, offsets, durable=durable)

@@ -33,7 +33,7 @@ from gateway.records import (
     DecodedRecord,
     RecordType,
     decode,
-    read_change_value,
+    read_change,
 )
 
 _U64 = 1 << 64
@@ -281,7 +281,6 @@ def scan_boundaries(
     With ``max_per_partition``: stop at the first boundary at least that many records after the start (a
     partition always advances by at least one complete snapshot set when it has one)."""
     replays = {p: PartitionReplay(p, pos) for p, pos in starts.items()}
-    new_tuple = tuple.__new__
     gen = _consume(opts, {p: pos.offset for p, pos in starts.items()})
     try:
         item = next(gen)
@@ -291,9 +290,9 @@ def scan_boundaries(
             if m is not None:
                 rp = replays[p]
                 v = m.value()
-                f = read_change_value(v) if v is not None else None
-                if f is not None:  # a data record, from its value alone
-                    rp.feed_change(new_tuple(Change, (*f[:11], m.offset())))
+                ch = read_change(v, m.offset(), Change) if v is not None else None
+                if ch is not None:  # a data record, from its value alone
+                    rp.feed_change(ch)
                 else:
                     rp.feed(decode(m.key(), v, m.headers()), m.offset())
                 if max_per_partition is not None and rp.boundary - rp.start >= max_per_partition:
@@ -345,7 +344,6 @@ def replay_ranges(opts: SourceOptions, ranges: list[tuple[int, PartitionPosition
     if not todo:
         return
     replays = {p: PartitionReplay(p, start) for p, (start, _e) in todo.items()}
-    new_tuple = tuple.__new__
     last = {p: start.offset - 1 for p, (start, _e) in todo.items()}
     gen = _consume(opts, {p: start.offset for p, (start, _e) in todo.items()})
     try:
@@ -366,9 +364,9 @@ def replay_ranges(opts: SourceOptions, ranges: list[tuple[int, PartitionPosition
                 else:
                     last[p] = off
                     v = m.value()
-                    f = read_change_value(v) if v is not None else None
-                    if f is not None:  # a data record: from its value alone (as the Kafka client reads it)
-                        snap = replays[p].feed_change(new_tuple(Change, (*f[:11], off)))
+                    ch = read_change(v, off, Change) if v is not None else None
+                    if ch is not None:  # a data record: from its value alone (as the Kafka client reads it)
+                        snap = replays[p].feed_change(ch)
                         if snap is not None:
                             yield from event_rows(snap, p)
                     else:

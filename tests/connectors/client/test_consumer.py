@@ -22,7 +22,7 @@ from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
-from gateway.records import read_change_value
+from gateway.records import read_change
 from tests.harness import Harness, write
 
 
@@ -66,6 +66,34 @@ def test_replica_equals_engine_after_writes_and_deletes(harness: Any, tmp_path: 
     with replicate(h, tmp_path / "r.sqlite") as rep:
         assert rep.docs() == h.bucket.state_snapshot()
         assert 0 < rep.changes <= 200 + 200 // 5 + 34
+
+
+def test_vbuckets_sharing_partitions_apply_every_change_exactly_once(harness: Any, tmp_path: Path) -> None:
+    """Eight vbuckets in three partitions: their records interleave in a partition, so the feed loop's
+    per-partition and per-vbucket shortcuts switch at every record, and confirming one vbucket's snapshot also
+    saves the partition's settled vbuckets. The replica equals the engine and every change is applied once,
+    across a restart that resumes from the stored offsets."""
+    h = harness(nvb=8, partitions=3)
+    write(h.bucket, 400)
+    h.settle()
+    db = tmp_path / "r.sqlite"
+    applied: Counter[tuple[int, int]] = Counter()
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied) as rep:
+        rep.run(until_caught_up=True)
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert len({vb for vb, _ in applied}) == 8
+    write(h.bucket, 300, start=200)
+    for i in range(1, 400, 7):
+        if i % 5:
+            h.bucket.delete(f"k{i}")
+    h.settle()
+    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied) as rep:
+        rep.run(until_caught_up=True)
+        assert rep.docs() == h.bucket.state_snapshot()
+    assert set(applied.values()) == {1}, "a change was applied twice"
+    # the last change applied per vbucket is its high seqno (deduplicated seqnos are never published)
+    assert {vb: max(q for v, q in applied if v == vb) for vb in range(8)} == {
+        vb: h.bucket.vbucket(vb).high_seqno for vb in range(8)}
 
 
 def test_sync_iterator_and_asyncio_apis(harness: Any) -> None:
@@ -191,14 +219,14 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
     class Killed(Exception):
         pass
 
-    def read(value: bytes) -> Any:
+    def read(value: bytes, offset: int, cls: Any) -> Any:
         nonlocal handled
         handled += 1
         if handled == 250:
             raise Killed  # the process dies here, in the middle of a snapshot
-        return read_change_value(value)
+        return read_change(value, offset, cls)
 
-    monkeypatch.setattr(consumer_module, "read_change_value", read)
+    monkeypatch.setattr(consumer_module, "read_change", read)
     exposed: list[Snapshot] = []
     with pytest.raises(Killed):
         for ev in c.events():
@@ -210,7 +238,7 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
     # every exposed snapshot was complete: its changes end at its end seqno
     assert all(ev.changes[-1].seqno == ev.end for ev in exposed if ev.changes)
     # one more event applied but never confirmed: rolled back with the dying process
-    monkeypatch.setattr(consumer_module, "read_change_value", read_change_value)
+    monkeypatch.setattr(consumer_module, "read_change", read_change)
     ev = next(c.events())
     rep.on_snapshot(ev)
     unconfirmed = {(ch.vbucket, ch.seqno) for ch in ev.changes}

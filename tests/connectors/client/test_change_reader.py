@@ -1,0 +1,89 @@
+"""The consumers' hot path: ``gateway.records.read_change`` decodes a ChangeEvent value straight into the
+client's :class:`~connectors.client.replay.Change`. It must read exactly what the full, header-checking
+``decode`` reads, and on corrupt input return None or exactly what fastavro reads (never a wrong change)."""
+
+from __future__ import annotations
+
+import io
+
+from fastavro import schemaless_reader
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from connectors.client.replay import Change
+from engine.item import Item, Op
+from engine.stream import SnapshotFlags, SnapshotMarker
+from gateway.records import CHANGE_EVENT_SCHEMA, RecordEncoder, decode, read_change, read_change_value
+
+U64 = 2**64 - 1
+#: small (table) values, 15..32-bit values (the general path), any u64 (negative Avro longs: odd zigzag), edges
+u64s = st.one_of(st.integers(0, 300), st.integers(2**14, 2**32), st.integers(0, U64),
+                 st.sampled_from([2**63 - 1, 2**63, U64]))
+#: HLC-like cas values (9-byte varints, the table path) and any other
+cases = st.one_of(st.integers(2**60, 2**62), u64s)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    key=st.binary(min_size=1, max_size=200),  # one- and two-byte key lengths
+    value=st.one_of(st.none(), st.binary(max_size=3000)),
+    vbucket=st.integers(0, 0xFFFF),
+    seqno=u64s, rev=u64s, cas=cases, vbuuid=u64s, snap_start=u64s, snap_end=u64s,
+    flags=st.integers(0, 2**32 - 1), expiry=st.integers(0, 2**32 - 1), datatype=st.integers(0, 7),
+    op=st.sampled_from([Op.MUTATION, Op.DELETION, Op.EXPIRATION]),
+    offset=st.integers(0, 2**63 - 1),
+)
+def test_read_change_reads_what_decode_reads(
+    key: bytes, value: bytes | None, vbucket: int, seqno: int, rev: int, cas: int, vbuuid: int, snap_start: int,
+    snap_end: int, flags: int, expiry: int, datatype: int, op: Op, offset: int,
+) -> None:
+    item = Item(key, value, vbucket, seqno, rev, cas, flags, expiry, datatype, op)
+    rec = RecordEncoder().data(item, vbuuid, snap_start, snap_end)
+    assert rec.value is not None
+    d = decode(rec.key, rec.value, rec.headers)
+    for _ in range(2):  # the second read hits the caches the first one filled
+        ch = read_change(rec.value, offset, Change)
+        assert type(ch) is Change
+        assert ch == Change(d.type, d.key or b"", d.value, d.vbucket, d.vbuuid, d.seqno, d.rev_seqno or 0,
+                            d.cas or 0, d.flags or 0, d.expiry or 0, d.datatype or 0, offset)
+        assert ch.offset == offset and ch.seqno == seqno and ch.cas == cas
+    assert read_change_value(rec.value) == (*ch[:11], snap_start, snap_end)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_corrupt_values_read_as_none_or_as_fastavro_reads_them(data: st.DataObject) -> None:
+    item = Item(data.draw(st.binary(min_size=1, max_size=100)), data.draw(st.binary(max_size=300)),
+                data.draw(st.integers(0, 1023)), data.draw(u64s), data.draw(u64s), data.draw(cases))
+    rec = RecordEncoder().data(item, data.draw(u64s), 40, 45)
+    read_change(rec.value or b"", 0, Change)  # fill the caches with the good record's groups first
+    value = bytearray(rec.value or b"")
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(value) - 1))
+        value[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del value[data.draw(st.integers(0, len(value) - 1)):]  # truncated
+    got = read_change(bytes(value), 7, Change)
+    if got is None:
+        return
+    buf = io.BytesIO(bytes(value[10:]))
+    d = schemaless_reader(buf, CHANGE_EVENT_SCHEMA, None)
+    assert buf.tell() == len(value) - 10  # every byte read: nothing may follow the record
+    assert got[1:] == (d["key"], d["value"], d["vbucket"], d["vbuuid"] & U64, d["seqno"] & U64,
+                       d["rev_seqno"] & U64, d["cas"] & U64, d["flags"] & U64, d["expiry"] & U64, d["datatype"], 7)
+    assert got.type.name == d["op"]
+
+
+def test_not_a_change_event_reads_as_none() -> None:
+    enc = RecordEncoder()
+    rec = enc.data(Item(b"k" * 70, b"v", 3, 5, 1, 1 << 61), 9, 5, 5)  # a two-byte key length
+    v = rec.value
+    assert v is not None and read_change(v, 0, Change) is not None
+    control = enc.snapshot(SnapshotMarker(7, 40, 45, SnapshotFlags.MEMORY), 5).value
+    assert control is not None
+    for what, bad in {
+        "empty": b"", "short": v[:11], "raw JSON": b'{"a": 1}', "control record": control,
+        "odd key length": v[:11] + bytes([v[11] | 1]) + v[12:], "unknown op": v[:10] + b"\x06" + v[11:],
+        "trailing byte": v + b"\x00", "truncated tail": v[:-3],
+    }.items():
+        assert read_change(bad, 0, Change) is None, what
