@@ -20,6 +20,13 @@ class Op(IntEnum):
     MUTATION = 0
     DELETION = 1
     EXPIRATION = 2
+    #: synchronous replication (seed 004, kv_engine ``queue_op`` pending_sync_write / abort_sync_write): a
+    #: prepare of a durable set / durable delete, and the abort of a prepare. Never visible to readers, never
+    #: sent to DCP clients that did not enable sync writes. A commit is a MUTATION / DELETION item whose
+    #: ``prepared`` is the seqno of the prepare it commits.
+    PREPARE = 3
+    PREPARE_DELETION = 4
+    ABORT = 5
 
 
 class Datatype:
@@ -77,7 +84,9 @@ class Item:
         "expiry",
         "flags",
         "key",
+        "level",
         "op",
+        "prepared",
         "prev_seqno",
         "rev_seqno",
         "seqno",
@@ -96,6 +105,8 @@ class Item:
     datatype: int
     op: Op
     prev_seqno: int
+    level: int
+    prepared: int
 
     def __init__(
         self,
@@ -110,6 +121,8 @@ class Item:
         datatype: int = 0,
         op: Op = Op.MUTATION,
         prev_seqno: int = 0,
+        level: int = 0,
+        prepared: int = 0,
     ) -> None:
         self.key = key
         self.value = value
@@ -122,6 +135,10 @@ class Item:
         self.datatype = datatype
         self.op = op
         self.prev_seqno = prev_seqno
+        #: durability level of a prepare (engine.durability.Level), 0 otherwise
+        self.level = level
+        #: for a commit (a MUTATION / DELETION) or an ABORT: the seqno of the prepare it completes, else 0
+        self.prepared = prepared
 
     @property
     def deleted(self) -> bool:
@@ -162,6 +179,8 @@ class Item:
             and self.expiry == other.expiry
             and self.datatype == other.datatype
             and self.op == other.op
+            and self.level == other.level
+            and self.prepared == other.prepared
         )
 
     __hash__ = None  # type: ignore[assignment]
