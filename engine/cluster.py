@@ -162,7 +162,7 @@ class Cluster(ClusterManager):
         """``set`` on the active node of the key's vbucket. With ``durability`` a sync write (seed 004): the
         cluster is pumped until it is committed (the commit's result) or timed out / made ambiguous
         (:class:`~engine.exceptions.SyncWriteAmbiguous`) -- see :meth:`wait`."""
-        if durability is not None:
+        if durability is not None and durability.level:
             return self.wait(self.submit(key, value, durability=durability, **kwargs))
         bucket, vb = self._route(key, True)
         res: MutationResult = bucket.set(key, value, vbucket=vb, **kwargs)
@@ -173,7 +173,7 @@ class Cluster(ClusterManager):
         return bucket.get(key, vbucket=vb)
 
     def delete(self, key: bytes | str, *, cas: int = 0, durability: Durability | None = None) -> MutationResult:
-        if durability is not None:
+        if durability is not None and durability.level:
             return self.wait(self.submit(key, None, cas=cas, durability=durability))
         bucket, vb = self._route(key, True)
         return bucket.delete(key, cas=cas, vbucket=vb)
@@ -196,14 +196,15 @@ class Cluster(ClusterManager):
     ) -> SyncWrite:
         """Start a sync write (``value`` None: a durable delete) on the key's active node without pumping;
         returns its pending handle (poll ``done``, then ``result()``)."""
+        if not durability.level:
+            raise InvalidArgument("submit needs a durability level above none")
         bucket, vb = self._route(key, True)
         self._push_topologies()
         if value is None:
             sw = bucket.delete(key, vbucket=vb, durability=durability, **kwargs)
         else:
             sw = bucket.set(key, value, vbucket=vb, durability=durability, **kwargs)
-        if not isinstance(sw, SyncWrite):  # level none: a plain write, already done
-            raise InvalidArgument("submit needs a durability level above none")
+        assert isinstance(sw, SyncWrite)
         return sw
 
     def wait(self, sw: SyncWrite, max_rounds: int = 100_000) -> MutationResult:
@@ -303,10 +304,11 @@ class Cluster(ClusterManager):
                     assert node.bucket is not None
                     node.bucket.flush_all()
             # seed 004: replicas seqno-ack what the flush made durable (persist levels); timeouts run.
+            # (acks and aborts count as movement: the commits / aborts they queue still have to be sent)
             for key in sorted(self._conns):
                 if chosen is None or key in chosen:
-                    self._conns[key].acknowledge_seqnos()
-            self.process_durability_timeouts()
+                    moved += self._conns[key].acknowledge_seqnos()
+            moved += self.process_durability_timeouts()
         return moved
 
     def settle(self, max_rounds: int = 100_000) -> int:

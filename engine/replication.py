@@ -209,26 +209,27 @@ class DcpConsumer:
         return len(msgs)
 
     # ------------------------------------------------------------------ seqno acks (seed 004)
-    def _seqno_ack(self, vbucket: int) -> None:
+    def _seqno_ack(self, vbucket: int) -> bool:
         if self.consumer_name is None or not self.is_open(vbucket) or self.producer.closed:
-            return
+            return False
         ack = getattr(self.replica, "durability_ack_seqno", None)
         if ack is None:
-            return
+            return False
         try:
             seqno = ack(vbucket)
         except NotMyVBucket:
-            return
+            return False
         if seqno > self._acked.get(vbucket, -1):
             self._acked[vbucket] = seqno
             self.producer.seqno_acknowledged(vbucket, seqno)  # type: ignore[union-attr,attr-defined,unused-ignore]
             self.seqno_acks += 1
+            return True
+        return False
 
-    def acknowledge_seqnos(self) -> None:
+    def acknowledge_seqnos(self) -> int:
         """Seqno-ack every open stream whose replica moved (e.g. after the flusher persisted: persist levels
-        are acked only once persisted)."""
-        for vb in sorted(self.streams):
-            self._seqno_ack(vb)
+        are acked only once persisted); returns how many acks were sent."""
+        return sum(self._seqno_ack(vb) for vb in sorted(self.streams))
 
     def drain(self, max_steps: int = 1_000_000) -> int:
         """Step until the producer has nothing more to send; returns messages handled."""
