@@ -266,11 +266,8 @@ class ActiveStream:
                     self._first_marker = False
                 ready.append(SnapshotMarker(self.vbid, start, end, SnapshotFlags.DISK | SnapshotFlags.CHK))
         if rows:
-            last = rows[-1][1]
-            if not sync:
-                rows = [r for r in rows if r[9] < 3]
-            ready.extend(map(item_from_row, rows))
-            self.last_read = last
+            self.last_read = rows[-1][1]
+            ready.extend(map(item_from_row, rows if sync else [r for r in rows if r[9] < 3]))
         if not rows or len(rows) < self.backfill_chunk or self.last_read >= upto:
             # Backfill complete.
             self.last_read = upto

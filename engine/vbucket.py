@@ -463,16 +463,19 @@ class VBucket:
             from engine.durability import passive_apply
 
             return passive_apply(self, item, end)
+        prepared = item.prepared
         if self.prepares:
             p = self.prepares.get(key)
             if p is not None and p.seqno < item.seqno:
                 # The commit of the prepare (or, in a disk snapshot, the mutation that replaced it: kv_engine
-                # completes a replica's prepare on any later committed item of its key).
+                # completes a replica's prepare on any later committed item of its key). Recorded as its
+                # commit so the flusher supersedes the prepare on disk (else warmup would reload it).
                 del self.prepares[key]
+                prepared = prepared or p.seqno
         old = self.ht.get(key)
         # A copy: the producer's item is shared with its own checkpoint, and prev_seqno is per vbucket copy.
         it = Item(key, item.value, self.id, item.seqno, item.rev_seqno, item.cas, item.flags, item.expiry,
-                  item.datatype, item.op, old.seqno if old is not None else 0, 0, item.prepared)
+                  item.datatype, item.op, old.seqno if old is not None else 0, 0, prepared)
         if old is not None and old.op is Op.MUTATION:
             self.num_items -= 1
         if it.op is Op.MUTATION:

@@ -486,3 +486,58 @@ def test_replica_rejects_sync_messages_outside_snapshot(pair) -> None:
     p = Item(b"k", b"v", 0, 5, 1, 1, 0, 0, 0, Op.PREPARE, 0, 1)
     with pytest.raises(InvalidArgument):
         r.apply_replica_message(p)
+
+
+def test_backfill_chunks_smaller_than_the_hidden_rows_still_send_everything(tmp_path: Path, clock: ManualClock) -> None:
+    # regression (campaign): the end of a backfill was judged on the rows left after hiding prepares / aborts
+    a = _bucket(tmp_path / "a", clock, backfill_chunk_items=2)
+    try:
+        vbid = a.vbucket_of("k")
+        a.set_replication_topology(vbid, ["a", "r"])
+        keys = [k for k in (f"b{i}" for i in range(400)) if a.vbucket_of(k) == vbid][:6]
+        for k in keys[:3]:
+            sw = a.set(k, b"x", durability=Durability(Level.MAJORITY, 1500))
+            clock.advance(2)
+            a.process_durability_timeouts()
+            assert sw.state is SyncWriteState.ABORTED
+        for k in keys[3:]:
+            a.set(k, b"visible")
+        a.flush_all()
+        vb = a.vbucket(vbid)
+        vb.ckpt.create_checkpoint()
+        vb.ckpt.remove_unreferenced()
+        gw = a.dcp_producer("gw")
+        gw.stream_request(vbid, 0, flags=0x02)
+        assert [i.key.decode() for i in _items(_drain(gw))] == keys[3:]
+    finally:
+        a.close()
+
+
+def test_replica_completing_a_prepare_by_a_disk_snapshot_mutation_forgets_it_on_disk(pair) -> None:
+    # regression (campaign): a commit received as a plain mutation (backfill) must supersede the prepare row
+    a, r = pair
+    vbid = a.vbucket_of("k")
+    c = _connect(a, r)
+    sw = a.set("k", b"v", durability=Durability(Level.MAJORITY, 0xFFFF))
+    c.step(max_messages=2)  # marker + prepare only
+    r.flush_all()
+    assert b"k" in r.vbucket(vbid).prepares
+    a.seqno_acknowledged(vbid, "r", sw.prepare_seqno)
+    assert sw.committed
+    # the commit reaches the replica as the plain mutation a disk snapshot would carry
+    commit = a.vbucket(vbid).ht[b"k"]
+    rv = r.vbucket(vbid)
+    c.close()
+    plain = Item(commit.key, commit.value, vbid, commit.seqno + 0, commit.rev_seqno, commit.cas, 0, 0,
+                 commit.datatype, Op.MUTATION)
+    assert rv.high_seqno < plain.seqno
+    r.apply_replica_message(SnapshotMarker(vbid, plain.seqno, plain.seqno, 0x02))  # type: ignore[arg-type]
+    r.apply_replica_message(plain)
+    assert not rv.prepares
+    r.flush_all()
+    r.close(clean=False)
+    r2 = _bucket(r.config.data_dir, ManualClock(), 2)
+    try:
+        assert not r2.vbucket(vbid).prepares and r2.vbucket(vbid).ht[b"k"].value == b"v"
+    finally:
+        r2.close()
