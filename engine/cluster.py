@@ -179,7 +179,7 @@ class Cluster(ClusterManager):
         return bucket.delete(key, cas=cas, vbucket=vb)
 
     # ------------------------------------------------------------------ synchronous replication (seed 004)
-    def _push_topologies(self) -> None:
+    def push_topologies(self) -> None:
         """Tell every live active its replication chain from the map (ns_server sends the topology with
         ``setVBucketState``); unchanged chains are a no-op."""
         for vb, chain in enumerate(self._map.chains):
@@ -199,7 +199,7 @@ class Cluster(ClusterManager):
         if not durability.level:
             raise InvalidArgument("submit needs a durability level above none")
         bucket, vb = self._route(key, True)
-        self._push_topologies()
+        self.push_topologies()
         if value is None:
             sw = bucket.delete(key, vbucket=vb, durability=durability, **kwargs)
         else:
@@ -241,7 +241,7 @@ class Cluster(ClusterManager):
         """Wire one replication connection per (active node, replica node) with the streams of their
         vbuckets; re-request streams that ended (a replica re-streams from its own position and rolls back
         if it is ahead of the active)."""
-        self._push_topologies()
+        self.push_topologies()
         wanted = self.wanted_streams()
         for key in sorted(set(self._conns) - set(wanted)):
             self._conns.pop(key).close()
@@ -303,12 +303,13 @@ class Cluster(ClusterManager):
                 if node.up:
                     assert node.bucket is not None
                     node.bucket.flush_all()
-            # seed 004: replicas seqno-ack what the flush made durable (persist levels); timeouts run.
-            # (acks and aborts count as movement: the commits / aborts they queue still have to be sent)
-            for key in sorted(self._conns):
-                if chosen is None or key in chosen:
-                    moved += self._conns[key].acknowledge_seqnos()
-            moved += self.process_durability_timeouts()
+        # seed 004: replicas seqno-ack what a flush made durable (persist levels; the flush may also be the
+        # service's own flush task); timeouts run. Acks and aborts count as movement: the commits / aborts they
+        # queue still have to be sent.
+        for key in sorted(self._conns):
+            if chosen is None or key in chosen:
+                moved += self._conns[key].acknowledge_seqnos()
+        moved += self.process_durability_timeouts()
         return moved
 
     def settle(self, max_rounds: int = 100_000) -> int:

@@ -263,7 +263,7 @@ def test_timeout_zero_uses_bucket_default(tmp_path: Path, clock: ManualClock) ->
 
 
 def test_dcp_without_sync_writes_sees_commit_as_mutation_with_visible_marker_end(pair) -> None:
-    a, r = pair
+    a, _r = pair
     vbid = a.vbucket_of("k")
     gw = a.dcp_producer("gateway")
     gw.stream_request(vbid, 0)
