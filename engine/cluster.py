@@ -310,6 +310,10 @@ class Cluster(ClusterManager):
             if chosen is None or key in chosen:
                 moved += self._conns[key].acknowledge_seqnos()
         moved += self.process_durability_timeouts()
+        if not moved and any(
+                getattr(conn.producer, "has_work", False) for k, conn in self._conns.items()
+                if chosen is None or k in chosen):
+            moved = 1  # a flush committed prepares (persist levels): their commits wait to be sent
         return moved
 
     def settle(self, max_rounds: int = 100_000) -> int:
