@@ -604,8 +604,12 @@ class Bucket:
         vb.replica_snaps.clear()
         vb.ckpt.create_checkpoint()
         entry = None if takeover else vb.failover.create_entry(vb.high_seqno)
-        if vb.durability is not None:
-            vb.durability.state_changed()  # a fresh monitor state: acks come from the new topology
+        # seed 004: the prepares this copy holds are now the active's, with an infinite timeout; until the
+        # manager sends the new topology nothing commits and new sync writes are impossible (kv_engine: an ADM
+        # without a chain)
+        m = monitor(vb)
+        m.state_changed()
+        m.chain = ()
         vb.state = VBucketState.ACTIVE
         vb.state_cas = self._new_state_cas()
         self.storage.save_states([self._record(vb)])

@@ -541,3 +541,26 @@ def test_replica_completing_a_prepare_by_a_disk_snapshot_mutation_forgets_it_on_
         assert not r2.vbucket(vbid).prepares and r2.vbucket(vbid).ht[b"k"].value == b"v"
     finally:
         r2.close()
+
+
+def test_promoted_replica_commits_held_prepares_only_once_it_has_a_topology(pair, clock: ManualClock) -> None:
+    a, r = pair
+    vbid = a.vbucket_of("k")
+    c = _connect(a, r)
+    sw = a.set("k", b"v", durability=Durability(Level.PERSIST_TO_MAJORITY, 1500))
+    c.step(max_messages=2)  # the replica holds it; it acks only once persisted (not sent here)
+    r.flush_all()
+    a.set_vbucket_state(vbid, VBucketState.DEAD)
+    assert sw.state is SyncWriteState.AMBIGUOUS
+    c.close()
+    r.promote(vbid)
+    rv = r.vbucket(vbid)
+    assert b"k" in rv.prepares
+    with pytest.raises(DurabilityImpossible):
+        r.set("k2", b"x", durability=MAJ, vbucket=None) if r.vbucket_of("k2") == vbid else r.set(
+            "k", b"x", durability=MAJ)
+    r.flush_all()
+    clock.advance(3600)
+    assert r.process_durability_timeouts() == 0 and b"k" in rv.prepares  # never aborted by timeout
+    r.set_replication_topology(vbid, ["r"])  # e.g. the replica slot dropped: the promoted copy alone
+    assert not rv.prepares and r.get("k").value == b"v"  # re-committed
