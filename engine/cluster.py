@@ -181,7 +181,12 @@ class Cluster(ClusterManager):
     # ------------------------------------------------------------------ synchronous replication (seed 004)
     def push_topologies(self) -> None:
         """Tell every live active its replication chain from the map (ns_server sends the topology with
-        ``setVBucketState``); unchanged chains are a no-op."""
+        ``setVBucketState``); a no-op while neither the map nor the live buckets changed."""
+        key = (self._map.revision, tuple((n, id(node.bucket)) for n, node in sorted(self.nodes.items())
+                                         if node.up))
+        if key == getattr(self, "_topology_key", None):
+            return
+        self._topology_key = key
         for vb, chain in enumerate(self._map.chains):
             a = chain[0]
             if a is None or not self.nodes[a].up:
