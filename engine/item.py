@@ -47,6 +47,8 @@ ITEM_OVERHEAD: Final = 120
 #: memcached binary header (24) + DCP mutation extras (31) -- the size a mutation costs in flow control.
 DCP_MUTATION_OVERHEAD: Final = 24 + 31
 DCP_DELETION_OVERHEAD: Final = 24 + 21
+#: header + prepared seqno + commit / abort seqno (DCP_COMMIT, DCP_ABORT)
+DCP_COMPLETION_OVERHEAD: Final = 24 + 16
 
 
 def detect_datatype(value: bytes) -> int:
@@ -154,6 +156,10 @@ class Item:
     @property
     def dcp_size(self) -> int:
         """Bytes this item costs in DCP flow control (header + extras + key + value)."""
+        if self.prepared:
+            # a commit / abort (seed 004): DCP_COMMIT / DCP_ABORT carry the two seqnos and the key only. A
+            # client without sync writes receives a commit as a larger mutation and acks more: harmless.
+            return DCP_COMPLETION_OVERHEAD + len(self.key)
         v = self.value
         if self.op is Op.MUTATION:
             return DCP_MUTATION_OVERHEAD + len(self.key) + (len(v) if v is not None else 0)

@@ -464,6 +464,15 @@ class VBucket:
 
             return passive_apply(self, item, end)
         prepared = item.prepared
+        if prepared and item.value is None and item.op is Op.MUTATION:
+            # kv_engine DCP_COMMIT (key, prepared seqno, commit seqno; no value): the committed document is
+            # the prepare this replica holds, made visible at the commit's seqno.
+            p = self.prepares.get(key)
+            if p is None or p.seqno != prepared:
+                raise InvalidArgument(f"vbucket {self.id}: commit of prepare {prepared} of {key!r}, not held here")
+            op = Op.MUTATION if p.op is Op.PREPARE else Op.DELETION
+            item = Item(key, p.value, self.id, item.seqno, p.rev_seqno, p.cas, p.flags, p.expiry, p.datatype, op,
+                        0, 0, prepared)
         if self.prepares:
             p = self.prepares.get(key)
             if p is not None and p.seqno < item.seqno:
