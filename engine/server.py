@@ -553,6 +553,9 @@ class NodeServer:
         if topology is not None and (state is not VBucketState.ACTIVE or not isinstance(topology, list)
                                      or not topology or not isinstance(topology[0], list)):
             raise InvalidArgument(f"bad topology {topology!r}: [[active, replica...]] for an active vbucket")
+        if topology is not None and v.state is not VBucketState.ACTIVE:
+            # only an active copy takes a topology here (the manager never promotes with one)
+            raise NotMyVBucket(f"vbucket {f.vbucket} is {v.state.value}: a topology needs an active vbucket")
         if state is VBucketState.ACTIVE and v.state in (VBucketState.REPLICA, VBucketState.PENDING):
             entry = b.promote(f.vbucket, takeover=bool(opts.get("transfer")), cas=cas)
             body = orjson.dumps({"failover_entry": None if entry is None else [entry.vbuuid, entry.seqno]})

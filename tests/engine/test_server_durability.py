@@ -122,3 +122,31 @@ def test_replica_process_acks_and_sync_messages_flow_over_dcp(spawn) -> None:
     assert ca.get(k2, vbucket=vb).value == b"persisted"
     sync.close()
     plain.close()
+
+
+def test_process_cluster_acked_durable_writes_survive_sigkill_and_hard_failover(tmp_path: Path) -> None:
+    from engine.process_cluster import ProcessCluster
+
+    with ProcessCluster.start(tmp_path / "pc", nodes=3, replicas=2, num_vbuckets=NVB, seed=3) as pc:
+        acked: dict[str, bytes] = {}
+        for i in range(24):
+            key, value = f"dk{i}", f"v{i}".encode()
+            level = (Level.MAJORITY, Level.MAJORITY_AND_PERSIST_TO_ACTIVE, Level.PERSIST_TO_MAJORITY)[i % 3]
+            pc.write(key, value, durability=Durability(level, 10_000))
+            acked[key] = value
+        victim = "n0"
+        pc.kill(victim)
+        report = pc.failover(victim)
+        assert report.promoted and not report.lost
+
+        def visible(key: str) -> bool:
+            # a prepare held by the promoted replica is re-committed once the other replica acks it
+            try:
+                return pc.get(key).value == acked[key]
+            except KeyNotFound:
+                return False
+
+        for key in acked:
+            wait_for(lambda key=key: visible(key))  # type: ignore[misc]
+        pc.write("after", b"x", durability=MAJ)  # chains [r, r', None]: still a majority of 2
+        assert pc.get("after").value == b"x"
