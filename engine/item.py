@@ -29,6 +29,10 @@ class Op(IntEnum):
     ABORT = 5
 
 
+#: the ops of data a DCP client without sync writes receives (and the gateway publishes)
+DATA_OPS: Final = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)
+
+
 class Datatype:
     """memcached datatype bits (``protocol_binary_datatype_t``)."""
 
