@@ -66,3 +66,29 @@ def test_durable_writes_and_their_errors_over_http(kafka_broker: Broker, tmp_pat
         assert r.status == 200
 
     run(kafka_broker, tmp_path, scenario)
+
+
+def test_durable_writes_over_http_in_cluster_mode_survive_failover(kafka_broker: Broker, tmp_path: Path) -> None:
+    from tests.gateway.test_cluster_api import caught_up
+    from tests.gateway.test_cluster_api import run as run_cluster
+
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        cluster = svc.cluster
+        assert cluster is not None
+        acked = {}
+        for i, level in enumerate(("majority", "majority_and_persist_to_active", "persist_to_majority") * 4):
+            r = await http.put(f"{url}/docs/c{i}?durability={level}&timeout_ms=10000", data=b'{"i": %d}' % i)
+            assert r.status == 200, await r.text()
+            acked[f"c{i}"] = b'{"i": %d}' % i
+        victim = "n1"
+        r = await http.post(f"{url}/cluster/failover", json={"node": victim, "graceful": False})
+        assert r.status == 200, await r.text()
+        await caught_up(http, url)
+        for key, value in acked.items():
+            g = await http.get(f"{url}/docs/{key}")
+            assert g.status == 200 and await g.read() == value, key
+        # chains [r, r', None] after the failover of one of 3 nodes with 2 replicas: still a majority
+        r = await http.put(f"{url}/docs/after?durability=majority", data=b"x")
+        assert r.status == 200, await r.text()
+
+    run_cluster(kafka_broker, tmp_path, scenario, cluster_replicas=2)
