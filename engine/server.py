@@ -41,6 +41,7 @@ from engine.exceptions import (
     NotMyVBucket,
     StateCasMismatch,
     Status,
+    SyncWriteAmbiguous,
     TemporaryFailure,
     UnknownCommand,
 )
@@ -451,8 +452,10 @@ class NodeServer:
         whose seqno-acks commit it, and the flusher); the commit's result or SYNC_WRITE_AMBIGUOUS."""
         self.kick()
         while not sw.done:
+            if self.bucket.closed:
+                raise SyncWriteAmbiguous(f"sync write of {sw.key!r}: the node shut down before it completed")
             self.bucket.process_durability_timeouts()
-            if sw.done or self.bucket.closed:
+            if sw.done:
                 break
             await asyncio.sleep(0.001)
         return sw.result()

@@ -194,14 +194,14 @@ async def _completed(svc: GatewayService, bucket: Bucket, sw: SyncWrite) -> Any:
     SYNC_WRITE_AMBIGUOUS."""
     svc.wake()
     while not sw.done:
-        if not bucket.closed:
-            bucket.process_durability_timeouts()
+        if bucket.closed:  # the node went down (or the service stops): the outcome is unknown
+            raise SyncWriteAmbiguous(f"sync write of {sw.key!r}: its node went down before it completed")
+        bucket.process_durability_timeouts()
         if sw.done:
             break
         await asyncio.sleep(0.001)
         svc.wake()
-    res = sw.result()
-    return res
+    return sw.result()
 
 
 # ---------------------------------------------------------------------- documents

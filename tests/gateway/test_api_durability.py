@@ -92,3 +92,27 @@ def test_durable_writes_over_http_in_cluster_mode_survive_failover(kafka_broker:
         assert r.status == 200, await r.text()
 
     run_cluster(kafka_broker, tmp_path, scenario, cluster_replicas=2)
+
+
+def test_durable_write_whose_node_dies_is_ambiguous_over_http(kafka_broker: Broker, tmp_path: Path) -> None:
+    from tests.gateway.test_cluster_api import run as run_cluster
+
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        cluster = svc.cluster
+        assert cluster is not None
+        key = "dies"
+        vb = cluster.vbucket_of(key)
+        active, *replicas = cluster.vbucket_map().chains[vb]
+        assert active is not None
+        for r in replicas:
+            assert r is not None
+            cluster.kill(r)  # nobody can ack: the write waits
+        pending = asyncio.ensure_future(http.put(f"{url}/docs/{key}?durability=majority&timeout_ms=30000",
+                                                 data=b"v"))
+        bucket = cluster.node(active).require_bucket()
+        while not bucket.vbucket(vb).prepares:
+            await asyncio.sleep(0.005)
+        cluster.kill(active)
+        await expect_error(await pending, 504, "sync_write_ambiguous")
+
+    run_cluster(kafka_broker, tmp_path, scenario, cluster_replicas=2)
