@@ -467,18 +467,34 @@ def test_compaction_keeps_prepare_in_flight(tmp_path: Path, clock: ManualClock) 
 
 
 def test_replica_rollback_reloads_outstanding_prepares(pair) -> None:
+    # kv_engine: a rollback reloads the prepares in flight at the rollback point from disk
     a, r = pair
     vbid = a.vbucket_of("k")
-    c = _connect(a, r)
-    sw = a.set("k", b"v", durability=Durability(Level.MAJORITY, 0xFFFF))
-    a.set("k9", b"x", vbucket=None)
+    name = "replication:a->r"
+    c = DcpConsumer(name, r, a.dcp_producer(name), consumer_name="r")
+    c.add_stream(vbid)
+    sw = a.set("k", b"v", durability=PERSIST_MAJ)  # the replica acks only once persisted: no ack sent yet
     c.drain()
     r.flush_all()
     rv = r.vbucket(vbid)
-    assert b"k" in rv.prepares or sw.committed
+    boundary = rv.snapshot_persisted
+    assert boundary == sw.prepare_seqno and b"k" in rv.prepares
+    a.flush_all()
+    c.acknowledge_seqnos()
+    assert sw.committed
+    c.drain()  # the commit, in a later snapshot
+    r.flush_all()
+    assert b"k" not in rv.prepares and rv.ht[b"k"].value == b"v"
     c.close()
-    r.rollback_vbucket(vbid, rv.high_seqno)
-    assert (b"k" in rv.prepares) != (b"k" in rv.ht)
+    assert r.rollback_vbucket(vbid, boundary) == boundary
+    assert rv.prepares[b"k"].seqno == sw.prepare_seqno  # back in flight, from storage
+    assert b"k" not in rv.ht
+    r.close(clean=False)
+    r2 = _bucket(r.config.data_dir, ManualClock(), 2)
+    try:
+        assert r2.vbucket(vbid).prepares[b"k"].seqno == sw.prepare_seqno
+    finally:
+        r2.close()
 
 
 def test_replica_rejects_sync_messages_outside_snapshot(pair) -> None:
