@@ -9,8 +9,9 @@ Invariants after the schedule (every node of the map restarted, replication sett
 * zero lost acknowledged durable writes: every sync write whose handle reported committed is visible on its
   vbucket's active with its value -- or, when the vbucket's chain can no longer reach a majority (1 replica
   after a failover), held there as a prepare awaiting re-commit. Guaranteed for PERSIST_TO_MAJORITY always, and
-  for MAJORITY / MAJORITY_AND_PERSIST_TO_ACTIVE when no node crashed after the ack (in-memory durability does
-  not survive losing the memory of the nodes that acked: kv_engine's guarantee is the same);
+  for MAJORITY / MAJORITY_AND_PERSIST_TO_ACTIVE when no node crashed after the ack other than the one hard
+  failed over (in-memory durability does not survive losing the memory of a majority that acked: kv_engine's
+  guarantee is the same);
 * with a chain that can reach a majority, no prepare is left in flight on any active;
 * replicas equal their actives (documents and prepares); a DCP client without sync writes converges to the
   actives' visible state (it never saw a prepare: a timed-out or in-flight write is all or nothing).
@@ -131,8 +132,9 @@ class Harness:
                 name = self._name(o[1])
                 if self._can_fail_over(name):
                     if o[2] and c.nodes[name].up:
-                        c.kill(name)  # the active dies, then it is failed over
-                        self.crashes += 1
+                        # the node dies, then it is failed over: not a crash the acknowledged writes must be
+                        # spared -- losing it is exactly what the majority on the other nodes is for
+                        c.kill(name)
                     c.failover(name)
                     self.failovers += 1
             self._collect()
