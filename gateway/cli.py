@@ -376,20 +376,26 @@ def cluster_failover(
         total = int(before["num_vbuckets"]) - len(report["lost"])
         follow = bar.add_task("gateway re-streaming from the new actives", total=total)
         deadline = time.monotonic() + timeout
-        while True:
-            st = _http("GET", f"{base}/cluster")
-            done = int(st["gateway"]["following_map"])
-            bar.update(follow, completed=min(done, total))
-            if done >= total:
-                break
-            if time.monotonic() > deadline:
-                _fail(f"the gateway follows the map for only {done}/{total} vbuckets after {timeout:.0f}s")
-            time.sleep(0.2)
+        st = _wait_following(bar, follow, base, total, deadline, timeout)
         rollbacks = int(st["gateway"]["rollbacks"]) - int(before["gateway"]["rollbacks"])
     new_branches = sum(1 for e in report["entries"].values() if e is not None)
     typer.echo(json.dumps({"node": node, "graceful": graceful, "revision": report["revision"],
                            "promoted": len(report["promoted"]), "new_branches": new_branches,
                            "lost": report["lost"], "gateway_rollbacks": rollbacks}))
+
+
+def _wait_following(bar: Any, task: Any, base: str, total: int, deadline: float, timeout: float) -> dict[str, Any]:
+    """Poll ``GET /cluster`` until the gateway streams ``total`` vbuckets from their mapped active (progress on
+    ``task``); the last status. Exits with a message at ``deadline``."""
+    while True:
+        st = _http("GET", f"{base}/cluster")
+        done = int(st["gateway"]["following_map"])
+        bar.update(task, completed=min(done, total))
+        if done >= total:
+            return dict(st)
+        if time.monotonic() > deadline:
+            _fail(f"the gateway follows the map for only {done}/{total} vbuckets after {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 @cluster_app.command("rebalance")
@@ -426,15 +432,7 @@ def cluster_rebalance(
         bar.update(task, completed=max(int(p["total"]), 1), description=f"rebalance {what}: done")
         total = int(before["num_vbuckets"]) - len(before["vbuckets_without_active"])
         follow = bar.add_task("gateway streaming from the new actives", total=total)
-        while True:
-            st = _http("GET", f"{base}/cluster")
-            done = int(st["gateway"]["following_map"])
-            bar.update(follow, completed=min(done, total))
-            if done >= total:
-                break
-            if time.monotonic() > deadline:
-                _fail(f"the gateway follows the map for only {done}/{total} vbuckets after {timeout:.0f}s")
-            time.sleep(0.2)
+        st = _wait_following(bar, follow, base, total, deadline, timeout)
     typer.echo(json.dumps({"status": p["status"], "moved": p["moved"], "total": p["total"],
                            "revision": p["revision"], "nodes": p["nodes"], "reverts": p["reverts"],
                            "gateway_rollbacks": int(st["gateway"]["rollbacks"]) - int(before["gateway"]["rollbacks"])}))

@@ -111,3 +111,41 @@ def engine_history(bucket: Any) -> set[tuple[int, int]]:
         for row in bucket.storage.scan(vb.id, 0, vb.high_seqno, 10**9):
             out.add((vb.id, row[1]))
     return out
+
+
+class TopicChecks:
+    """What the cluster harnesses (tests/gateway/test_cluster.py, test_process_cluster_gateway.py) check on their
+    topic: a subclass sets ``broker``, ``topic``, ``partitions``, ``tmp`` and implements ``actives()`` (every
+    live document of the cluster, ``key -> (value, vbucket)``)."""
+
+    broker: Any
+    topic: str
+    partitions: int
+    tmp: Any
+
+    def actives(self) -> dict[bytes, tuple[bytes, int]]:
+        raise NotImplementedError
+
+    def records(self) -> list[tuple[int, int, DecodedRecord]]:
+        return read_topic(self.broker.bootstrap_servers, self.topic)
+
+    def check(self) -> list[tuple[int, int, DecodedRecord]]:
+        """Invariants on every partition and the reference replica equal to the actives."""
+        from gateway.invariants import check_partition
+
+        recs = self.records()
+        for part in range(self.partitions):
+            check_partition([(o, r) for p, o, r in recs if p == part])
+        replica = TopicReplica()
+        replica.apply_all(recs)
+        assert replica.state() == self.actives()
+        return recs
+
+    def replicate(self) -> Any:
+        """The rollback-aware Replicator (connectors/) run until caught up on the topic."""
+        from connectors.replicate import Replicator
+
+        rep = Replicator(self.broker.bootstrap_servers, self.topic, self.tmp / f"r{uuid.uuid4().hex[:6]}.sqlite")
+        rep.run(until_caught_up=True)
+        return rep
+

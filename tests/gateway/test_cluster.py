@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from connectors.replicate import Replicator
 from engine import EngineError
 from engine.cluster import Cluster
 from gateway.broker import Broker
@@ -22,13 +21,13 @@ from gateway.invariants import check_partition
 from gateway.publisher import Publisher
 from gateway.records import DecodedRecord, RecordType, ValueFormat
 from gateway.resume import ensure_topics, recover_positions
-from tests.gateway.kafka_util import TopicReplica, read_topic
+from tests.gateway.kafka_util import TopicChecks, TopicReplica
 from tests.harness import producer_conf
 
 NVB = 8
 
 
-class ClusterHarness:
+class ClusterHarness(TopicChecks):
     """Three nodes, one replica, one gateway publisher following the map into a fresh topic."""
 
     def __init__(self, broker: Broker, tmp: Path, *, nodes: int = 3, replicas: int = 1, **pub_kw: Any) -> None:
@@ -87,24 +86,6 @@ class ClusterHarness:
             if node.up and node.bucket is not None:
                 out.update(node.bucket.state_snapshot())
         return out
-
-    def records(self) -> list[tuple[int, int, DecodedRecord]]:
-        return read_topic(self.broker.bootstrap_servers, self.topic)
-
-    def check(self) -> list[tuple[int, int, DecodedRecord]]:
-        """Invariants on every partition and the reference replica equal to the actives."""
-        recs = self.records()
-        for part in range(self.partitions):
-            check_partition([(o, r) for p, o, r in recs if p == part])
-        replica = TopicReplica()
-        replica.apply_all(recs)
-        assert replica.state() == self.actives()
-        return recs
-
-    def replicate(self) -> Replicator:
-        rep = Replicator(self.broker.bootstrap_servers, self.topic, self.tmp / f"r{uuid.uuid4().hex[:6]}.sqlite")
-        rep.run(until_caught_up=True)
-        return rep
 
     def close(self) -> None:
         self.pub.close(timeout=5)

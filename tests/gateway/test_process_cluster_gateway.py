@@ -16,17 +16,15 @@ from typing import Any
 
 import pytest
 
-from connectors.replicate import Replicator
 from engine import KeyNotFound, NotMyVBucket, TemporaryFailure
 from engine.process_cluster import ProcessCluster
 from gateway.broker import Broker
-from gateway.invariants import check_partition
 from gateway.publisher import Publisher
 from gateway.records import DecodedRecord, RecordEncoder, RecordType, ValueFormat
 from gateway.resume import ensure_topics, recover_positions
 from gateway.source import ProcessClusterSource
 from tests.engine.process_model import actives_state
-from tests.gateway.kafka_util import TopicReplica, read_topic
+from tests.gateway.kafka_util import TopicChecks
 from tests.harness import producer_conf
 
 pytestmark = pytest.mark.slow
@@ -38,7 +36,7 @@ CFG: dict[str, Any] = {"checkpoint_max_items": 5}
 Records = list[tuple[int, int, DecodedRecord]]
 
 
-class ProcessHarness:
+class ProcessHarness(TopicChecks):
     """Three node processes, one replica, one gateway publisher following the map into a fresh topic."""
 
     def __init__(self, broker: Broker, tmp: Path, *, nodes: int = 3, replicas: int = 1, **pub_kw: Any) -> None:
@@ -126,24 +124,6 @@ class ProcessHarness:
                 continue
         assert by_get == state
         return state
-
-    def records(self) -> Records:
-        return read_topic(self.broker.bootstrap_servers, self.topic)
-
-    def check(self) -> Records:
-        """Invariants on every partition and the reference replica equal to the actives."""
-        recs = self.records()
-        for part in range(self.partitions):
-            check_partition([(o, r) for p, o, r in recs if p == part])
-        replica = TopicReplica()
-        replica.apply_all(recs)
-        assert replica.state() == self.actives()
-        return recs
-
-    def replicate(self) -> Replicator:
-        rep = Replicator(self.broker.bootstrap_servers, self.topic, self.tmp / f"r{uuid.uuid4().hex[:6]}.sqlite")
-        rep.run(until_caught_up=True)
-        return rep
 
     def following_the_map(self) -> bool:
         vbmap = self.cluster.vbucket_map()
