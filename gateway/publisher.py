@@ -321,8 +321,17 @@ class Publisher:
 
     # ------------------------------------------------------------------ pumping
     def pump(self, max_messages: int = 8192) -> int:
-        """One round: DCP step -> Kafka produce; serve delivery reports. Returns DCP messages handled."""
+        """One round: serve delivery reports, then DCP step -> Kafka produce. Returns DCP messages handled.
+
+        Delivery reports are served *before* the step: their DCP buffer-acks free the flow-control budget the
+        step then uses. So a round that returns 0 with nothing in flight really had nothing to stream (serving
+        them after the step could empty ``inflight`` right after a step the full buffer held back, and a
+        caller waiting for "0 moved, nothing in flight" would stop with items still to send).
+        """
         if self.error is not None:
+            raise PublishError(f"publishing stopped: {self.error}") from self.error
+        self.kafka.poll(0)
+        if self.error is not None:  # a delivery report just served said a record was lost
             raise PublishError(f"publishing stopped: {self.error}") from self.error
         if self.is_cluster:
             return self._pump_cluster(max_messages)
@@ -333,7 +342,6 @@ class Publisher:
         msgs = dcp.step(max_messages)
         if msgs:
             self._publish(msgs)
-        self.kafka.poll(0)
         return len(msgs)
 
     def _pump_cluster(self, max_messages: int) -> int:
@@ -383,7 +391,6 @@ class Publisher:
             n += self._release()
         # after the step: streams that ended (STATE_CHANGED) were published as stream-end records first
         self._follow()
-        self.kafka.poll(0)
         return n
 
     def _release(self) -> int:
