@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
+from connectors.client.consumer import DEFAULT_BATCH_SIZE, ChangeStreamConsumer, RollbackInstruction
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
 from connectors.client.replay import Snapshot
 
@@ -34,10 +34,10 @@ class Replicator:
 
     def __init__(self, kafka: str | Mapping[str, Any], topic: str, db: str | Path, *,
                  group_id: str | None = None, mutation_log_max: int = DEFAULT_MAX_ENTRIES,
-                 dead_letter: str | None = "{topic}.dlq") -> None:
+                 dead_letter: str | None = "{topic}.dlq", batch_size: int = DEFAULT_BATCH_SIZE) -> None:
         self.consumer = ChangeStreamConsumer(kafka, topic, group_id=group_id, state_path=db,
                                              prior_lookup=self._priors, mutation_log_max=mutation_log_max,
-                                             dead_letter=dead_letter)
+                                             dead_letter=dead_letter, batch_size=batch_size)
         store = self.consumer.store
         assert hasattr(store, "conn")
         self.conn: sqlite3.Connection = store.conn
