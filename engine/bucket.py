@@ -16,11 +16,12 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 from zlib import crc32
 
 from engine.checkpoint import PERSISTENCE_CURSOR, MemoryCounter
 from engine.config import BucketConfig
+from engine.durability import Durability, SyncWrite, monitor, replica_ack_seqno
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -241,11 +242,28 @@ class Bucket:
             vb = self._vb_for(k, vbucket)
         return vb.store(k, v, mode, cas, flags, expiry, datatype)
 
+    @overload
     def set(
         self, key: bytes | str, value: bytes | str, *, cas: int = 0, flags: int = 0, expiry: int = 0,
-        datatype: int | None = None, vbucket: int | None = None,
-    ) -> MutationResult:
-        """Upsert (with ``cas``: only if the document's CAS still matches)."""
+        datatype: int | None = None, vbucket: int | None = None, durability: None = None,
+    ) -> MutationResult: ...
+
+    @overload
+    def set(
+        self, key: bytes | str, value: bytes | str, *, cas: int = 0, flags: int = 0, expiry: int = 0,
+        datatype: int | None = None, vbucket: int | None = None, durability: Durability,
+    ) -> SyncWrite: ...
+
+    def set(
+        self, key: bytes | str, value: bytes | str, *, cas: int = 0, flags: int = 0, expiry: int = 0,
+        datatype: int | None = None, vbucket: int | None = None, durability: Durability | None = None,
+    ) -> MutationResult | SyncWrite:
+        """Upsert (with ``cas``: only if the document's CAS still matches).
+
+        With ``durability`` (level above none) it is a sync write (seed 004): the prepare is queued and the
+        pending :class:`~engine.durability.SyncWrite` handle returned (engine/durability.py)."""
+        if durability is not None:
+            return self._sync_store(key, value, _SET, cas, flags, expiry, datatype, vbucket, durability)
         # The ingest hot path: _store's checks inlined for the common case (bytes key and value, no CAS,
         # no explicit vbucket, quota not exceeded); everything else takes the general path.
         if (
@@ -275,12 +293,89 @@ class Bucket:
         """Update an existing document; NOT_STORED if it does not exist."""
         return self._store(key, value, StoreMode.REPLACE, cas, flags, expiry, datatype, vbucket)
 
-    def delete(self, key: bytes | str, *, cas: int = 0, vbucket: int | None = None) -> MutationResult:
+    @overload
+    def delete(
+        self, key: bytes | str, *, cas: int = 0, vbucket: int | None = None, durability: None = None,
+    ) -> MutationResult: ...
+
+    @overload
+    def delete(
+        self, key: bytes | str, *, cas: int = 0, vbucket: int | None = None, durability: Durability,
+    ) -> SyncWrite: ...
+
+    def delete(
+        self, key: bytes | str, *, cas: int = 0, vbucket: int | None = None, durability: Durability | None = None,
+    ) -> MutationResult | SyncWrite:
+        """Delete (a tombstone); with ``durability`` a durable delete: its pending handle (seed 004)."""
         self._check_open()
         k = _key(key)
         if type(cas) is not int or cas < 0:
             raise InvalidArgument(f"invalid cas {cas!r}")
+        if durability is not None:
+            return self._sync_store(k, None, None, cas, 0, 0, None, vbucket, durability)
         return self._vb_for(k, vbucket).delete(k, cas)
+
+    # ------------------------------------------------------------------ synchronous replication (seed 004)
+    def _sync_store(
+        self, key: bytes | str, value: bytes | str | None, mode: StoreMode | None, cas: int, flags: int,
+        expiry: int, datatype: int | None, vbucket: int | None, durability: Durability,
+    ) -> MutationResult | SyncWrite:
+        self._check_open()
+        if not isinstance(durability, Durability):
+            raise InvalidArgument(f"durability must be a Durability, not {type(durability).__name__}")
+        k = _key(key)
+        v = None if value is None else _value(value)
+        if cas and (type(cas) is not int or cas < 0):
+            raise InvalidArgument(f"invalid cas {cas!r}")
+        vb = self._vb_for(k, vbucket)
+        level = durability.level
+        if not level:  # level none: a plain write (kv_engine ignores a none durability frame)
+            if v is None:
+                return vb.delete(k, cas)
+            assert mode is not None
+            return vb.store(k, v, mode, cas, flags, expiry, datatype)
+        if self.counter.used > self._quota:
+            self.recover_memory()
+            if self.counter.used > self._quota:
+                raise TemporaryFailure("checkpoint memory quota exhausted: the flusher is behind")
+        c = self.config
+        timeout = durability.effective_timeout_ms(c.durability_timeout_ms, c.durability_timeout_floor_ms)
+        return monitor(vb).add_sync_write(k, v, mode, cas, flags, expiry, datatype, level, timeout)
+
+    def set_replication_topology(self, vbucket: int, chain: list[str | None]) -> None:
+        """The vbucket's replication chain (the active node first, then the replica slots, None = empty), sent
+        by the cluster manager (kv_engine: ns_server's ``setVBucketState`` topology). Prepares now satisfied
+        commit. Without one a vbucket is a single node with no replicas (majority 1)."""
+        vb = self.vbucket(vbucket)
+        monitor(vb).set_topology(chain)
+
+    def seqno_acknowledged(self, vbucket: int, node: str, seqno: int) -> int:
+        """A replica's seqno-ack for an active vbucket (DCP_SEQNO_ACKNOWLEDGED); returns commits made.
+        Ignored (0) when the vbucket is not active (kv_engine drops acks racing a state change)."""
+        vb = self.vbucket(vbucket)
+        if vb.state is not VBucketState.ACTIVE:
+            return 0
+        return monitor(vb).seqno_ack(node, seqno)
+
+    def durability_ack_seqno(self, vbucket: int) -> int:
+        """What this replica vbucket seqno-acks now (engine.durability.replica_ack_seqno)."""
+        return replica_ack_seqno(self._replica(vbucket))
+
+    def process_durability_timeouts(self) -> int:
+        """Abort every sync write whose timeout passed by the bucket's clock (kv_engine's durability timeout
+        task); their waiters get SYNC_WRITE_AMBIGUOUS. Returns how many were aborted."""
+        self._check_open()
+        now = self.clock()
+        n = 0
+        for vb in self._vbs:
+            m = vb.durability
+            if m is not None and m.waiters:
+                n += m.process_timeouts(now)
+        return n
+
+    def pending_sync_writes(self) -> int:
+        """Prepares in flight over all vbuckets (active and replica)."""
+        return sum(len(vb.prepares) for vb in self._vbs)
 
     def touch(self, key: bytes | str, expiry: int, *, vbucket: int | None = None) -> MutationResult:
         self._check_open()
@@ -312,9 +407,11 @@ class Bucket:
                 for it in seg.items:
                     v = it.value
                     rows.append((vbid, it.seqno, it.key, v, it.flags, it.expiry, it.cas, it.rev_seqno,
-                                 it.datatype, it.op.value))
+                                 it.datatype, it.op.value | it.level << 4))
                     if it.prev_seqno:
                         superseded.append((it.seqno, vbid, it.prev_seqno))
+                    if it.prepared:  # a commit / abort supersedes its prepare on disk (seed 004)
+                        superseded.append((it.seqno, vbid, it.prepared))
                 if first is None and seg.items:
                     first = seg.start
             if first is None:
@@ -352,6 +449,8 @@ class Bucket:
             if vb.replica_snaps:
                 vb.replica_flushed(last)
             vb.ckpt.remove_unreferenced()
+            if vb.prepares and vb.durability is not None:
+                vb.durability.check()  # persist levels: the active's own ack moved (seed 004)
         self.items_flushed += len(rows)
         return len(rows)
 
@@ -478,6 +577,8 @@ class Bucket:
         vb.state_cas = self._new_state_cas()
         if old is VBucketState.ACTIVE:
             vb.end_streams(StreamEndReason.STATE_CHANGED)
+            if vb.durability is not None:
+                vb.durability.state_changed()  # waiters: SYNC_WRITE_AMBIGUOUS (seed 004)
         if not vb.replica_snaps:
             # No partial snapshot (an active's history is complete at every seqno it wrote).
             vb.snapshot_complete = vb.high_seqno
@@ -503,6 +604,12 @@ class Bucket:
         vb.replica_snaps.clear()
         vb.ckpt.create_checkpoint()
         entry = None if takeover else vb.failover.create_entry(vb.high_seqno)
+        # seed 004: the prepares this copy holds are now the active's, with an infinite timeout; until the
+        # manager sends the new topology nothing commits and new sync writes are impossible (kv_engine: an ADM
+        # without a chain)
+        m = monitor(vb)
+        m.state_changed()
+        m.chain = ()
         vb.state = VBucketState.ACTIVE
         vb.state_cas = self._new_state_cas()
         self.storage.save_states([self._record(vb)])
@@ -520,6 +627,9 @@ class Bucket:
 
     def apply_replica_message(self, message: SnapshotMarker | Item) -> None:
         """Apply one DCP message from the active to a replica vbucket (kv_engine ``PassiveStream``).
+
+        Prepares, commits (a mutation / deletion with ``prepared``) and aborts are applied too (seed 004,
+        engine/durability.py).
 
         A snapshot marker opens the replica's snapshot range; a mutation / deletion / expiration is stored
         with the producer's seqno, rev seqno, CAS, flags and expiry (set-with-meta; no seqno or CAS is

@@ -146,6 +146,11 @@ class CheckpointManager:
         if old_pos is not None:
             old = ck.items[old_pos]
             assert old is not None
+            if item.op >= 3 or old.op >= 3 or item.prepared or old.prepared:
+                # kv_engine: prepares, commits and aborts never de-duplicate (a prepare replaced in the open
+                # checkpoint would hide it from replicas): a new checkpoint instead (seed 004).
+                self.create_checkpoint()
+                return self.queue(item)
             ck.items[old_pos] = None
             ov = old.value
             osize = ITEM_OVERHEAD + len(old.key) + (len(ov) if ov is not None else 0)

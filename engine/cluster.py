@@ -12,6 +12,7 @@ Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is call
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from engine.bucket import Bucket
 from engine.config import BucketConfig
+from engine.durability import Durability, ManualClock, SyncWrite
 from engine.exceptions import (
     InvalidArgument,
     NotMyVBucket,
@@ -63,12 +65,14 @@ class Cluster(ClusterManager):
         self._conns: dict[tuple[str, str], DcpConsumer] = {}
         #: nodes a rebalance removed from the cluster
         self.ejected: list[str] = []
+        #: every node's bucket clock (durability timeouts, seed 004); a ManualClock makes them deterministic
+        self.clock: Callable[[], float] = time.time
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def create(
         cls, base_dir: Path | str, nodes: int = 3, replicas: int = 1, num_vbuckets: int = 64, *,
-        seed: int | None = 0, **bucket_overrides: Any,
+        seed: int | None = 0, clock: Callable[[], float] | None = None, **bucket_overrides: Any,
     ) -> Cluster:
         """Create ``nodes`` nodes under ``base_dir`` (one data directory each), a balanced map with
         ``replicas`` replicas (0..3) and every node's vbucket states set from it."""
@@ -82,8 +86,9 @@ class Cluster(ClusterManager):
             opts: dict[str, Any] = {"tune_gc": False, "seed": None if seed is None else seed * 1000 + i}
             opts.update(bucket_overrides)
             cfg = BucketConfig(data_dir=base / name, num_vbuckets=num_vbuckets, **opts)
-            members[name] = Node(name, cfg, Bucket(cfg))
+            members[name] = Node(name, cfg, Bucket(cfg, clock=clock or time.time))
         cluster = cls(base, members, vbmap)
+        cluster.clock = clock or time.time
         for name in names:
             cluster._apply_states(name)
         cluster._save_map()
@@ -162,24 +167,97 @@ class Cluster(ClusterManager):
             self._check_blocked(vb)
         return self.active_bucket(vb), vb
 
-    def write(self, key: bytes | str, value: bytes | str, **kwargs: Any) -> MutationResult:
-        """``set`` on the active node of the key's vbucket."""
+    def write(
+        self, key: bytes | str, value: bytes | str, *, durability: Durability | None = None, **kwargs: Any,
+    ) -> MutationResult:
+        """``set`` on the active node of the key's vbucket. With ``durability`` a sync write (seed 004): the
+        cluster is pumped until it is committed (the commit's result) or timed out / made ambiguous
+        (:class:`~engine.exceptions.SyncWriteAmbiguous`) -- see :meth:`wait`."""
+        if durability is not None and durability.level:
+            return self.wait(self.submit(key, value, durability=durability, **kwargs))
         bucket, vb = self._route(key, True)
-        return bucket.set(key, value, vbucket=vb, **kwargs)
+        res: MutationResult = bucket.set(key, value, vbucket=vb, **kwargs)
+        return res
 
     def get(self, key: bytes | str) -> GetResult:
         bucket, vb = self._route(key, False)
         return bucket.get(key, vbucket=vb)
 
-    def delete(self, key: bytes | str, *, cas: int = 0) -> MutationResult:
+    def delete(self, key: bytes | str, *, cas: int = 0, durability: Durability | None = None) -> MutationResult:
+        if durability is not None and durability.level:
+            return self.wait(self.submit(key, None, cas=cas, durability=durability))
         bucket, vb = self._route(key, True)
         return bucket.delete(key, cas=cas, vbucket=vb)
+
+    # ------------------------------------------------------------------ synchronous replication (seed 004)
+    def push_topologies(self) -> None:
+        """Tell every live active its replication chain from the map (ns_server sends the topology with
+        ``setVBucketState``); a no-op while neither the map nor the live buckets changed."""
+        key = (self._map.revision, tuple((n, id(node.bucket)) for n, node in sorted(self.nodes.items())
+                                         if node.up))
+        if key == getattr(self, "_topology_key", None):
+            return
+        self._topology_key = key
+        for vb, chain in enumerate(self._map.chains):
+            a = chain[0]
+            if a is None or not self.nodes[a].up:
+                continue
+            bucket = self.nodes[a].bucket
+            assert bucket is not None
+            if bucket.vbucket(vb).state.value == "active":
+                bucket.set_replication_topology(vb, list(chain))
+
+    def submit(
+        self, key: bytes | str, value: bytes | str | None, *, durability: Durability, **kwargs: Any,
+    ) -> SyncWrite:
+        """Start a sync write (``value`` None: a durable delete) on the key's active node without pumping;
+        returns its pending handle (poll ``done``, then ``result()``)."""
+        if not durability.level:
+            raise InvalidArgument("submit needs a durability level above none")
+        bucket, vb = self._route(key, True)
+        self.push_topologies()
+        if value is None:
+            sw = bucket.delete(key, vbucket=vb, durability=durability, **kwargs)
+        else:
+            sw = bucket.set(key, value, vbucket=vb, durability=durability, **kwargs)
+        assert isinstance(sw, SyncWrite)
+        return sw
+
+    def wait(self, sw: SyncWrite, max_rounds: int = 100_000) -> MutationResult:
+        """Pump until ``sw`` completes. When nothing moves any more and the cluster clock is a
+        :class:`ManualClock`, the clock jumps to the write's deadline (deterministic timeouts); with the wall
+        clock the pumping goes on until the deadline passes. Returns the commit's result or raises
+        :class:`~engine.exceptions.SyncWriteAmbiguous`."""
+        for _ in range(max_rounds):
+            if sw.done:
+                return sw.result()
+            moved = self.pump(rounds=4)
+            if sw.done:
+                break
+            if not moved and sw.deadline is not None and isinstance(self.clock, ManualClock):
+                if self.clock() < sw.deadline:
+                    self.clock.advance(sw.deadline - self.clock())
+                self.process_durability_timeouts()
+            elif not moved and sw.deadline is None:
+                break  # infinite timeout and nothing moves: it cannot complete now
+        return sw.result()
+
+    def process_durability_timeouts(self) -> int:
+        """Run the durability timeout task of every live node."""
+        n = 0
+        for name in sorted(self.nodes):
+            node = self.nodes[name]
+            if node.up:
+                assert node.bucket is not None
+                n += node.bucket.process_durability_timeouts()
+        return n
 
     # ------------------------------------------------------------------ replication
     def _connect(self) -> None:
         """Wire one replication connection per (active node, replica node) with the streams of their
         vbuckets; re-request streams that ended (a replica re-streams from its own position and rolls back
         if it is ahead of the active)."""
+        self.push_topologies()
         wanted = self.wanted_streams()
         for key in sorted(set(self._conns) - set(wanted)):
             self._conns.pop(key).close()
@@ -192,7 +270,8 @@ class Cluster(ClusterManager):
             if conn is None:
                 producer: DcpProducer = self.nodes[src].require_bucket().dcp_producer(
                     f"replication:{src}->{dst}")
-                conn = DcpConsumer(f"replication:{src}->{dst}", self.nodes[dst].require_bucket(), producer)
+                conn = DcpConsumer(f"replication:{src}->{dst}", self.nodes[dst].require_bucket(), producer,
+                                   consumer_name=dst)
                 self._conns[key] = conn
             vbs = set(wanted[key])
             for vb in sorted(set(conn.streams) - vbs):
@@ -242,6 +321,17 @@ class Cluster(ClusterManager):
                 if node.up:
                     assert node.bucket is not None
                     node.bucket.flush_all()
+        # seed 004: replicas seqno-ack what a flush made durable (persist levels; the flush may also be the
+        # service's own flush task); timeouts run. Acks and aborts count as movement: the commits / aborts they
+        # queue still have to be sent.
+        for key in sorted(self._conns):
+            if chosen is None or key in chosen:
+                moved += self._conns[key].acknowledge_seqnos()
+        moved += self.process_durability_timeouts()
+        if not moved and any(
+                getattr(conn.producer, "has_work", False) for k, conn in self._conns.items()
+                if chosen is None or k in chosen):
+            moved = 1  # a flush committed prepares (persist levels): their commits wait to be sent
         return moved
 
     def settle(self, max_rounds: int = 100_000) -> int:
@@ -274,7 +364,7 @@ class Cluster(ClusterManager):
         node = self.node(name)
         if node.up:
             raise InvalidArgument(f"node {name} is already up")
-        node.bucket = Bucket(node.config)
+        node.bucket = Bucket(node.config, clock=self.clock)
         self._apply_states(name)
 
     # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
@@ -291,7 +381,7 @@ class Cluster(ClusterManager):
             return existing
         template = next(iter(self.nodes.values())).config
         cfg = template.model_copy(update={"data_dir": self.base_dir / name})
-        node = Node(name, cfg, Bucket(cfg))
+        node = Node(name, cfg, Bucket(cfg, clock=self.clock))
         self.nodes[name] = node
         if name in self.ejected:
             self.ejected.remove(name)

@@ -139,6 +139,36 @@ class UnknownCommand(EngineError):
     status = Status.UNKNOWN_COMMAND
 
 
+class DurabilityInvalidLevel(EngineError):
+    """DURABILITY_INVALID_LEVEL (0xa0): the durability level is not one of majority (1),
+    majority_and_persist_to_active (2), persist_to_majority (3) -- seed 004 "New Status Codes"."""
+
+    status = Status.DURABILITY_INVALID_LEVEL
+
+
+class DurabilityImpossible(EngineError):
+    """DURABILITY_IMPOSSIBLE (0xa1): valid request, but the vbucket's replication chain has fewer defined nodes
+    than a majority of its slots (kv_engine ``ReplicationChain::isDurabilityPossible``)."""
+
+    status = Status.DURABILITY_IMPOSSIBLE
+
+
+class SyncWriteInProgress(EngineError):
+    """SYNC_WRITE_IN_PROGRESS (0xa2): the key has a sync write (prepare) in flight. Transient, like ELOCKED:
+    retry, possibly with backoff (seed 004)."""
+
+    status = Status.SYNC_WRITE_IN_PROGRESS
+    retriable = True
+
+
+class SyncWriteAmbiguous(EngineError):
+    """SYNC_WRITE_AMBIGUOUS (0xa3): the sync write did not complete in time (timed out and aborted, or the
+    vbucket stopped being active): it may have succeeded or failed. Not retriable blindly: retry only an
+    idempotent write, or read the document first (seed 004 "Ambiguous Response")."""
+
+    status = Status.SYNC_WRITE_AMBIGUOUS
+
+
 class StorageError(EngineError):
     """The durable store failed or is corrupt."""
 
@@ -163,6 +193,10 @@ STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.ENOMEM: OutOfMemory,
     Status.UNKNOWN_COMMAND: UnknownCommand,
     Status.TMPFAIL: TemporaryFailure,
+    Status.DURABILITY_INVALID_LEVEL: DurabilityInvalidLevel,
+    Status.DURABILITY_IMPOSSIBLE: DurabilityImpossible,
+    Status.SYNC_WRITE_IN_PROGRESS: SyncWriteInProgress,
+    Status.SYNC_WRITE_AMBIGUOUS: SyncWriteAmbiguous,
 }
 
 

@@ -20,6 +20,17 @@ class Op(IntEnum):
     MUTATION = 0
     DELETION = 1
     EXPIRATION = 2
+    #: synchronous replication (seed 004, kv_engine ``queue_op`` pending_sync_write / abort_sync_write): a
+    #: prepare of a durable set / durable delete, and the abort of a prepare. Never visible to readers, never
+    #: sent to DCP clients that did not enable sync writes. A commit is a MUTATION / DELETION item whose
+    #: ``prepared`` is the seqno of the prepare it commits.
+    PREPARE = 3
+    PREPARE_DELETION = 4
+    ABORT = 5
+
+
+#: the ops of data a DCP client without sync writes receives (and the gateway publishes)
+DATA_OPS: Final = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)
 
 
 class Datatype:
@@ -40,6 +51,8 @@ ITEM_OVERHEAD: Final = 120
 #: memcached binary header (24) + DCP mutation extras (31) -- the size a mutation costs in flow control.
 DCP_MUTATION_OVERHEAD: Final = 24 + 31
 DCP_DELETION_OVERHEAD: Final = 24 + 21
+#: header + prepared seqno + commit / abort seqno (DCP_COMMIT, DCP_ABORT)
+DCP_COMPLETION_OVERHEAD: Final = 24 + 16
 
 
 def detect_datatype(value: bytes) -> int:
@@ -77,7 +90,9 @@ class Item:
         "expiry",
         "flags",
         "key",
+        "level",
         "op",
+        "prepared",
         "prev_seqno",
         "rev_seqno",
         "seqno",
@@ -96,6 +111,8 @@ class Item:
     datatype: int
     op: Op
     prev_seqno: int
+    level: int
+    prepared: int
 
     def __init__(
         self,
@@ -110,6 +127,8 @@ class Item:
         datatype: int = 0,
         op: Op = Op.MUTATION,
         prev_seqno: int = 0,
+        level: int = 0,
+        prepared: int = 0,
     ) -> None:
         self.key = key
         self.value = value
@@ -122,6 +141,10 @@ class Item:
         self.datatype = datatype
         self.op = op
         self.prev_seqno = prev_seqno
+        #: durability level of a prepare (engine.durability.Level), 0 otherwise
+        self.level = level
+        #: for a commit (a MUTATION / DELETION) or an ABORT: the seqno of the prepare it completes, else 0
+        self.prepared = prepared
 
     @property
     def deleted(self) -> bool:
@@ -137,6 +160,10 @@ class Item:
     @property
     def dcp_size(self) -> int:
         """Bytes this item costs in DCP flow control (header + extras + key + value)."""
+        if self.prepared:
+            # a commit / abort (seed 004): DCP_COMMIT / DCP_ABORT carry the two seqnos and the key only. A
+            # client without sync writes receives a commit as a larger mutation and acks more: harmless.
+            return DCP_COMPLETION_OVERHEAD + len(self.key)
         v = self.value
         if self.op is Op.MUTATION:
             return DCP_MUTATION_OVERHEAD + len(self.key) + (len(v) if v is not None else 0)
@@ -162,6 +189,8 @@ class Item:
             and self.expiry == other.expiry
             and self.datatype == other.datatype
             and self.op == other.op
+            and self.level == other.level
+            and self.prepared == other.prepared
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 import engine
-from engine.exceptions import InvalidArgument, TemporaryFailure
+from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
 from engine.manager import ClusterManager, NodeControl
 from engine.rebalance import ProcessRebalance, RebalanceProgress
@@ -230,6 +230,14 @@ class ProcessCluster(ClusterManager):
                         sources[src] = (s.host, s.port, vbs)
             with contextlib.suppress(NodeUnavailable):
                 node.require().set_replication(sources)
+        # seed 004: every live active gets its replication chain from the map (ns_server sends it with
+        # setVBucketState), so sync writes count the right majority
+        for vb, chain in enumerate(self._map.chains):
+            a = chain[0]
+            if a is None or not self.nodes[a].up or a == exclude:
+                continue
+            with contextlib.suppress(NodeUnavailable, NotMyVBucket):
+                self.nodes[a].require().set_replication_topology(vb, list(chain))
 
     def _wait_progress(self) -> None:
         if self._rebalance is not None:

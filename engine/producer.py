@@ -56,6 +56,11 @@ class DcpProducer:
         self.paused = False
         self.bytes_sent = 0
         self.items_sent = 0
+        #: DCP control ``enable_sync_writes`` (seed 004): prepares / commits / aborts are sent as such; without
+        #: it they are hidden and a commit arrives as a plain mutation. ``consumer_name`` (kv_engine DCP control
+        #: of the same name) names the replica node whose seqno-acks this connection carries.
+        self.sync_writes = False
+        self.consumer_name: str | None = None
 
     def __repr__(self) -> str:
         return f"DcpProducer({self.name!r} streams={len(self.streams)} unacked={self.unacked_bytes})"
@@ -185,6 +190,31 @@ class DcpProducer:
 
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         return list(self.bucket.vbucket(vbucket).failover.entries)
+
+    # ------------------------------------------------------------------ sync replication (seed 004)
+    def control(self, key: str, value: str) -> None:
+        """DCP control (kv_engine ``DcpProducer::control``): ``enable_sync_writes`` = ``true``/``false`` and
+        ``consumer_name``; unknown keys: :class:`InvalidArgument`. Sync writes must be enabled before the
+        streams that should carry them are opened (kv_engine negotiates them on connection setup)."""
+        if key == "enable_sync_writes":
+            if value not in ("true", "false"):
+                raise InvalidArgument(f"enable_sync_writes must be true or false, got {value!r}")
+            self.sync_writes = value == "true"
+        elif key == "consumer_name":
+            if not value:
+                raise InvalidArgument("consumer_name must not be empty")
+            self.consumer_name = value
+        else:
+            raise InvalidArgument(f"unknown DCP control key {key!r}")
+
+    def seqno_acknowledged(self, vbucket: int, seqno: int) -> int:
+        """DCP_SEQNO_ACKNOWLEDGED from the consumer: its replica's high prepared seqno for ``vbucket``
+        (kv_engine: only with sync writes enabled and a consumer name). Returns prepares committed."""
+        if self.closed:
+            raise EngineClosed(f"connection {self.name!r} is closed")
+        if not self.sync_writes or not self.consumer_name:
+            raise InvalidArgument(f"{self.name!r}: seqno ack without enable_sync_writes and consumer_name")
+        return self.bucket.seqno_acknowledged(vbucket, self.consumer_name, seqno)
 
     # ------------------------------------------------------------------ stepping
     def notify(self, stream: ActiveStream) -> None:

@@ -5,7 +5,9 @@ Every frame has a 24-byte big-endian header (``include/memcached/protocol_binary
     magic u8 | opcode u8 | key length u16 | extras length u8 | datatype u8 | vbucket (request) / status
     (response) u16 | body length u32 | opaque u32 | cas u64
 
-followed by extras, key and value. Requests have magic 0x80, responses 0x81. DCP messages the producer pushes
+followed by extras, key and value. Requests have magic 0x80, responses 0x81. A request with flexible framing
+extras (seed 004: durability) has magic 0x08: the key length field is then framing-extras length u8 | key
+length u8, and the framing extras come first in the body. DCP messages the producer pushes
 (snapshot marker, mutation, deletion, expiration, stream end) are *requests* sent by the server, as in kv_engine.
 Extras layouts are kv_engine's; see docs/cluster.md "Node processes" for the subset and the private opcodes.
 
@@ -22,7 +24,9 @@ from typing import Final
 
 import orjson
 
+from engine.durability import Durability, Level, parse_level
 from engine.exceptions import (
+    DurabilityInvalidLevel,
     EngineError,
     InvalidArgument,
     RollbackRequired,
@@ -45,6 +49,10 @@ HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24
 REQ_MAGIC: Final = 0x80
 RES_MAGIC: Final = 0x81
+#: kv_engine ``cb::mcbp::Magic::AltClientRequest``: a request with flexible framing extras
+ALT_REQ_MAGIC: Final = 0x08
+#: flexible frame info id of durability requirements (level u8 [+ timeout u16]), seed 004
+FRAME_DURABILITY: Final = 0x01
 #: a frame larger than this is refused (kv_engine's max packet size is 30 MiB + header)
 MAX_BODY: Final = 32 * 1024 * 1024
 
@@ -72,6 +80,11 @@ class Opcode(IntEnum):
     DCP_NOOP = 0x5C
     DCP_BUFFER_ACKNOWLEDGEMENT = 0x5D
     DCP_CONTROL = 0x5E
+    # synchronous replication (seed 004; kv_engine numbers)
+    DCP_PREPARE = 0x60
+    DCP_SEQNO_ACKNOWLEDGED = 0x61
+    DCP_COMMIT = 0x62
+    DCP_ABORT = 0x63
     STOP_PERSISTENCE = 0x80
     START_PERSISTENCE = 0x81
     OBSERVE_SEQNO = 0x91
@@ -98,6 +111,10 @@ MARKER_EXTRAS: Final = struct.Struct(">QQI")  # start, end, flags (marker v1)
 MUTATION_EXTRAS: Final = struct.Struct(">QQIIIHB")  # by seqno, rev seqno, flags, expiry, lock, nmeta, nru
 DELETION_EXTRAS: Final = struct.Struct(">QQIB")  # deletion v2: by seqno, rev seqno, delete time, unused
 EXPIRATION_EXTRAS: Final = struct.Struct(">QQI")  # by seqno, rev seqno, delete time
+#: DCP_PREPARE: by seqno, rev seqno, flags, expiry, lock time, nru, deleted, durability level
+PREPARE_EXTRAS: Final = struct.Struct(">QQIIIBBB")
+#: DCP_COMMIT / DCP_ABORT: prepared seqno, commit (abort) seqno
+COMPLETION_EXTRAS: Final = struct.Struct(">QQ")
 U32: Final = struct.Struct(">I")
 U64: Final = struct.Struct(">Q")
 OPEN_EXTRAS: Final = struct.Struct(">II")  # seqno, flags
@@ -126,10 +143,12 @@ class Frame:
     vbucket: int = 0
     opaque: int = 0
     cas: int = 0
+    #: flexible framing extras (magic 0x08 requests only)
+    framing: bytes = b""
 
     @property
     def is_request(self) -> bool:
-        return self.magic == REQ_MAGIC
+        return self.magic == REQ_MAGIC or self.magic == ALT_REQ_MAGIC
 
     @property
     def status(self) -> int:
@@ -138,30 +157,40 @@ class Frame:
     def encode(self) -> bytes:
         """The frame's bytes (the inverse of :func:`decode_frame`)."""
         return encode(self.magic, self.opcode, self.key, self.extras, self.value, self.datatype,
-                      self.vbucket, self.opaque, self.cas)
+                      self.vbucket, self.opaque, self.cas, self.framing)
 
 
 def encode(
     magic: int, opcode: int, key: bytes = b"", extras: bytes = b"", value: bytes = b"", datatype: int = 0,
-    vbucket_or_status: int = 0, opaque: int = 0, cas: int = 0,
+    vbucket_or_status: int = 0, opaque: int = 0, cas: int = 0, framing: bytes = b"",
 ) -> bytes:
-    """Encode one frame; :class:`ProtocolError` for fields that do not fit the header."""
-    if magic not in (REQ_MAGIC, RES_MAGIC):
+    """Encode one frame; :class:`ProtocolError` for fields that do not fit the header. With ``framing`` the
+    frame is an alt request (magic 0x08, 8-bit framing-extras and key lengths)."""
+    if magic not in (REQ_MAGIC, RES_MAGIC, ALT_REQ_MAGIC):
         raise ProtocolError(f"bad magic 0x{magic:02x}")
+    if framing and magic == REQ_MAGIC:
+        magic = ALT_REQ_MAGIC
     if not 0 <= opcode <= 0xFF or not 0 <= datatype <= 0xFF or not 0 <= vbucket_or_status <= 0xFFFF:
         raise ProtocolError("opcode, datatype or vbucket/status out of range")
     if len(key) > 0xFFFF or len(extras) > 0xFF:
         raise ProtocolError("key or extras too long")
-    body = len(extras) + len(key) + len(value)
+    keyfield = len(key)
+    if magic == ALT_REQ_MAGIC:
+        if len(key) > 0xFF or len(framing) > 0xFF:
+            raise ProtocolError("an alt request's key and framing extras are at most 255 bytes each")
+        keyfield = len(framing) << 8 | len(key)
+    elif framing:
+        raise ProtocolError("only requests carry framing extras")
+    body = len(framing) + len(extras) + len(key) + len(value)
     if body > MAX_BODY or not 0 <= opaque <= 0xFFFFFFFF or not 0 <= cas < 1 << 64:
         raise ProtocolError("body, opaque or cas out of range")
-    return HEADER.pack(magic, opcode, len(key), len(extras), datatype, vbucket_or_status, body, opaque,
-                       cas) + extras + key + value
+    return HEADER.pack(magic, opcode, keyfield, len(extras), datatype, vbucket_or_status, body, opaque,
+                       cas) + framing + extras + key + value
 
 
 def request(opcode: int, *, key: bytes = b"", extras: bytes = b"", value: bytes = b"", datatype: int = 0,
-            vbucket: int = 0, opaque: int = 0, cas: int = 0) -> bytes:
-    return encode(REQ_MAGIC, opcode, key, extras, value, datatype, vbucket, opaque, cas)
+            vbucket: int = 0, opaque: int = 0, cas: int = 0, framing: bytes = b"") -> bytes:
+    return encode(REQ_MAGIC, opcode, key, extras, value, datatype, vbucket, opaque, cas, framing)
 
 
 def response(opcode: int, status: int = Status.SUCCESS, *, key: bytes = b"", extras: bytes = b"",
@@ -176,10 +205,12 @@ def parse_header(header: bytes) -> tuple[int, int, int, int, int, int, int, int,
         raise ProtocolError(f"header is {len(header)} bytes, expected {HEADER_LEN}")
     fields = HEADER.unpack(header)
     magic, _op, keylen, extlen, _dt, _vb, bodylen, _opaque, _cas = fields
-    if magic not in (REQ_MAGIC, RES_MAGIC):
+    if magic not in (REQ_MAGIC, RES_MAGIC, ALT_REQ_MAGIC):
         raise ProtocolError(f"bad magic 0x{magic:02x}")
     if bodylen > MAX_BODY:
         raise ProtocolError(f"body of {bodylen} bytes exceeds {MAX_BODY}")
+    if magic == ALT_REQ_MAGIC:
+        keylen = (keylen >> 8) + (keylen & 0xFF)  # framing extras + key
     if keylen + extlen > bodylen:
         raise ProtocolError(f"key ({keylen}) + extras ({extlen}) exceed the body ({bodylen})")
     return fields
@@ -189,8 +220,53 @@ def frame_from(header: tuple[int, int, int, int, int, int, int, int, int], body:
     magic, op, keylen, extlen, dt, vb, bodylen, opaque, cas = header
     if len(body) != bodylen:
         raise ProtocolError(f"body is {len(body)} bytes, header says {bodylen}")
+    if magic == ALT_REQ_MAGIC:
+        fl, keylen = keylen >> 8, keylen & 0xFF
+        return Frame(magic, op, body[fl + extlen:fl + extlen + keylen], body[fl:fl + extlen],
+                     body[fl + extlen + keylen:], dt, vb, opaque, cas, body[:fl])
     return Frame(magic, op, body[extlen:extlen + keylen], body[:extlen], body[extlen + keylen:], dt, vb,
                  opaque, cas)
+
+
+# ---------------------------------------------------------------------- flexible framing (seed 004)
+def encode_durability_frame(durability: Durability) -> bytes:
+    """The durability frame info (id 0x01): level, plus the 16-bit timeout when not the bucket default."""
+    level = int(durability.level)
+    if level == Level.NONE:
+        raise DurabilityInvalidLevel("durability level none is not sent in a frame")
+    if durability.timeout_ms:
+        return bytes([FRAME_DURABILITY << 4 | 3, level]) + durability.timeout_ms.to_bytes(2, "big")
+    return bytes([FRAME_DURABILITY << 4 | 1, level])
+
+
+def decode_framing(framing: bytes) -> Durability | None:
+    """The durability requirements among a request's framing extras (None: none). kv_engine rules: frame
+    info = id (high nibble) | length (low nibble); durability has length 1 (level) or 3 (level, timeout u16);
+    an invalid level is DURABILITY_INVALID_LEVEL, any other malformation EINVAL."""
+    out: Durability | None = None
+    i = 0
+    n = len(framing)
+    while i < n:
+        b = framing[i]
+        fid, flen = b >> 4, b & 0x0F
+        i += 1
+        if fid == 0x0F or flen == 0x0F:
+            raise ProtocolError("escaped frame info ids / lengths are not supported")
+        if i + flen > n:
+            raise ProtocolError("truncated frame info")
+        data = framing[i:i + flen]
+        i += flen
+        if fid != FRAME_DURABILITY:
+            raise ProtocolError(f"unsupported frame info id 0x{fid:x}")
+        if flen not in (1, 3):
+            raise ProtocolError(f"durability frame info of {flen} bytes (1 or 3 expected)")
+        if out is not None:
+            raise ProtocolError("durability frame info given twice")
+        level = parse_level(data[0])
+        if level is Level.NONE:
+            raise DurabilityInvalidLevel("durability level none in a durability frame")
+        out = Durability(level, int.from_bytes(data[1:3], "big") if flen == 3 else 0)
+    return out
 
 
 def decode_frame(data: bytes) -> Frame:
@@ -263,10 +339,14 @@ def error_from(frame: Frame, vbucket: int = 0) -> EngineError:
 
 
 # ---------------------------------------------------------------------- DCP messages
-def encode_dcp_message(m: Message, opaque: int) -> bytes:
-    """A DCP message the producer pushes, as kv_engine encodes it (server -> client request)."""
+def encode_dcp_message(m: Message, opaque: int, *, sync: bool = False) -> bytes:
+    """A DCP message the producer pushes, as kv_engine encodes it (server -> client request). ``sync``: the
+    connection enabled sync writes (seed 004): a commit is DCP_COMMIT (key, prepared and commit seqnos, no
+    value), prepares DCP_PREPARE, aborts DCP_ABORT; without it a commit is a plain mutation / deletion."""
     if type(m) is Item:
         v = m.value or b""
+        if m.op >= Op.PREPARE or (sync and m.prepared):
+            return _encode_sync_message(m, opaque)
         if m.op is Op.MUTATION:
             ex = MUTATION_EXTRAS.pack(m.seqno, m.rev_seqno, m.flags, m.expiry, 0, 0, 0)
             op = Opcode.DCP_MUTATION
@@ -290,10 +370,35 @@ def encode_dcp_message(m: Message, opaque: int) -> bytes:
     raise ProtocolError(f"not a DCP message: {m!r}")
 
 
+def _encode_sync_message(m: Item, opaque: int) -> bytes:
+    if m.op is Op.PREPARE or m.op is Op.PREPARE_DELETION:
+        deleted = 1 if m.op is Op.PREPARE_DELETION else 0
+        ex = PREPARE_EXTRAS.pack(m.seqno, m.rev_seqno, m.flags, m.expiry, 0, 0, deleted, m.level)
+        return request(Opcode.DCP_PREPARE, key=m.key, extras=ex, value=m.value or b"", datatype=m.datatype,
+                       vbucket=m.vbucket, opaque=opaque, cas=m.cas)
+    ex = COMPLETION_EXTRAS.pack(m.prepared, m.seqno)
+    op = Opcode.DCP_ABORT if m.op is Op.ABORT else Opcode.DCP_COMMIT
+    return request(op, key=m.key, extras=ex, vbucket=m.vbucket, opaque=opaque)
+
+
 def decode_dcp_message(f: Frame) -> Message:
-    """The engine message of a pushed DCP frame; :class:`ProtocolError` when the extras do not fit."""
+    """The engine message of a pushed DCP frame; :class:`ProtocolError` when the extras do not fit. A
+    DCP_COMMIT becomes a MUTATION item without value whose ``prepared`` names the prepare (the replica makes
+    its prepare visible, engine/vbucket.py ``replica_apply``); DCP_ABORT an ABORT item."""
     op = f.opcode
     try:
+        if op == Opcode.DCP_PREPARE:
+            by, rev, flags, expiry, _lock, _nru, deleted, level = PREPARE_EXTRAS.unpack(f.extras)
+            if not 1 <= level <= 3:
+                raise ProtocolError(f"DCP_PREPARE with durability level {level}")
+            pop = Op.PREPARE_DELETION if deleted else Op.PREPARE
+            return Item(f.key, None if deleted else f.value, f.vbucket, by, rev, f.cas, flags, expiry,
+                        f.datatype, pop, 0, level)
+        if op == Opcode.DCP_COMMIT or op == Opcode.DCP_ABORT:
+            prepared, seqno = COMPLETION_EXTRAS.unpack(f.extras)
+            if op == Opcode.DCP_COMMIT:
+                return Item(f.key, None, f.vbucket, seqno, 0, 0, 0, 0, 0, Op.MUTATION, 0, 0, prepared)
+            return Item(f.key, None, f.vbucket, seqno, 0, 0, 0, 0, 0, Op.ABORT, 0, 0, prepared)
         if op == Opcode.DCP_MUTATION:
             by, rev, flags, expiry, _lock, _nmeta, _nru = MUTATION_EXTRAS.unpack(f.extras)
             return Item(f.key, f.value, f.vbucket, by, rev, f.cas, flags, expiry, f.datatype, Op.MUTATION)
@@ -333,6 +438,7 @@ def encode_stream_request(
 
 
 __all__ = [
+    "ALT_REQ_MAGIC",
     "CODE_STATES",
     "DCP_OPEN_PRODUCER",
     "HEADER_LEN",
@@ -346,8 +452,10 @@ __all__ = [
     "decode_dcp_message",
     "decode_failover_log",
     "decode_frame",
+    "decode_framing",
     "encode",
     "encode_dcp_message",
+    "encode_durability_frame",
     "encode_failover_log",
     "encode_stream_request",
     "error_from",

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from engine.durability import Durability
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -53,6 +54,7 @@ from engine.protocol import (
     ProtocolError,
     decode_dcp_message,
     decode_failover_log,
+    encode_durability_frame,
     encode_stream_request,
     error_from,
     request,
@@ -165,14 +167,15 @@ class RemoteNode:
         return f"RemoteNode({self.host}:{self.port})"
 
     def _call(self, opcode: int, *, vbucket: int = 0, key: bytes = b"", extras: bytes = b"",
-              value: bytes = b"", cas: int = 0, datatype: int = 0, multi: bool = False) -> list[Frame]:
+              value: bytes = b"", cas: int = 0, datatype: int = 0, multi: bool = False,
+              framing: bytes = b"") -> list[Frame]:
         with self._lock:
             conn = self._conn
             if conn is None or conn.closed:
                 conn = self._conn = _Connection(self.host, self.port, self.timeout)
             opaque = next(conn.opaques)
             conn.send(request(opcode, key=key, extras=extras, value=value, datatype=datatype, vbucket=vbucket,
-                              opaque=opaque, cas=cas))
+                              opaque=opaque, cas=cas, framing=framing))
             got: list[Frame] = []
             while True:
                 frames = conn.read(None)
@@ -203,18 +206,28 @@ class RemoteNode:
         return GetResult(k, f.value, f.cas, flags, 0, f.datatype, 0, 0, vbucket)
 
     def set(self, key: bytes | str, value: bytes | str, *, vbucket: int, cas: int = 0, flags: int = 0,
-            expiry: int = 0) -> MutationResult:
-        """SET; the answer carries the mutation token (as after HELLO MutationSeqno)."""
+            expiry: int = 0, durability: Durability | None = None) -> MutationResult:
+        """SET; the answer carries the mutation token (as after HELLO MutationSeqno). With ``durability`` a
+        sync write (seed 004: magic 0x08, durability frame info), answered once committed."""
         k = key.encode() if isinstance(key, str) else bytes(key)
         v = value.encode() if isinstance(value, str) else bytes(value)
+        framing = encode_durability_frame(durability) if durability is not None and durability.level else b""
         (f,) = self._call(Opcode.SET, vbucket=vbucket, key=k, value=v, cas=cas,
-                          extras=SET_EXTRAS.pack(flags, expiry))
+                          extras=SET_EXTRAS.pack(flags, expiry), framing=framing)
         uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
         return MutationResult(vbucket, uuid, seqno, f.cas)
 
-    def delete(self, key: bytes | str, *, vbucket: int, cas: int = 0) -> MutationResult:
+    def set_replication_topology(self, vbucket: int, chain: Sequence[str | None]) -> None:
+        """The replication chain of an active vbucket (kv_engine: SET_VBUCKET_STATE active with the value
+        ``{"topology": [[active, replica...]]}``; unconditional, the state stays active)."""
+        self._call(Opcode.SET_VBUCKET_STATE, vbucket=vbucket, extras=bytes([STATE_CODES["active"]]),
+                   value=orjson.dumps({"topology": [list(chain)]}))
+
+    def delete(self, key: bytes | str, *, vbucket: int, cas: int = 0,
+               durability: Durability | None = None) -> MutationResult:
         k = key.encode() if isinstance(key, str) else bytes(key)
-        (f,) = self._call(Opcode.DELETE, vbucket=vbucket, key=k, cas=cas)
+        framing = encode_durability_frame(durability) if durability is not None and durability.level else b""
+        (f,) = self._call(Opcode.DELETE, vbucket=vbucket, key=k, cas=cas, framing=framing)
         uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
         return MutationResult(vbucket, uuid, seqno, f.cas)
 
@@ -339,6 +352,7 @@ class RemoteDcpProducer:
         self._pending: deque[Message] = deque()
         self._conn = _Connection(host, port, timeout)
         self.items_received = 0
+        self.sync_writes = False
         self._call(Opcode.DCP_OPEN, key=name.encode(), extras=OPEN_EXTRAS.pack(0, DCP_OPEN_PRODUCER))
         if buffer_size:
             self._call(Opcode.DCP_CONTROL, key=b"connection_buffer_size", value=str(buffer_size).encode())
@@ -438,6 +452,19 @@ class RemoteDcpProducer:
                 self.items_received += 1
             out.append(m)
         return out
+
+    def control(self, key: str, value: str) -> None:
+        """DCP_CONTROL (``enable_sync_writes``, ``consumer_name``, ``connection_buffer_size``)."""
+        self._call(Opcode.DCP_CONTROL, key=key.encode(), value=value.encode())
+        if key == "enable_sync_writes":
+            self.sync_writes = value == "true"
+
+    def seqno_acknowledged(self, vbucket: int, seqno: int) -> int:
+        """DCP_SEQNO_ACKNOWLEDGED (seed 004; no answer, as kv_engine). Returns 0: the commits happen on the
+        node."""
+        if not self._conn.closed:
+            self._conn.send(request(Opcode.DCP_SEQNO_ACKNOWLEDGED, extras=U64.pack(seqno), vbucket=vbucket))
+        return 0
 
     def buffer_acknowledge(self, nbytes: int) -> None:
         """DCP_BUFFER_ACKNOWLEDGEMENT (sent only when flow control is on, as kv_engine clients do)."""

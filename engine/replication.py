@@ -137,7 +137,7 @@ class DcpConsumer:
 
     def __init__(
         self, name: str, replica: Bucket | ReplicaTarget, producer: DcpProducer | ProducerConnection, *,
-        use_client_log: bool = True,
+        use_client_log: bool = True, consumer_name: str | None = None,
     ) -> None:
         if not name:
             raise InvalidArgument("a DCP consumer needs a name")
@@ -149,6 +149,18 @@ class DcpConsumer:
         self.rollbacks = 0
         self.messages = 0
         self.takeover_states = 0
+        #: synchronous replication (seed 004): with a consumer name (the replica node) the connection enables
+        #: sync writes (kv_engine DCP controls ``enable_sync_writes`` and ``consumer_name``), receives prepares,
+        #: commits and aborts, and seqno-acks its replica's high prepared seqno back on the connection.
+        self.consumer_name = consumer_name
+        self._acked: dict[int, int] = {}
+        self.seqno_acks = 0
+        if consumer_name is not None:
+            control = getattr(producer, "control", None)
+            if control is None:
+                raise InvalidArgument(f"{name}: the producer connection does not support sync writes")
+            control("enable_sync_writes", "true")
+            control("consumer_name", consumer_name)
 
     def __repr__(self) -> str:
         return f"DcpConsumer({self.name!r} streams={sorted(self.streams)})"
@@ -190,6 +202,10 @@ class DcpConsumer:
             stream.state = PassiveState.READING
             stream.end_reason = None
             self.streams[vbucket] = stream
+            # kv_engine PassiveStream::acceptStream: a sync-replication stream seqno-acks its high prepared
+            # seqno right away (a new active needs the acks of replicas that already hold its prepares).
+            self._acked.pop(vbucket, None)
+            self._seqno_ack(vbucket)
             return entries
         raise InvalidArgument(f"{self.name}: vbucket {vbucket} still asked to roll back after "
                               f"{MAX_ROLLBACKS_PER_REQUEST} rollbacks")
@@ -246,7 +262,33 @@ class DcpConsumer:
             self._handle(m)
         self.producer.buffer_acknowledge(nbytes)
         self.messages += len(msgs)
+        if self.consumer_name is not None:
+            for vb in sorted({m.vbucket for m in msgs}):
+                self._seqno_ack(vb)
         return len(msgs)
+
+    # ------------------------------------------------------------------ seqno acks (seed 004)
+    def _seqno_ack(self, vbucket: int) -> bool:
+        if self.consumer_name is None or not self.is_open(vbucket) or self.producer.closed:
+            return False
+        ack = getattr(self.replica, "durability_ack_seqno", None)
+        if ack is None:
+            return False
+        try:
+            seqno = ack(vbucket)
+        except NotMyVBucket:
+            return False
+        if seqno > self._acked.get(vbucket, -1):
+            self._acked[vbucket] = seqno
+            self.producer.seqno_acknowledged(vbucket, seqno)  # type: ignore[union-attr,attr-defined,unused-ignore]
+            self.seqno_acks += 1
+            return True
+        return False
+
+    def acknowledge_seqnos(self) -> int:
+        """Seqno-ack every open stream whose replica moved (e.g. after the flusher persisted: persist levels
+        are acked only once persisted); returns how many acks were sent."""
+        return sum(self._seqno_ack(vb) for vb in sorted(self.streams))
 
     def drain(self, max_steps: int = 1_000_000) -> int:
         """Step until the producer has nothing more to send; returns messages handled."""

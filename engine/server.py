@@ -33,6 +33,7 @@ import orjson
 
 from engine.bucket import Bucket
 from engine.config import BucketConfig
+from engine.durability import SyncWrite
 from engine.exceptions import (
     EngineError,
     InvalidArgument,
@@ -40,6 +41,7 @@ from engine.exceptions import (
     NotMyVBucket,
     StateCasMismatch,
     Status,
+    SyncWriteAmbiguous,
     TemporaryFailure,
     UnknownCommand,
 )
@@ -65,6 +67,7 @@ from engine.protocol import (
     Opcode,
     ProtocolError,
     decode_failover_log,
+    decode_framing,
     encode_dcp_message,
     encode_failover_log,
     error_response,
@@ -131,6 +134,9 @@ class _LoopBucket:
     def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None:
         return self._run(lambda: self._server.bucket.promote(vbucket, takeover=takeover, cas=cas))
 
+    def durability_ack_seqno(self, vbucket: int) -> int:
+        return self._run(self._server.bucket.durability_ack_seqno, vbucket)
+
 
 class ReplicationLink(threading.Thread):
     """One replication connection ``replication:<src>-><me>`` (kv_engine's name): pulls the vbuckets this node
@@ -185,11 +191,22 @@ class ReplicationLink(threading.Thread):
                 self.stopping.wait(0.05)
                 continue
             self.connects += 1
-            consumer = self.consumer = DcpConsumer(self.name, target, producer)
+            try:
+                # seed 004: replication enables sync writes and seqno-acks as this node
+                consumer = self.consumer = DcpConsumer(self.name, target, producer,
+                                                       consumer_name=self.server.name)
+            except (EngineError, OSError):
+                producer.close()
+                self.stopping.wait(0.05)
+                continue
+            rounds = 0
             try:
                 while not self.stopping.is_set() and not producer.closed:
                     if self._takeovers:
                         self._start_takeovers(consumer)
+                    rounds += 1
+                    if rounds % 5 == 0:
+                        consumer.acknowledge_seqnos()  # persist levels: acks once the flusher persisted
                     for vb in self.vbuckets:
                         if not consumer.is_open(vb):
                             # NOT_MY_VBUCKET: the source is not active (yet) or this copy is not a replica
@@ -297,6 +314,8 @@ class NodeServer:
                 except EngineError as e:
                     log.warning("flush failed: %s", e)
                 self.kick()
+            if not self.bucket.closed and self.bucket.process_durability_timeouts():
+                self.kick()  # the durability timeout task (seed 004): aborts to send
 
     async def _watch_parent(self) -> None:
         # A node started by a cluster manager dies with it (no orphan processes after a test failure).
@@ -374,7 +393,8 @@ class NodeServer:
                 msgs = p.step(512)
                 if msgs:
                     opq = conn.opaques
-                    w.write(b"".join(encode_dcp_message(m, opq.get(m.vbucket, 0)) for m in msgs))
+                    sync = p.sync_writes
+                    w.write(b"".join(encode_dcp_message(m, opq.get(m.vbucket, 0), sync=sync) for m in msgs))
                     await w.drain()
                     continue
                 conn.wake.clear()
@@ -419,13 +439,23 @@ class NodeServer:
         if op == Opcode.SET:
             self._need(f, 8, key=True)
             flags, expiry = SET_EXTRAS.unpack(f.extras)
-            r = b.set(f.key, f.value, cas=f.cas, flags=flags, expiry=expiry, datatype=f.datatype or None,
-                      vbucket=vb)
+            durability = decode_framing(f.framing) if f.framing else None
+            if durability is not None:  # seed 004: a sync write, answered once committed (or ambiguous)
+                sw = b.set(f.key, f.value, cas=f.cas, flags=flags, expiry=expiry, datatype=f.datatype or None,
+                           vbucket=vb, durability=durability)
+                r = await self._completed(sw)
+            else:
+                r = b.set(f.key, f.value, cas=f.cas, flags=flags, expiry=expiry, datatype=f.datatype or None,
+                          vbucket=vb)
             self.kick()
             return response(op, extras=TOKEN_EXTRAS.pack(r.vbuuid, r.seqno), opaque=f.opaque, cas=r.cas)
         if op == Opcode.DELETE:
             self._need(f, 0, key=True)
-            r = b.delete(f.key, cas=f.cas, vbucket=vb)
+            durability = decode_framing(f.framing) if f.framing else None
+            if durability is not None:
+                r = await self._completed(b.delete(f.key, cas=f.cas, vbucket=vb, durability=durability))
+            else:
+                r = b.delete(f.key, cas=f.cas, vbucket=vb)
             self.kick()
             return response(op, extras=TOKEN_EXTRAS.pack(r.vbuuid, r.seqno), opaque=f.opaque, cas=r.cas)
         if op == Opcode.OBSERVE_SEQNO:
@@ -451,7 +481,7 @@ class NodeServer:
             conn.pusher = self.loop.create_task(self._push(conn))
             return response(op, opaque=f.opaque)
         if op in (Opcode.DCP_CONTROL, Opcode.DCP_STREAM_REQ, Opcode.DCP_CLOSE_STREAM,
-                  Opcode.DCP_BUFFER_ACKNOWLEDGEMENT, Opcode.DCP_NOOP):
+                  Opcode.DCP_BUFFER_ACKNOWLEDGEMENT, Opcode.DCP_NOOP, Opcode.DCP_SEQNO_ACKNOWLEDGED):
             return self._dcp(conn, f)
         if op == Opcode.STOP_PERSISTENCE:
             self.persistence = False
@@ -470,6 +500,19 @@ class NodeServer:
             return self._add_stream(f)
         raise UnknownCommand(f"unknown opcode 0x{op:02x}")
 
+    async def _completed(self, sw: SyncWrite | Any) -> Any:
+        """Wait for a sync write (this connection only: the loop keeps serving the replication connections
+        whose seqno-acks commit it, and the flusher); the commit's result or SYNC_WRITE_AMBIGUOUS."""
+        self.kick()
+        while not sw.done:
+            if self.bucket.closed:
+                raise SyncWriteAmbiguous(f"sync write of {sw.key!r}: the node shut down before it completed")
+            self.bucket.process_durability_timeouts()
+            if sw.done:
+                break
+            await asyncio.sleep(0.001)
+        return sw.result()
+
     def _dcp(self, conn: _Conn, f: Frame) -> bytes | None:
         p = conn.producer
         op = f.opcode
@@ -482,7 +525,16 @@ class NodeServer:
             p.buffer_acknowledge(U32.unpack(f.extras)[0])
             conn.wake.set()
             return None  # kv_engine sends no answer to a buffer ack
+        if op == Opcode.DCP_SEQNO_ACKNOWLEDGED:
+            # seed 004: the consumer's replica acks its high prepared seqno; kv_engine sends no answer
+            self._need(f, 8)
+            p.seqno_acknowledged(f.vbucket, U64.unpack(f.extras)[0])
+            self.kick()
+            return None
         if op == Opcode.DCP_CONTROL:
+            if f.key in (b"enable_sync_writes", b"consumer_name"):
+                p.control(f.key.decode(), f.value.decode(errors="replace"))
+                return response(op, opaque=f.opaque)
             if f.key == b"connection_buffer_size":
                 try:
                     size = int(f.value)
@@ -559,18 +611,30 @@ class NodeServer:
         b = self.bucket
         v = b.vbucket(f.vbucket)
         body = b""
+        opts: dict[str, Any] = {}
+        if f.value:
+            try:
+                opts = orjson.loads(f.value)
+            except orjson.JSONDecodeError as e:
+                raise InvalidArgument(f"bad SET_VBUCKET_STATE body: {e}") from e
+            if not isinstance(opts, dict):
+                raise InvalidArgument("SET_VBUCKET_STATE body must be a JSON object")
+        topology = opts.get("topology")
+        if topology is not None and (state is not VBucketState.ACTIVE or not isinstance(topology, list)
+                                     or not topology or not isinstance(topology[0], list)):
+            raise InvalidArgument(f"bad topology {topology!r}: [[active, replica...]] for an active vbucket")
+        if topology is not None and v.state is not VBucketState.ACTIVE:
+            # only an active copy takes a topology here (the manager never promotes with one)
+            raise NotMyVBucket(f"vbucket {f.vbucket} is {v.state.value}: a topology needs an active vbucket")
         if state is VBucketState.ACTIVE and v.state in (VBucketState.REPLICA, VBucketState.PENDING):
-            opts: dict[str, Any] = {}
-            if f.value:
-                try:
-                    opts = orjson.loads(f.value)
-                except orjson.JSONDecodeError as e:
-                    raise InvalidArgument(f"bad SET_VBUCKET_STATE body: {e}") from e
             entry = b.promote(f.vbucket, takeover=bool(opts.get("transfer")), cas=cas)
             body = orjson.dumps({"failover_entry": None if entry is None else [entry.vbuuid, entry.seqno]})
             new_cas = v.state_cas
         else:
             new_cas = b.set_vbucket_state(f.vbucket, state, cas=cas)
+        if topology is not None:
+            # kv_engine: ns_server sends the replication chain with setVBucketState (seed 004)
+            b.set_replication_topology(f.vbucket, topology[0])
         self.kick()
         return response(f.opcode, value=body, opaque=f.opaque, cas=new_cas)
 

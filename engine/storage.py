@@ -28,7 +28,8 @@ from typing import Final
 
 from engine.exceptions import StorageError
 
-#: (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op)
+#: (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op); for a prepare ``op`` also carries its
+#: durability level in bits 4-5 (``op | level << 4``, engine/stream.py item_from_row)
 Row = tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]
 
 _SCHEMA: Final = """
@@ -159,6 +160,15 @@ class Storage:
         """Rows of the consistent state as of ``upto`` with seqno in ``(after, upto]``, in seqno order."""
         return self._db.execute(_SCAN, (vb, after, upto, upto, limit)).fetchall()
 
+    def max_visible_seqno(self, vb: int, after: int, upto: int) -> int:
+        """The highest seqno in ``(after, upto]`` of the state as of ``upto`` that is a mutation, deletion or
+        expiration (not a prepare or abort); 0 if none. kv_engine's max-visible-seqno: the disk snapshot end a
+        DCP client without sync writes is given. Walks backwards from ``upto``, so it is cheap."""
+        row = self._db.execute(
+            "SELECT seqno FROM items WHERE vb=? AND seqno>? AND seqno<=? AND op<3 AND "
+            "(superseded IS NULL OR superseded>?) ORDER BY seqno DESC LIMIT 1", (vb, after, upto, upto)).fetchone()
+        return 0 if row is None else int(row[0])
+
     def current(self, vb: int) -> Iterator[Row]:
         """The current version of every key of ``vb`` (tombstones included), in seqno order."""
         return iter(
@@ -249,12 +259,13 @@ class Storage:
                 "DELETE FROM items WHERE vb=? AND superseded IS NOT NULL AND superseded<=?", (vb, history_upto)
             )
             (tmax,) = db.execute(
-                "SELECT COALESCE(MAX(seqno), 0) FROM items WHERE vb=? AND superseded IS NULL AND op!=0 "
+                "SELECT COALESCE(MAX(seqno), 0) FROM items WHERE vb=? AND superseded IS NULL AND op IN (1, 2, 5) "
                 "AND seqno<=? AND expiry<?",
                 (vb, tombstones_upto, tombstone_before),
             ).fetchone()
             db.execute(
-                "DELETE FROM items WHERE vb=? AND superseded IS NULL AND op!=0 AND seqno<=? AND expiry<?",
+                # tombstones and aborts; a prepare in flight is never purged (seed 004)
+                "DELETE FROM items WHERE vb=? AND superseded IS NULL AND op IN (1, 2, 5) AND seqno<=? AND expiry<?",
                 (vb, tombstones_upto, tombstone_before),
             )
             db.execute("COMMIT")

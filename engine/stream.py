@@ -127,12 +127,15 @@ class SetVBucketStateMessage:
 Message = SnapshotMarker | Item | StreamEnd | SetVBucketStateMessage
 
 
-_OPS: Final = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)
+_OPS: Final = tuple(Op)
 
 
 def item_from_row(row: tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]) -> Item:
     vb, seqno, key, value, flags, expiry, cas, rev, datatype, op = row
-    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op])
+    if op < 3:
+        return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op])
+    # a prepare (its durability level in bits 4-5) or an abort (seed 004, engine/storage.py Row)
+    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op & 15], 0, op >> 4)
 
 
 class ActiveStream:
@@ -264,16 +267,23 @@ class ActiveStream:
         upto = self._backfill_upto
         rows = self.storage.scan(self.vbid, self.last_read, upto, self.backfill_chunk)
         ready = self.ready
+        sync = self.producer.sync_writes
         if self._backfill_marker_pending:
             self._backfill_marker_pending = False
             start = self.last_read + 1
-            if self._first_marker:
-                start = min(self.snap_start, start)
-                self._first_marker = False
-            ready.append(SnapshotMarker(self.vbid, start, upto, SnapshotFlags.DISK | SnapshotFlags.CHK))
+            end = upto
+            if not sync:
+                # seed 004 / kv_engine: a client without sync writes gets the disk snapshot up to its max
+                # visible seqno (prepares and aborts are not sent); none visible: no marker at all.
+                end = self.storage.max_visible_seqno(self.vbid, self.last_read, upto)
+            if end:
+                if self._first_marker:
+                    start = min(self.snap_start, start)
+                    self._first_marker = False
+                ready.append(SnapshotMarker(self.vbid, start, end, SnapshotFlags.DISK | SnapshotFlags.CHK))
         if rows:
-            ready.extend(map(item_from_row, rows))
             self.last_read = rows[-1][1]
+            ready.extend(map(item_from_row, rows if sync else [r for r in rows if r[9] < 3]))
         if not rows or len(rows) < self.backfill_chunk or self.last_read >= upto:
             # Backfill complete.
             self.last_read = upto
@@ -297,9 +307,25 @@ class ActiveStream:
         ready = self.ready
         vbid = self.vbid
         end = self.end
+        hide = self.vb.sync_seen and not self.producer.sync_writes
         for seg in segments:
             if not seg.items:
                 continue
+            items = seg.items
+            send_end = seg.end
+            if hide:
+                # seed 004 / kv_engine: a client that did not enable sync writes never sees prepares or
+                # aborts; the commit reaches it as a plain mutation at the commit's seqno. Its marker ends at
+                # the last visible seqno (max visible seqno); a snapshot with nothing visible is not sent.
+                items = [it for it in items if it.op < 3]
+                if not items:
+                    self._next_chk = self._next_chk or seg.new_checkpoint
+                    self.last_read = seg.end
+                    if seg.end >= end:
+                        self._queue_end(StreamEndReason.OK)
+                        return
+                    continue
+                send_end = items[-1].seqno
             flags = SnapshotFlags.MEMORY
             if seg.new_checkpoint or self._next_chk:
                 flags |= SnapshotFlags.CHK
@@ -308,8 +334,8 @@ class ActiveStream:
             if self._first_marker:
                 start = min(self.snap_start, start)
                 self._first_marker = False
-            ready.append(SnapshotMarker(vbid, start, seg.end, flags))
-            ready.extend(seg.items)
+            ready.append(SnapshotMarker(vbid, start, send_end, flags))
+            ready.extend(items)
             self.last_read = seg.end
             if seg.end >= end:
                 # The snapshot containing the end seqno was sent whole.

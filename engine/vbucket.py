@@ -27,6 +27,7 @@ from engine.failover_log import FailoverLog
 from engine.item import Datatype, Item, Op, detect_datatype
 
 if TYPE_CHECKING:
+    from engine.durability import ActiveDurabilityMonitor
     from engine.stream import ActiveStream
 
 #: memcached: an expiry up to 30 days is relative to now, larger values are an absolute epoch time.
@@ -178,6 +179,12 @@ class VBucket:
         #: partition-state CAS (seed 001 "How ns_server and ep-engine guarantee ordering of partition state
         #: transitions"); set by the bucket
         self.state_cas = 0
+        #: synchronous replication (seed 004, engine/durability.py): the prepares in flight by key (never in
+        #: ``ht``: invisible to readers), the active durability monitor, and whether this vbucket ever queued
+        #: a prepare / abort (streams without sync writes then filter them)
+        self.prepares: dict[bytes, Item] = {}
+        self.durability: ActiveDurabilityMonitor | None = None
+        self.sync_seen = False
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -207,6 +214,11 @@ class VBucket:
 
     def _queue(self, item: Item) -> None:
         self.ht[item.key] = item
+        self._enqueue(item)
+
+    def _enqueue(self, item: Item) -> None:
+        """Queue ``item`` in the checkpoint without touching the hash table (prepares and aborts live
+        outside it)."""
         self.ckpt.queue(item)
         self.high_seqno = item.seqno
         if not self.dirty:
@@ -267,6 +279,8 @@ class VBucket:
         if flags and (flags < 0 or flags > U32):
             raise InvalidArgument(f"invalid flags {flags!r}: must fit in 32 bits")
         exp = absolute_expiry(expiry, self.clock()) if expiry else 0
+        if self.prepares and key in self.prepares:
+            self._sync_write_in_progress(key)
         ht = self.ht
         old = ht.get(key)
         live = old
@@ -320,8 +334,16 @@ class VBucket:
                     s.producer.notify(s)
         return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
+    def _sync_write_in_progress(self, key: bytes) -> None:
+        from engine.exceptions import SyncWriteInProgress
+
+        # seed 004 / kv_engine: a write to a key with a prepare in flight answers SYNC_WRITE_IN_PROGRESS.
+        raise SyncWriteInProgress(f"key {key!r} has a sync write in progress")
+
     def delete(self, key: bytes, cas: int = 0) -> MutationResult:
         self._check_active()
+        if key in self.prepares:
+            self._sync_write_in_progress(key)
         now = self.clock()
         live = self._live(key, now)
         if live is None:
@@ -341,6 +363,8 @@ class VBucket:
 
     def touch(self, key: bytes, expiry: int) -> MutationResult:
         self._check_active()
+        if key in self.prepares:
+            self._sync_write_in_progress(key)
         now = self.clock()
         exp = absolute_expiry(expiry, now)
         live = self._live(key, now)
@@ -365,6 +389,8 @@ class VBucket:
             return 0
         n = 0
         for key in sorted(self.expiring):
+            if key in self.prepares:
+                continue  # kv_engine: a key with a sync write in flight is not expired under it
             it = self.ht.get(key)
             if it is None or it.op is not Op.MUTATION or not it.expiry:
                 self.expiring.discard(key)
@@ -376,7 +402,13 @@ class VBucket:
 
     # ------------------------------------------------------------------ loading
     def load(self, item: Item) -> None:
-        """Warmup: put a persisted current version back in the hash table."""
+        """Warmup: put a persisted current version back in the hash table (an outstanding prepare goes back
+        to ``prepares``: kv_engine warmup / rollback reload prepares from disk; an abort is no document)."""
+        if item.op >= Op.PREPARE:
+            self.sync_seen = True
+            if item.op is not Op.ABORT:
+                self.prepares[item.key] = item
+            return
         self.ht[item.key] = item
         if item.op is Op.MUTATION:
             self.num_items += 1
@@ -427,10 +459,32 @@ class VBucket:
             raise InvalidArgument(
                 f"vbucket {self.id}: {item!r} not in ({self.high_seqno}, {end}] of the open snapshot")
         key = item.key
+        if item.op >= Op.PREPARE:  # a prepare or an abort (seed 004 synchronous replication)
+            from engine.durability import passive_apply
+
+            return passive_apply(self, item, end)
+        prepared = item.prepared
+        if prepared and item.value is None and item.op is Op.MUTATION:
+            # kv_engine DCP_COMMIT (key, prepared seqno, commit seqno; no value): the committed document is
+            # the prepare this replica holds, made visible at the commit's seqno.
+            p = self.prepares.get(key)
+            if p is None or p.seqno != prepared:
+                raise InvalidArgument(f"vbucket {self.id}: commit of prepare {prepared} of {key!r}, not held here")
+            op = Op.MUTATION if p.op is Op.PREPARE else Op.DELETION
+            item = Item(key, p.value, self.id, item.seqno, p.rev_seqno, p.cas, p.flags, p.expiry, p.datatype, op,
+                        0, 0, prepared)
+        if self.prepares:
+            p = self.prepares.get(key)
+            if p is not None and p.seqno < item.seqno:
+                # The commit of the prepare (or, in a disk snapshot, the mutation that replaced it: kv_engine
+                # completes a replica's prepare on any later committed item of its key). Recorded as its
+                # commit so the flusher supersedes the prepare on disk (else warmup would reload it).
+                del self.prepares[key]
+                prepared = prepared or p.seqno
         old = self.ht.get(key)
         # A copy: the producer's item is shared with its own checkpoint, and prev_seqno is per vbucket copy.
         it = Item(key, item.value, self.id, item.seqno, item.rev_seqno, item.cas, item.flags, item.expiry,
-                  item.datatype, item.op, old.seqno if old is not None else 0)
+                  item.datatype, item.op, old.seqno if old is not None else 0, 0, prepared)
         if old is not None and old.op is Op.MUTATION:
             self.num_items -= 1
         if it.op is Op.MUTATION:
@@ -481,6 +535,7 @@ class VBucket:
         """Rollback: reload the hash table from storage at ``high_seqno``; checkpoints and DCP cursors are
         dropped (kv_engine rollback resets the checkpoint manager and reloads the vbucket from disk)."""
         self.ht = {}
+        self.prepares = {}
         self.num_items = 0
         self.max_deleted_rev = 0
         self.max_cas = 0

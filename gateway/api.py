@@ -1,7 +1,9 @@
 """The gateway's HTTP API (aiohttp).
 
 Documents: ``GET/PUT/DELETE /docs/{key}`` (the body is the document; CAS travels as the ETag, ``If-Match`` makes
-a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` and ``?flags=`` set metadata),
+a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` and ``?flags=`` set metadata;
+``?durability=majority|majority_and_persist_to_active|persist_to_majority[&timeout_ms=N]`` makes it a sync write
+answered once committed -- seed 004, docs/durability.md),
 ``POST /docs/_bulk`` (a JSON array of ``{"key", "value"}`` upserts; used by ``dcpgw load``).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
 Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
@@ -16,6 +18,7 @@ faults), mapped from the engine's typed exceptions.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -26,13 +29,18 @@ from aiohttp import web
 
 from engine import Bucket, Datatype
 from engine.cluster import Cluster, FailoverReport
+from engine.durability import Durability, Level, SyncWrite, parse_level
 from engine.exceptions import (
+    DurabilityImpossible,
+    DurabilityInvalidLevel,
     EngineError,
     InvalidArgument,
     KeyExists,
     KeyNotFound,
     NotMyVBucket,
     NotStored,
+    SyncWriteAmbiguous,
+    SyncWriteInProgress,
     TemporaryFailure,
     ValueTooLarge,
 )
@@ -47,6 +55,12 @@ SERVICE: web.AppKey[GatewayService] = web.AppKey("service")
 MAX_BODY = 64 * 1024 * 1024
 
 _STATUS_FOR: list[tuple[type[EngineError], int, str]] = [
+    # synchronous replication (seed 004; docs/durability.md "HTTP"): a bad level is the client's fault; the
+    # others are the server's state -- impossible / ambiguous are not client errors
+    (DurabilityInvalidLevel, 400, "durability_invalid_level"),
+    (DurabilityImpossible, 503, "durability_impossible"),
+    (SyncWriteInProgress, 409, "sync_write_in_progress"),
+    (SyncWriteAmbiguous, 504, "sync_write_ambiguous"),
     (KeyNotFound, 404, "not_found"),
     (KeyExists, 412, "cas_mismatch"),
     (NotStored, 404, "not_found"),
@@ -161,6 +175,37 @@ def _mutation(res: Any) -> dict[str, Any]:
     return {"vbucket": res.vbucket, "vbuuid": res.vbuuid, "seqno": res.seqno, "cas": res.cas}
 
 
+def _durability(request: web.Request) -> Durability | None:
+    """``?durability=<level>[&timeout_ms=N]`` (seed 004): None for a plain write (no parameter or ``none``).
+    A bad level: DURABILITY_INVALID_LEVEL (400); a timeout without a level or out of 0..65535: 400."""
+    raw = request.query.get("durability")
+    timeout = _int_param(request, "timeout_ms", 0, 0, 0xFFFF)
+    if raw is None:
+        if "timeout_ms" in request.query:
+            raise ApiError(400, "invalid_argument", "timeout_ms needs a durability level (?durability=...)")
+        return None
+    level = parse_level(raw)
+    if level is Level.NONE:
+        return None
+    return Durability(level, timeout)
+
+
+async def _completed(svc: GatewayService, bucket: Bucket, sw: SyncWrite) -> Any:
+    """Wait for a sync write without blocking the loop: the pump loop replicates (replica seqno-acks commit it),
+    the flusher persists (persist levels), timeouts run here too. Returns the commit's result or raises
+    SYNC_WRITE_AMBIGUOUS."""
+    svc.wake()
+    while not sw.done:
+        if bucket.closed:  # the node went down (or the service stops): the outcome is unknown
+            raise SyncWriteAmbiguous(f"sync write of {sw.key!r}: its node went down before it completed")
+        bucket.process_durability_timeouts()
+        if sw.done:
+            break
+        await asyncio.sleep(0.001)
+        svc.wake()
+    return sw.result()
+
+
 # ---------------------------------------------------------------------- documents
 async def get_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
@@ -183,8 +228,16 @@ async def put_doc(request: web.Request) -> web.Response:
     insert = request.headers.get("If-None-Match") == "*"
     if insert and cas:
         raise ApiError(400, "invalid_argument", "If-Match and If-None-Match: * cannot be combined")
+    durability = _durability(request)
     bucket = _bucket(svc, key)
-    if insert:
+    if durability is not None:
+        if svc.cluster is not None:
+            svc.cluster.push_topologies()
+        if insert:
+            raise ApiError(400, "invalid_argument", "If-None-Match: * with durability is not supported")
+        sw = bucket.set(key, body, cas=cas, flags=flags, expiry=expiry, durability=durability)
+        res = await _completed(svc, bucket, sw)
+    elif insert:
         res = bucket.add(key, body, flags=flags, expiry=expiry)
     elif cas:
         res = bucket.set(key, body, cas=cas, flags=flags, expiry=expiry)
@@ -197,7 +250,15 @@ async def put_doc(request: web.Request) -> web.Response:
 async def delete_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
     key = _key(request)
-    res = _bucket(svc, key).delete(key, cas=_cas_header(request))
+    durability = _durability(request)
+    bucket = _bucket(svc, key)
+    if durability is not None:
+        if svc.cluster is not None:
+            svc.cluster.push_topologies()
+        sw = bucket.delete(key, cas=_cas_header(request), durability=durability)
+        res = await _completed(svc, bucket, sw)
+    else:
+        res = bucket.delete(key, cas=_cas_header(request))
     svc.wake()
     return web.json_response(_mutation(res))
 

@@ -32,6 +32,7 @@ from typing import Any, Final, TypeVar, overload
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
+from engine.exceptions import InvalidArgument
 from engine.failover_log import FailoverEntry
 from engine.item import Item, Op
 from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
@@ -491,6 +492,8 @@ class RecordEncoder:
         vbc = self._vb_cache.get((item.vbucket, vbuuid)) or self._vb_entry(item.vbucket, vbuuid)
         sc = self._snap_cache.get((snap_start, snap_end)) or self._snap_entry(snap_start, snap_end)
         op = item.op
+        if op > 2:  # a prepare / abort (seed 004) never reaches a client without sync writes
+            raise InvalidArgument(f"not a data item: {item!r}")
         seqno = item.seqno
         rev = item.rev_seqno
         cas = item.cas

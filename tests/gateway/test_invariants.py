@@ -32,6 +32,7 @@ from engine import (
     StreamEnd,
     StreamEndReason,
 )
+from engine.item import DATA_OPS
 from gateway.exceptions import InvariantViolation
 from gateway.invariants import check_partition, data_positions
 from gateway.records import DecodedRecord, KafkaRecord, RecordEncoder, RecordType, ValueFormat, decode
@@ -82,7 +83,7 @@ def vb_history(draw: st.DrawFn, vb: int, enc: RecordEncoder) -> Records:
                     out.append(dec(enc.snapshot(SnapshotMarker(vb, start, end, SnapshotFlags.DISK), log[0].vbuuid)))
                     snap = (start, end)
                 if not draw(st.booleans()) or draw(st.booleans()):  # ~3/4 published, the rest filtered out
-                    op = draw(st.sampled_from(list(Op)))
+                    op = draw(st.sampled_from(list(DATA_OPS)))
                     item = Item(b"k%d" % draw(st.integers(0, 20)), b"v" if op is Op.MUTATION else None, vb, s,
                                 draw(st.integers(1, 10)), draw(st.integers(0, 2**64 - 1)), 0, 0, 0, op)
                     out.append(dec(enc.data(item, log[0].vbuuid, *snap)))
