@@ -13,14 +13,18 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.bucket import Bucket
 from engine.cluster import Cluster
+from engine.config import BucketConfig
 from engine.durability import Durability, Level, ManualClock, SyncWriteState, majority
 from engine.exceptions import (
     DurabilityImpossible,
@@ -31,11 +35,16 @@ from engine.exceptions import (
     TemporaryFailure,
 )
 from engine.item import Item
+from engine.process_cluster import NodeProcess
+from engine.protocol import STATE_CODES, Opcode
 from engine.rebalance import MovePhase, Rebalance, VBucketMove
 from engine.vbucket import VBucketState
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 from tests.engine.test_durability_properties import _BUILDERS as _DUR_BUILDERS
 from tests.engine.test_durability_properties import Harness
+from tests.engine.test_server import NVB as SERVER_NVB
+from tests.engine.test_server import keys_on
+from tests.engine.test_server_durability import CFG
 
 NVB = 8
 MAJ = Durability(Level.MAJORITY)
@@ -55,6 +64,67 @@ class CountingClient(ClusterClient):
             return handle(m)
 
         self.consumer.handle = counting  # type: ignore[method-assign]
+
+
+def test_second_chain_needs_a_majority_of_both_chains(tmp_path: Path) -> None:
+    """kv_engine: a topology of two chains (the post-move one second) -- a prepare commits only once durable
+    on both; the second chain's nodes ack like any replica; a second chain without a majority makes sync
+    writes impossible; a malformed one is refused."""
+    clock = ManualClock()
+    b = Bucket(BucketConfig(data_dir=tmp_path / "a", num_vbuckets=NVB, tune_gc=False), clock=clock)
+    try:
+        vb = b.vbucket_of("k")
+        b.set_replication_topology(vb, ["a", "b"], ["c", "b"])
+        sw = b.set("k", b"v", vbucket=vb, durability=MAJ)
+        b.seqno_acknowledged(vb, "b", sw.prepare_seqno)
+        assert not sw.done  # [a, b] satisfied, [c, b] not (a is not in it)
+        b.seqno_acknowledged(vb, "c", sw.prepare_seqno)
+        assert sw.committed and b.get("k", vbucket=vb).value == b"v"
+        # the old active kept as a replica of the new chain counts with its own ack there
+        b.set_replication_topology(vb, ["a", "b"], ["c", "a"])
+        sw = b.set("k", b"w", vbucket=vb, durability=MAJ)
+        b.seqno_acknowledged(vb, "c", sw.prepare_seqno)
+        assert not sw.done  # [c, a] satisfied, [a, b] not
+        b.seqno_acknowledged(vb, "b", sw.prepare_seqno)
+        assert sw.committed
+        b.set_replication_topology(vb, ["a", "b"], ["c", None])
+        with pytest.raises(DurabilityImpossible):
+            b.set("k", b"x", vbucket=vb, durability=MAJ)
+        with pytest.raises(InvalidArgument):
+            b.set_replication_topology(vb, ["a", "b"], [None, "b"])
+        with pytest.raises(InvalidArgument):
+            b.set_replication_topology(vb, ["a", "b"], ["c", "d", "e", "f", "g"])
+        b.set_replication_topology(vb, ["a", "b"])  # the move is over: one chain again
+        sw = b.set("k", b"y", vbucket=vb, durability=MAJ)
+        b.seqno_acknowledged(vb, "b", sw.prepare_seqno)
+        assert sw.committed
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def node_process(tmp_path: Path) -> Iterator[NodeProcess]:
+    node = NodeProcess("n0", tmp_path / "n0", SERVER_NVB, dict(CFG))
+    node.start()
+    yield node
+    node.kill()
+
+
+def test_node_process_takes_a_two_chain_topology(node_process: NodeProcess) -> None:
+    """SET_VBUCKET_STATE's ``topology`` over TCP carries up to two chains (kv_engine); more is EINVAL."""
+    c = node_process.require()
+    vb = 1
+    (k,) = keys_on(vb, 1, "t")
+    c.set_replication_topology(vb, ["n0"], ["n0"])
+    assert c.set(k, b"v", vbucket=vb, durability=MAJ).seqno == 2  # both chains: the node alone
+    c.set_replication_topology(vb, ["n0"], ["x", None])  # the post-move chain cannot reach a majority
+    with pytest.raises(DurabilityImpossible):
+        c.set(k, b"w", vbucket=vb, durability=MAJ)
+    with pytest.raises(InvalidArgument):
+        c._call(Opcode.SET_VBUCKET_STATE, vbucket=vb, extras=bytes([STATE_CODES["active"]]),
+                value=orjson.dumps({"topology": [["n0"], ["n0"], ["n0"]]}))
+    c.set_replication_topology(vb, ["n0"])
+    assert c.set(k, b"w", vbucket=vb, durability=MAJ).seqno == 4
 
 
 def _key_of(c: Cluster, vb: int, prefix: str = "k") -> str:
@@ -157,8 +227,9 @@ def test_reverted_takeover_keeps_the_prepare(tmp_path: Path, after_dead: bool) -
             assert sw.result().seqno == c.get(key).seqno  # the waiter got the commit
         assert c.get(key).value == b"kept"
         for n in c.nodes.values():
-            assert n.bucket is not None and n.bucket.vbucket(vb).durability is None or \
-                n.bucket.vbucket(vb).durability.aborts == 0  # type: ignore[union-attr]
+            assert n.bucket is not None
+            m = n.bucket.vbucket(vb).durability
+            assert m is None or m.aborts == 0  # the kept prepare was never aborted
         assert_replicas_equal_actives(c)
 
 
