@@ -469,3 +469,54 @@ def test_rebalance_failover_sync_write_schedules_lose_no_acknowledged_durable_wr
 def test_report_campaign_counts() -> None:
     # Not an invariant: the campaign's size, visible with -s.
     print(f"\ndurability x rebalance campaign: {RB_STATS} at {time.strftime('%H:%M:%S')}")
+
+
+# ---------------------------------------------------------------------- node processes
+@pytest.mark.slow
+def test_process_rebalance_with_sync_writes_then_hard_failover_loses_no_acked_write(tmp_path: Path) -> None:
+    """Node processes (ProcessRebalance: the destination's own replication links, which enable sync writes, are
+    the mover's consumers; the second chain travels in SET_VBUCKET_STATE's topology): sync writes of every
+    level while n3 is rebalanced in and n0 out, then n1 is SIGKILLed and hard failed over -- every acknowledged
+    durable write is visible on the new actives, replicas equal actives."""
+    from engine.process_cluster import ProcessCluster
+    from tests.engine.process_model import actives_state as process_actives_state
+    from tests.engine.process_model import assert_replicas_equal_actives as process_replicas_equal
+
+    c = ProcessCluster.start(tmp_path / "pc", nodes=3, replicas=2, num_vbuckets=NVB, checkpoint_max_items=3,
+                             backfill_chunk_items=2)
+    try:
+        acked: dict[bytes, bytes] = {}
+        refused = {"n": 0, "ambiguous": 0}
+        counter = {"i": 0}
+
+        def write(n: int) -> None:
+            for _ in range(n):
+                counter["i"] += 1
+                i = counter["i"]
+                key, value = f"d{i % 48}", f"v{i}"
+                level = Level(1 + i % 3)
+                try:
+                    c.write(key, value, durability=Durability(level, 10_000))
+                except (TemporaryFailure, NotMyVBucket, SyncWriteInProgress, DurabilityImpossible):
+                    refused["n"] += 1
+                    continue
+                except SyncWriteAmbiguous:
+                    refused["ambiguous"] += 1
+                    acked.pop(key.encode(), None)  # outcome unknown: no longer checked
+                    continue
+                acked[key.encode()] = value.encode()
+
+        write(40)
+        assert c.rebalance(add=["n3"], progress=lambda p: write(1)).status == "done"
+        assert c.rebalance(remove=["n0"], progress=lambda p: write(1)).status == "done"
+        write(10)
+        c.kill("n1")
+        c.failover("n1")
+        c.settle()
+        state = process_actives_state(c)
+        for k, v in acked.items():
+            assert state.get(k, (None,))[0] == v, (k, refused)
+        process_replicas_equal(c)
+        assert len(acked) >= 40
+    finally:
+        c.close(clean=False)
