@@ -276,10 +276,13 @@ _RB_BUILDERS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     # the mover alone (the map's connections lag) or whole pumps
     "rebalance_step": st.tuples(st.just("rebalance_step"), st.integers(1, 6), st.booleans()),
     "rebalance_finish": st.tuples(st.just("rebalance_finish")),
+    # a sync write to the source of a running takeover, then mover-only steps: a prepare in flight when the
+    # old active goes dead
+    "takeover_write": st.tuples(st.just("takeover_write"), st.integers(1, 3), st.integers(1, 4)),
 }
 _RB_WEIGHTS = {"sync": 8, "sync_node": 5, "plain": 2, "pump": 5, "pump_all": 2, "flush": 3, "tick": 2,
                "crash": 1, "restart": 2, "hard_failover": 2, "rebalance_in": 2, "rebalance_out": 2,
-               "rebalance_swap": 1, "rebalance_step": 8, "rebalance_finish": 1}
+               "rebalance_swap": 1, "rebalance_step": 8, "rebalance_finish": 1, "takeover_write": 3}
 _rb_op = st.sampled_from([k for k, w in _RB_WEIGHTS.items() for _ in range(w)]).flatmap(lambda k: _RB_BUILDERS[k])
 
 
@@ -345,6 +348,25 @@ class RebalanceDurabilityHarness(Harness):
                 if src.vbucket(m.vbucket).state is VBucketState.DEAD:
                     self.rstats["takeover_prepares"] += len(src.vbucket(m.vbucket).prepares)
 
+    def _takeover_write(self, level: Level, steps: int) -> None:
+        c = self.cluster
+        reb = c.rebalance_running
+        moves = [] if reb is None else [m for m in reb.running if m.phase is MovePhase.TAKEOVER]
+        if not moves or not c.nodes[moves[0].source].up:
+            return
+        m = moves[0]
+        b = c.nodes[m.source].bucket
+        assert b is not None
+        self.n += 1
+        key = _key_of(c, m.vbucket, f"t{self.n}-")
+        value = f"v{self.n}".encode()
+        with contextlib.suppress(NotMyVBucket, DurabilityImpossible, SyncWriteInProgress):
+            sw = b.set(key, value, vbucket=m.vbucket, durability=Durability(level))
+            self.pending.append((sw, value, int(level)))
+            self.rstats["node_syncs"] += 1
+        for _ in range(steps):
+            self._mover_step(False)
+
     def _finish(self) -> None:
         c = self.cluster
         for _ in range(100_000):
@@ -379,6 +401,8 @@ class RebalanceDurabilityHarness(Harness):
                     sw = c.active_bucket(vb).set(key, value, vbucket=vb, durability=Durability(Level(o[1]), o[2]))
                     self.pending.append((sw, value, o[1]))
                     self.rstats["node_syncs"] += 1
+            elif kind == "takeover_write":
+                self._takeover_write(Level(o[1]), o[2])
             elif kind == "hard_failover":
                 name = self._name(o[1])
                 if self._can_fail_over(name):
