@@ -544,3 +544,99 @@ def test_process_rebalance_with_sync_writes_then_hard_failover_loses_no_acked_wr
         assert len(acked) >= 40
     finally:
         c.close(clean=False)
+
+
+_PROC_OP = st.one_of(
+    st.tuples(st.just("sync"), st.integers(1, 3)),
+    st.tuples(st.just("sync"), st.integers(1, 3)),
+    st.tuples(st.just("pause"), st.integers(0, 4)),
+    st.tuples(st.just("resume")),
+    st.tuples(st.just("rebalance_in"), st.integers(1, 3)),
+    st.tuples(st.just("rebalance_out"), st.integers(0, 4), st.integers(1, 3)),
+    st.tuples(st.just("crash"), st.integers(0, 4)),
+    st.tuples(st.just("failover"), st.integers(0, 4)),
+)
+PROC_EXAMPLES = int(os.environ.get("DURABILITY_REBALANCE_PROCESS_EXAMPLES", "4"))
+PROC_STATS = {"runs": 0, "rebalances": 0, "moved": 0, "acked": 0, "checked": 0, "failovers": 0, "crashes": 0}
+
+
+@pytest.mark.slow
+@settings(max_examples=PROC_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=st.lists(_PROC_OP, min_size=6, max_size=14))
+def test_process_rebalance_sync_write_schedules_lose_no_acknowledged_durable_write(
+        tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[Any, ...]]) -> None:
+    """Node processes, 3+ nodes with 2 replicas: sync writes of every level (also inside rebalances, from the
+    progress callback), paused replication, SIGKILL + restart, rebalance in / out, SIGKILL + hard failover
+    while every chain is whole (a majority of each chain survives). Zero lost acknowledged durable writes
+    (PERSIST_TO_MAJORITY always, the in-memory levels when no other node crashed after the ack)."""
+    from engine.exceptions import EngineError
+    from engine.process_cluster import ProcessCluster
+
+    base = tmp_path_factory.mktemp("pdurreb")
+    acked: dict[str, tuple[bytes, int, int]] = {}
+    state = {"n": 0, "crashes": 0, "fresh": 0}
+    with ProcessCluster.start(base, nodes=3, replicas=2, num_vbuckets=NVB, seed=5) as pc:
+
+        def sync(level: int) -> None:
+            state["n"] += 1
+            key, value = f"s{state['n']}", f"v{state['n']}".encode()
+            try:
+                pc.write(key, value, durability=Durability(Level(level), 3000))
+            except EngineError:
+                return  # ambiguous, impossible, moving (TMPFAIL), node down: not acknowledged
+            acked[key] = (value, level, state["crashes"])
+
+        def rebalance(add: list[str], remove: list[str], level: int) -> None:
+            pc.resume_replication()
+            with contextlib.suppress(EngineError):
+                p = pc.rebalance(add=add, remove=remove, progress=lambda _p: sync(level))
+                PROC_STATS["rebalances"] += 1
+                PROC_STATS["moved"] += p.moved
+
+        for o in ops:
+            kind = o[0]
+            nodes = list(pc.vbucket_map().nodes)
+            if kind == "sync":
+                sync(o[1])
+            elif kind == "pause":
+                pc.resume_replication()
+                pc.pause_replication([nodes[o[1] % len(nodes)]])  # one replica lags at a time
+            elif kind == "resume":
+                pc.resume_replication()
+            elif kind == "rebalance_in":
+                state["fresh"] += 1
+                rebalance([f"x{state['fresh']}"], [], o[1])
+            elif kind == "rebalance_out" and len(nodes) > 3:
+                rebalance([], [nodes[o[1] % len(nodes)]], o[2])
+            elif kind == "crash":
+                name = nodes[o[1] % len(nodes)]
+                pc.kill(name)
+                pc.restart(name)
+                state["crashes"] += 1
+                PROC_STATS["crashes"] += 1
+            elif kind == "failover" and len(nodes) > 3 and all(
+                    None not in ch for ch in pc.vbucket_map().chains):
+                pc.resume_replication()
+                name = nodes[o[1] % len(nodes)]
+                pc.kill(name)  # SIGKILL, then hard failover: every chain keeps a majority
+                pc.failover(name)
+                PROC_STATS["failovers"] += 1
+        pc.resume_replication()
+        pc.settle()
+        for key, (value, level, at) in acked.items():
+            PROC_STATS["acked"] += 1
+            if level != Level.PERSIST_TO_MAJORITY and at != state["crashes"]:
+                continue
+            deadline = time.monotonic() + 15
+            while True:
+                with contextlib.suppress(EngineError):
+                    if pc.get(key).value == value:
+                        break
+                assert time.monotonic() < deadline, f"lost acknowledged durable write {key} (level {level})"
+                time.sleep(0.02)
+            PROC_STATS["checked"] += 1
+    PROC_STATS["runs"] += 1
+
+
+def test_report_process_campaign_counts() -> None:
+    print(f"\nprocess durability x rebalance campaign: {PROC_STATS} at {time.strftime('%H:%M:%S')}")
