@@ -342,12 +342,15 @@ class Bucket:
         timeout = durability.effective_timeout_ms(c.durability_timeout_ms, c.durability_timeout_floor_ms)
         return monitor(vb).add_sync_write(k, v, mode, cas, flags, expiry, datatype, level, timeout)
 
-    def set_replication_topology(self, vbucket: int, chain: list[str | None]) -> None:
+    def set_replication_topology(
+        self, vbucket: int, chain: list[str | None], second: list[str | None] | None = None,
+    ) -> None:
         """The vbucket's replication chain (the active node first, then the replica slots, None = empty), sent
-        by the cluster manager (kv_engine: ns_server's ``setVBucketState`` topology). Prepares now satisfied
+        by the cluster manager (kv_engine: ns_server's ``setVBucketState`` topology), and during a rebalance
+        move the post-move ``second`` chain (a prepare then needs a majority of both). Prepares now satisfied
         commit. Without one a vbucket is a single node with no replicas (majority 1)."""
         vb = self.vbucket(vbucket)
-        monitor(vb).set_topology(chain)
+        monitor(vb).set_topology(chain, second)
 
     def seqno_acknowledged(self, vbucket: int, node: str, seqno: int) -> int:
         """A replica's seqno-ack for an active vbucket (DCP_SEQNO_ACKNOWLEDGED); returns commits made.
@@ -610,6 +613,7 @@ class Bucket:
         m = monitor(vb)
         m.state_changed()
         m.chain = ()
+        m.second_chain = None
         vb.state = VBucketState.ACTIVE
         vb.state_cas = self._new_state_cas()
         self.storage.save_states([self._record(vb)])

@@ -194,7 +194,8 @@ class Cluster(ClusterManager):
         """Tell every live active its replication chain from the map (ns_server sends the topology with
         ``setVBucketState``); a no-op while neither the map nor the live buckets changed."""
         key = (self._map.revision, tuple((n, id(node.bucket)) for n, node in sorted(self.nodes.items())
-                                         if node.up))
+                                         if node.up),
+               tuple((vb, tuple(ch)) for vb, ch in sorted(self._second_chains.items())))
         if key == getattr(self, "_topology_key", None):
             return
         self._topology_key = key
@@ -205,7 +206,8 @@ class Cluster(ClusterManager):
             bucket = self.nodes[a].bucket
             assert bucket is not None
             if bucket.vbucket(vb).state.value == "active":
-                bucket.set_replication_topology(vb, list(chain))
+                second = self._second_chains.get(vb)
+                bucket.set_replication_topology(vb, list(chain), None if second is None else list(second))
 
     def submit(
         self, key: bytes | str, value: bytes | str | None, *, durability: Durability, **kwargs: Any,

@@ -215,6 +215,9 @@ class ActiveDurabilityMonitor:
         #: chain[0] is this node (the active), then the replica slots; None = an empty slot. Until a cluster
         #: manager sets a topology the vbucket is a single-node bucket with no replicas.
         self.chain: tuple[str | None, ...] = ("",)
+        #: kv_engine's second replication chain: during the later stages of a rebalance ns_server also sends the
+        #: post-rebalance chain, and a prepare is satisfied only once durable on **both** (a majority of each)
+        self.second_chain: tuple[str | None, ...] | None = None
         self.acks: dict[str, int] = {}
         self.waiters: dict[int, SyncWrite] = {}
         self.commits = 0
@@ -226,18 +229,23 @@ class ActiveDurabilityMonitor:
 
     @property
     def possible(self) -> bool:
-        return durability_possible(self.chain)
+        return durability_possible(self.chain) and (
+            self.second_chain is None or durability_possible(self.second_chain))
 
-    def set_topology(self, chain: Sequence[str | None]) -> None:
+    def set_topology(self, chain: Sequence[str | None], second: Sequence[str | None] | None = None) -> None:
         """The replication chain from the cluster manager (kv_engine ``setReplicationTopology``): the active
-        first (never empty), then 0-3 replica slots."""
+        first (never empty), then 0-3 replica slots; ``second`` the post-rebalance chain during a vbucket move
+        (kv_engine: a topology holds up to two chains; its first node is the future active)."""
         chain = tuple(chain)
-        if not 1 <= len(chain) <= MAX_CHAIN or chain[0] is None:
-            raise InvalidArgument(f"bad replication chain {list(chain)!r}: 1..4 slots, the active defined")
-        if chain == self.chain:
+        sec = None if second is None else tuple(second)
+        for ch in (chain, sec):
+            if ch is not None and (not 1 <= len(ch) <= MAX_CHAIN or ch[0] is None):
+                raise InvalidArgument(f"bad replication chain {list(ch)!r}: 1..4 slots, the active defined")
+        if chain == self.chain and sec == self.second_chain:
             return
         self.chain = chain
-        keep = set(chain[1:])
+        self.second_chain = sec
+        keep = set(chain[1:]) | set(sec or ())
         self.acks = {n: s for n, s in self.acks.items() if n in keep}
         self.check()
 
@@ -259,12 +267,28 @@ class ActiveDurabilityMonitor:
                 return p.seqno - 1
         return self.vb.high_seqno
 
-    def acked_by(self, seqno: int, active_ack: int) -> int:
-        n = 1 if active_ack >= seqno else 0
-        for r in self.chain[1:]:
-            if r is not None and self.acks.get(r, -1) >= seqno:
+    def acked_by(self, seqno: int, active_ack: int, chain: Sequence[str | None] | None = None) -> int:
+        """Acks of ``seqno`` among the nodes of ``chain`` (default: the first chain). This node counts with its
+        own ack (it is the first chain's active; in a second chain it may be a replica or absent)."""
+        me = self.chain[0]
+        nodes = self.chain if chain is None else chain
+        n = 0
+        for i, r in enumerate(nodes):
+            if r is None:
+                continue
+            if (i == 0 and chain is None) or r == me:
+                n += 1 if active_ack >= seqno else 0
+            elif self.acks.get(r, -1) >= seqno:
                 n += 1
         return n
+
+    def satisfied(self, seqno: int, active_ack: int) -> bool:
+        """Durable on the first chain and, during a move, on the second (kv_engine ``isSatisfied`` of both
+        chains)."""
+        if active_ack < seqno or self.acked_by(seqno, active_ack) < self.majority:
+            return False
+        sec = self.second_chain
+        return sec is None or self.acked_by(seqno, active_ack, sec) >= majority(sec)
 
     def check(self) -> int:
         """Commit, in seqno order, every prepare now satisfied; returns how many."""
@@ -273,10 +297,9 @@ class ActiveDurabilityMonitor:
             return 0
         ordered = _ordered(vb)
         a = self.active_ack(ordered)
-        need = self.majority
         n = 0
         for p in ordered:
-            if a < p.seqno or self.acked_by(p.seqno, a) < need:
+            if not self.satisfied(p.seqno, a):
                 break
             self._commit(p)
             n += 1

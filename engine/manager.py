@@ -112,6 +112,9 @@ class ClusterManager(ABC):
         self.graceful_reactivations = 0
         #: vbucket -> nodes whose stream of it the rebalance mover drives (engine/rebalance.py), not the map
         self._moving: dict[int, set[str]] = {}
+        #: vbucket -> its post-move chain while a rebalance moves it (kv_engine's second replication chain:
+        #: a sync write then needs a majority of the map's chain and of this one; seed 004 x seed 003)
+        self._second_chains: dict[int, list[str | None]] = {}
         #: the rebalance in progress, if any
         self._rebalance: Rebalance | None = None
 

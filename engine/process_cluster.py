@@ -237,7 +237,9 @@ class ProcessCluster(ClusterManager):
             if a is None or not self.nodes[a].up or a == exclude:
                 continue
             with contextlib.suppress(NodeUnavailable, NotMyVBucket):
-                self.nodes[a].require().set_replication_topology(vb, list(chain))
+                second = self._second_chains.get(vb)
+                self.nodes[a].require().set_replication_topology(
+                    vb, list(chain), None if second is None else list(second))
 
     def _wait_progress(self) -> None:
         if self._rebalance is not None:

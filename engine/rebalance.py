@@ -189,12 +189,16 @@ class _PendingAdd:
 class MigratorConnection:
     """A named connection between the mover and both sides (module docstring; seed 003)."""
 
-    def __init__(self, name: str, source: Bucket, destination: Bucket, opaques: Iterable[int]) -> None:
+    def __init__(self, name: str, source: Bucket, destination: Bucket, opaques: Iterable[int],
+                 consumer_name: str | None = None) -> None:
         self.name = name
         # Seed 003: "If a connection with the name given already exists then that connection will be closed
         # immediately" -- Bucket.dcp_producer closes a producer of the same name.
         self.producer = source.dcp_producer(name)
-        self.consumer = DcpConsumer(name, destination, self.producer)
+        # Seed 004: with ``consumer_name`` (the destination node) the connection enables sync writes like the
+        # map's replication: prepares / commits / aborts reach the new copies and they seqno-ack as that node
+        # (the acks count once the node is in the vbucket's second chain).
+        self.consumer = DcpConsumer(name, destination, self.producer, consumer_name=consumer_name)
         self._opaques = iter(opaques)
         self._pending: dict[int, _PendingAdd] = {}
         self._done: list[AddStreamResult] = []
@@ -272,7 +276,10 @@ class MigratorConnection:
     def step(self, max_messages: int = 4096) -> int:
         if self.closed:
             return 0
-        return self.consumer.step(max_messages)
+        n = self.consumer.step(max_messages)
+        # seed 004: what a flush made durable is acked too (persist levels), as the map's connections do
+        self.consumer.acknowledge_seqnos()
+        return n
 
     def close(self) -> None:
         if not self.closed:
@@ -397,7 +404,7 @@ class Rebalance:
             src_bucket, dst_bucket = self.cluster._control(src), self.cluster._control(dst)
             if not isinstance(src_bucket, Bucket) or not isinstance(dst_bucket, Bucket):
                 raise InvalidArgument("the in-process mover needs in-process nodes")
-            conn = MigratorConnection(name, src_bucket, dst_bucket, self._opaques)
+            conn = MigratorConnection(name, src_bucket, dst_bucket, self._opaques, consumer_name=dst)
             self.connections[name] = conn
         return conn
 
@@ -574,6 +581,7 @@ class Rebalance:
                 return
             move.persist_target = src.vbucket_info(vb).high_seqno
             move.phase = MovePhase.PERSIST
+            self._set_second_chain(move)
         if move.phase is MovePhase.PERSIST:
             # Seed 003 "Moving Data" 2: wait for persistence of the new copies up to that seqno.
             if any(c._control(n).vbucket_info(vb).snapshot_persisted < move.persist_target for n in move.fed):
@@ -633,11 +641,22 @@ class Rebalance:
         self._refeed_target(move)
         move.phase = MovePhase.BACKFILL  # writes stay stopped; SETTLE is reached again once caught up
 
+    def _set_second_chain(self, move: VBucketMove) -> None:
+        """kv_engine / ns_server: in the later stages of a move the active gets a topology of two chains, the
+        map's and the post-move one, so a sync write acknowledged from now on is durable on the new chain too
+        (the new copies seqno-ack over the mover's streams). Kept across a reverted takeover; dropped when the
+        map changes (switch) or the move is stopped."""
+        c = self.cluster
+        if list(move.new) != list(move.old):
+            c._second_chains[move.vbucket] = list(move.new)
+            c._wire()
+
     def _switch(self, move: VBucketMove) -> None:
         """The map gets the new chain (revision + 1: clients follow), old copies become dead, the new copies
         replicate from the new active through the map's connections."""
         c = self.cluster
         vb = move.vbucket
+        c._second_chains.pop(vb, None)
         self._release(move)
         chains = [list(ch) for ch in c.vbucket_map().chains]
         chains[vb] = list(move.new)
@@ -690,6 +709,7 @@ class Rebalance:
                         c._set_state(n, vb, want)
             c._moving.pop(vb, None)
             c._blocked.discard(vb)
+            c._second_chains.pop(vb, None)
         self.running.clear()
         self.queue.clear()
         self.status = "failed"

@@ -217,11 +217,15 @@ class RemoteNode:
         uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
         return MutationResult(vbucket, uuid, seqno, f.cas)
 
-    def set_replication_topology(self, vbucket: int, chain: Sequence[str | None]) -> None:
+    def set_replication_topology(
+        self, vbucket: int, chain: Sequence[str | None], second: Sequence[str | None] | None = None,
+    ) -> None:
         """The replication chain of an active vbucket (kv_engine: SET_VBUCKET_STATE active with the value
-        ``{"topology": [[active, replica...]]}``; unconditional, the state stays active)."""
+        ``{"topology": [[active, replica...]]}``, or two chains during a rebalance move; unconditional, the
+        state stays active)."""
+        topology = [list(chain)] if second is None else [list(chain), list(second)]
         self._call(Opcode.SET_VBUCKET_STATE, vbucket=vbucket, extras=bytes([STATE_CODES["active"]]),
-                   value=orjson.dumps({"topology": [list(chain)]}))
+                   value=orjson.dumps({"topology": topology}))
 
     def delete(self, key: bytes | str, *, vbucket: int, cas: int = 0,
                durability: Durability | None = None) -> MutationResult:

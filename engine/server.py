@@ -621,8 +621,11 @@ class NodeServer:
                 raise InvalidArgument("SET_VBUCKET_STATE body must be a JSON object")
         topology = opts.get("topology")
         if topology is not None and (state is not VBucketState.ACTIVE or not isinstance(topology, list)
-                                     or not topology or not isinstance(topology[0], list)):
-            raise InvalidArgument(f"bad topology {topology!r}: [[active, replica...]] for an active vbucket")
+                                     or not 1 <= len(topology) <= 2
+                                     or not all(isinstance(ch, list) for ch in topology)):
+            # kv_engine: up to two chains (the second during a rebalance move)
+            raise InvalidArgument(f"bad topology {topology!r}: [[active, replica...]] (or two chains) for an "
+                                  "active vbucket")
         if topology is not None and v.state is not VBucketState.ACTIVE:
             # only an active copy takes a topology here (the manager never promotes with one)
             raise NotMyVBucket(f"vbucket {f.vbucket} is {v.state.value}: a topology needs an active vbucket")
@@ -634,7 +637,7 @@ class NodeServer:
             new_cas = b.set_vbucket_state(f.vbucket, state, cas=cas)
         if topology is not None:
             # kv_engine: ns_server sends the replication chain with setVBucketState (seed 004)
-            b.set_replication_topology(f.vbucket, topology[0])
+            b.set_replication_topology(f.vbucket, topology[0], topology[1] if len(topology) > 1 else None)
         self.kick()
         return response(f.opcode, value=body, opaque=f.opaque, cas=new_cas)
 
