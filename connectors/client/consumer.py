@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import uuid
@@ -39,7 +40,7 @@ from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
-from gateway.records import decode, read_change
+from gateway.records import decode, read_change, read_control
 
 __all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
            "PartialChange", "PriorLookup", "RollbackInstruction"]
@@ -311,9 +312,11 @@ class ChangeStreamConsumer:
         confirmation may rewind the partition) or, in per-record mode, after any event.
 
         Hot path: a well-formed data record is decoded from its Avro value alone, straight into a
-        :class:`Change` (``read_change``), and fed to its vbucket's replayer; every other record (control
-        records, raw values, anything the fast reader does not accept, errors) goes through :meth:`_handle` and
-        the full, header-checking decoder.
+        :class:`Change` (``read_change``), and fed to its vbucket's replayer together with the records of the
+        same vbucket next to it (``VBucketReplayer.feed_changes``); every other record goes through
+        :meth:`_handle`: a well-formed Avro control record is decoded from its value alone (``read_control``),
+        anything else (raw values, whatever the fast readers do not accept, errors) by the full, header-checking
+        decoder.
         """
         backlog = self._backlog
         queue = self._queue
@@ -322,50 +325,73 @@ class ChangeStreamConsumer:
                 self._handle(backlog.popleft())
             return
         read = read_change
-        vbs = self._vbs
         assigned = self._assigned
         eof = self._eof
-        pop = backlog.popleft
-        n = 0
-        # The partition of the previous fast-path record (checked: assigned, and marked not at EOF -- an EOF
-        # only comes through _handle, which resets it) and the vbucket (its state and replayer: neither is
-        # replaced while the backlog is fed; confirmations come between calls).
-        last_p = last_vb = -1
-        s: _VB | None = None
-        feed: Callable[[Change], Snapshot | None] | None = None
+        # A run: consecutive well-formed data records of one vbucket of one (assigned) partition, fed to its
+        # replayer in one call when the run ends (another vbucket or partition, any other record, the end of
+        # the backlog). The partition is checked and marked not at EOF once per run (an EOF only comes through
+        # _handle, which ends the run).
+        run: list[Change] = []
+        add = run.append
+        run_vb = run_p = -1
+        done = 0  # records taken from the backlog (those of an unfed run go back if an exception escapes)
         try:
-            while backlog:
-                m = pop()
+            for m in backlog:
+                done += 1
                 if m.error() is None:
                     v = m.value()
                     ch = read(v, m.offset(), Change) if v is not None else None
                     if ch is not None:
+                        # fields by index: 3 vbucket (see Change)
+                        if ch[3] == run_vb and m.partition() == run_p:
+                            add(ch)
+                            continue
+                        if run:
+                            fed, run = run, []
+                            add = run.append
+                            self._feed_run(run_vb, run_p, fed)
                         p = m.partition()
-                        if p != last_p:
-                            if p not in assigned:
-                                continue
-                            eof[p] = False
-                            last_p = p
-                        n += 1
-                        vb = ch[3]  # Change.vbucket
-                        if vb != last_vb or s is None or feed is None:
-                            s = vbs.get(vb)
-                            if s is None:
-                                s = self._vb(vb, p, ch[11])
-                            feed = s.replayer.feed_change
-                            last_vb = vb
-                        if ch[11] > s.skip_through:  # Change.offset
-                            s.last_fed = ch[11]
-                            snap = feed(ch)
-                            if snap is not None:
-                                queue.append((vb, p, snap))
+                        if p not in assigned:
+                            run_vb = -1
+                            continue
+                        eof[p] = False
+                        run_vb = ch[3]
+                        run_p = p
+                        add(ch)
                         continue
+                if run:
+                    fed, run = run, []
+                    add = run.append
+                    self._feed_run(run_vb, run_p, fed)
+                run_vb = -1
                 self._handle(m)
-                last_p = last_vb = -1
                 if queue and queue[-1][2].__class__ is Rollback:
-                    return
+                    break
+            if run:
+                fed, run = run, []
+                self._feed_run(run_vb, run_p, fed)
         finally:
-            self.records_consumed += n
+            done -= len(run)
+            if done == len(backlog):
+                backlog.clear()
+            else:
+                for _ in range(done):
+                    backlog.popleft()
+
+    def _feed_run(self, vb: int, p: int, run: list[Change]) -> None:
+        """Feed a run of ``vb``'s data records (partition ``p``, ascending offsets) to its replayer."""
+        self.records_consumed += len(run)
+        s = self._vbs.get(vb)
+        if s is None:
+            s = self._vb(vb, p, run[0][11])  # Change.offset
+        skip = s.skip_through
+        if run[0][11] <= skip:  # records already applied (state loaded from the store, or a rewind)
+            run = [ch for ch in run if ch[11] > skip]
+            if not run:
+                return
+        s.last_fed = run[-1][11]
+        for snap in s.replayer.feed_changes(run):
+            self._queue.append((vb, p, snap))
 
     def _handle(self, m: Any) -> None:
         p = m.partition()
@@ -384,7 +410,12 @@ class ChangeStreamConsumer:
         off = m.offset()
         self.records_consumed += 1
         try:
-            rec = decode(m.key(), m.value(), m.headers())
+            # control records (snapshot markers, failover logs) from their value alone when it is well formed;
+            # anything else -- and every record read_control does not accept -- through the full decoder
+            v = m.value()
+            rec = read_control(v) if v.__class__ is bytes and m.key() is None else None
+            if rec is None:
+                rec = decode(m.key(), v, m.headers())
         except RecordFormatError as e:
             self._dead_letter(m, e)
             raise DecodeError(f"{self.topic}[{p}]@{off}: {e} (copied to the dead-letter destination)",
@@ -429,13 +460,27 @@ class ChangeStreamConsumer:
 
     def _next_event(self, timeout: float) -> ClientEvent | None:
         """The next event, opened (its transaction begun); None when nothing arrived within ``timeout``."""
-        while True:
-            if self._queue:
-                vb, p, ev = self._queue.popleft()
-                return self._begin(vb, p, ev)
-            if not self._backlog and not self._fetch(timeout):
-                return None
-            self._feed_backlog()
+        if self._queue:
+            vb, p, ev = self._queue.popleft()
+            return self._begin(vb, p, ev)
+        # Fetching and feeding allocate a tracked object or two per record (the librdkafka Message, the Change
+        # tuple -- a tuple subclass holding an enum member, never untracked) and create no reference cycles:
+        # CPython's cyclic GC would only rescan the batch in flight, several times per batch (~5 % of the
+        # client's time, docs/performance.md). It is paused for this library-internal stretch -- never while
+        # application code runs -- and resumed (collecting as usual from then on) before the event is returned.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            while not self._queue:
+                if not self._backlog and not self._fetch(timeout):
+                    return None
+                self._feed_backlog()
+        finally:
+            if paused:
+                gc.enable()
+        vb, p, ev = self._queue.popleft()
+        return self._begin(vb, p, ev)
 
     def _begin(self, vb: int, p: int, ev: Snapshot | Rollback | PartialChange) -> ClientEvent:
         self.store.begin()
