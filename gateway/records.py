@@ -1051,6 +1051,43 @@ def _key_head(value: bytes) -> tuple[RecordType, int, int] | None:
     return rtype, p, p + (kz >> 1)
 
 
+#: union branch 1 (bytes) and a canonical two-byte length of an even (non-negative) zigzag -> the body length
+_BODY_LEN2: Final = {b"\x02" + _VARINT[z]: z >> 1 for z in range(0x80, 1 << 14, 2)}
+
+
+def _body_general(value: bytes, q: int) -> tuple[bytes | None, int] | None:
+    """:func:`read_change`'s general path for the value's body at ``q`` (what ``_BODY_LEN2`` does not hold: a
+    null body, a length of one byte or of three and more): (body, the position after it), None when invalid."""
+    try:
+        branch = value[q]
+        if branch == 2:
+            a = value[q + 1]
+            if a < 0x80:
+                q += 2
+                n = a
+            elif value[q + 2] < 0x80:
+                n = (a & 0x7F) | (value[q + 2] << 7)
+                q += 3
+            else:
+                m = _VARINT_RE.match(value, q + 1)  # the length: one varint, any size
+                if m is None:
+                    return None
+                n_u = _varint_u64(m.group())
+                if n_u is None or n_u >= _I64_SIGN:
+                    return None
+                q = m.end()
+                n = n_u << 1
+            if n & 1:
+                return None
+            n >>= 1
+            return value[q:q + n], q + n
+        if branch == 0:
+            return None, q + 1
+        return None
+    except IndexError:  # a key cut short by the end of the value: value[q] is past the end
+        return None
+
+
 @overload
 def read_change(value: bytes, offset: int, cls: type[_T]) -> _T | None: ...
 @overload
@@ -1078,39 +1115,19 @@ def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
         if h is None:
             return None
         rtype, p, q = h
+    key = value[p:q]
     try:
-        key = value[p:q]
-        branch = value[q]
-        if branch == 2:
-            a = value[q + 1]
-            if a < 0x80:
-                q += 2
-                n = a
-            elif value[q + 2] < 0x80:
-                n = (a & 0x7F) | (value[q + 2] << 7)
-                q += 3
-            else:
-                m = _VARINT_RE.match(value, q + 1)  # the length: one varint, any size
-                if m is None:
-                    return None
-                n_u = _varint_u64(m.group())
-                if n_u is None or n_u >= _I64_SIGN:
-                    return None
-                q = m.end()
-                n = n_u << 1
-            if n & 1:
-                return None
-            n >>= 1
-            body: bytes | None = value[q:q + n]
-            q += n
-        elif branch == 0:
-            body = None
-            q += 1
-        else:
+        # the common body (64 B .. 8 KiB): union branch 1 and a two-byte length in one look-up
+        n = _BODY_LEN2[value[q:q + 3]]
+        q += 3
+        body: bytes | None = value[q:q + n]
+        q += n
+    except KeyError:
+        t = _body_general(value, q)
+        if t is None:
             return None
-    except IndexError:
-        return None
-    # (a key cut short by the end of the value raised the IndexError above: value[q] was past the end)
+        body, q = t
+    # (a key or body cut short by the end of the value leaves q past the end: the tail cannot match)
     m = _CHANGE_TAIL.fullmatch(value, q)
     if m is None:
         return None

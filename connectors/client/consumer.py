@@ -42,7 +42,7 @@ from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
 from gateway.records import decode, read_change, read_control
 
-__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
+__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "GC_YOUNG_THRESHOLD", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
            "PartialChange", "PriorLookup", "RollbackInstruction"]
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 FETCH_DEFAULTS: Final[Mapping[str, Any]] = {"fetch.wait.max.ms": 100, "fetch.max.bytes": 1 << 20}
 #: records taken from librdkafka at a time (bench.client gives its raw baseline consumer the same)
 DEFAULT_BATCH_SIZE: Final = 2000
+#: CPython's young-generation GC threshold while :meth:`ChangeStreamConsumer.run` runs (at least; see there)
+GC_YOUNG_THRESHOLD: Final = 50_000
 
 #: ``prior_lookup(vbucket, keys)`` -> {key: (value, seqno)} of the keys that exist in the application now
 PriorLookup = Callable[[int, Sequence[bytes]], Mapping[bytes, Prior]]
@@ -460,27 +462,13 @@ class ChangeStreamConsumer:
 
     def _next_event(self, timeout: float) -> ClientEvent | None:
         """The next event, opened (its transaction begun); None when nothing arrived within ``timeout``."""
-        if self._queue:
-            vb, p, ev = self._queue.popleft()
-            return self._begin(vb, p, ev)
-        # Fetching and feeding allocate a tracked object or two per record (the librdkafka Message, the Change
-        # tuple -- a tuple subclass holding an enum member, never untracked) and create no reference cycles:
-        # CPython's cyclic GC would only rescan the batch in flight, several times per batch (~5 % of the
-        # client's time, docs/performance.md). It is paused for this library-internal stretch -- never while
-        # application code runs -- and resumed (collecting as usual from then on) before the event is returned.
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            while not self._queue:
-                if not self._backlog and not self._fetch(timeout):
-                    return None
-                self._feed_backlog()
-        finally:
-            if paused:
-                gc.enable()
-        vb, p, ev = self._queue.popleft()
-        return self._begin(vb, p, ev)
+        while True:
+            if self._queue:
+                vb, p, ev = self._queue.popleft()
+                return self._begin(vb, p, ev)
+            if not self._backlog and not self._fetch(timeout):
+                return None
+            self._feed_backlog()
 
     def _begin(self, vb: int, p: int, ev: Snapshot | Rollback | PartialChange) -> ClientEvent:
         self.store.begin()
@@ -656,6 +644,16 @@ class ChangeStreamConsumer:
         once for applications that write into the state store's transaction (``store.conn``), whose writes
         roll back with it. A :class:`DecodeError` goes to ``on_error`` (then consumption continues) or,
         without it, is raised."""
+        # CPython's cyclic GC: with its default young-generation threshold (700 allocations) it collects
+        # several times per fetched batch, rescanning the batch's librdkafka Messages and the buffered Change
+        # tuples (tracked objects: a tuple subclass holding an enum member), and every ~10th pass promotes them
+        # into full collections of the whole process (~6 % of the client's time, docs/performance.md). The
+        # client owns this loop: while it runs the young threshold is at least GC_YOUNG_THRESHOLD (the engine
+        # uses the same, engine.bucket.GC_THRESHOLDS); the application's own thresholds are restored when it
+        # returns or raises. Nothing the client allocates forms reference cycles (refcounting frees it).
+        thresholds = gc.get_threshold()
+        if thresholds[0] < GC_YOUNG_THRESHOLD:
+            gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
             while True:
                 try:
@@ -680,6 +678,8 @@ class ChangeStreamConsumer:
                         self.abandon()
                     raise
         finally:
+            if gc.get_threshold()[0] == GC_YOUNG_THRESHOLD != thresholds[0]:
+                gc.set_threshold(*thresholds)
             self.flush()  # what the application confirmed stays confirmed
 
     def stop(self) -> None:
