@@ -652,7 +652,7 @@ class ChangeStreamConsumer:
         # uses the same, engine.bucket.GC_THRESHOLDS); the application's own thresholds are restored when it
         # returns or raises. Nothing the client allocates forms reference cycles (refcounting frees it).
         thresholds = gc.get_threshold()
-        if thresholds[0] < GC_YOUNG_THRESHOLD:
+        if 0 < thresholds[0] < GC_YOUNG_THRESHOLD:  # (0: the application turned automatic collection off)
             gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
             while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sqlite3
 import threading
 import time
@@ -17,7 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connectors.client import consumer as consumer_module
-from connectors.client.consumer import ChangeStreamConsumer, DeadLetter, PartialChange, RollbackInstruction
+from connectors.client.consumer import (
+    GC_YOUNG_THRESHOLD,
+    ChangeStreamConsumer,
+    DeadLetter,
+    PartialChange,
+    RollbackInstruction,
+)
 from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
@@ -536,3 +543,32 @@ def test_two_group_members_rebalance_and_share_one_stored_state(harness: Any, tm
     with Replicator(h.broker.bootstrap_servers, h.topic, db) as rep:
         assert rep.docs() == h.bucket.state_snapshot()
     assert set(applied.values()) == {1}, "a change was applied twice"
+
+
+@pytest.mark.parametrize("app_threshold", [700, 0])
+def test_run_raises_the_young_gc_threshold_only_while_it_runs(
+        harness: Any, tmp_path: Path, app_threshold: int) -> None:
+    """run() owns its loop: the young-generation GC threshold is at least GC_YOUNG_THRESHOLD while it runs
+    (callbacks included) and the application's thresholds are back when it returns; an application that
+    turned automatic collection off (threshold 0) keeps it off."""
+    h = harness(nvb=2)
+    write(h.bucket, 50)
+    h.settle()
+    before = gc.get_threshold()
+    gc.set_threshold(app_threshold, 10, 10)
+    seen: list[int] = []
+    try:
+        def fail(s: Snapshot) -> None:
+            seen.append(gc.get_threshold()[0])
+            raise RuntimeError("the application failed")
+
+        with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=tmp_path / "s.sqlite") as c:
+            with pytest.raises(RuntimeError):
+                c.run(fail, lambda r: None)
+            assert gc.get_threshold() == (app_threshold, 10, 10)  # restored when run() raises
+        with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=tmp_path / "s.sqlite") as c:
+            c.run(lambda s: seen.append(gc.get_threshold()[0]), lambda r: None, until_caught_up=True)
+            assert gc.get_threshold() == (app_threshold, 10, 10)  # and when it returns
+    finally:
+        gc.set_threshold(*before)
+    assert seen and set(seen) == {GC_YOUNG_THRESHOLD if app_threshold else 0}
