@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final, TypeVar, overload
+from typing import Any, Final, TypeVar, cast, overload
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
@@ -62,6 +62,7 @@ __all__ = [
     "partition_for",
     "read_change",
     "read_change_value",
+    "read_control",
     "schema_fingerprint",
     "single_object_decode",
     "single_object_encode",
@@ -1053,6 +1054,43 @@ def _key_head(value: bytes) -> tuple[RecordType, int, int] | None:
     return rtype, p, p + (kz >> 1)
 
 
+#: union branch 1 (bytes) and a canonical two-byte length of an even (non-negative) zigzag -> the body length
+_BODY_LEN2: Final = {b"\x02" + _VARINT[z]: z >> 1 for z in range(0x80, 1 << 14, 2)}
+
+
+def _body_general(value: bytes, q: int) -> tuple[bytes | None, int] | None:
+    """:func:`read_change`'s general path for the value's body at ``q`` (what ``_BODY_LEN2`` does not hold: a
+    null body, a length of one byte or of three and more): (body, the position after it), None when invalid."""
+    try:
+        branch = value[q]
+        if branch == 2:
+            a = value[q + 1]
+            if a < 0x80:
+                q += 2
+                n = a
+            elif value[q + 2] < 0x80:
+                n = (a & 0x7F) | (value[q + 2] << 7)
+                q += 3
+            else:
+                m = _VARINT_RE.match(value, q + 1)  # the length: one varint, any size
+                if m is None:
+                    return None
+                n_u = _varint_u64(m.group())
+                if n_u is None or n_u >= _I64_SIGN:
+                    return None
+                q = m.end()
+                n = n_u << 1
+            if n & 1:
+                return None
+            n >>= 1
+            return value[q:q + n], q + n
+        if branch == 0:
+            return None, q + 1
+        return None
+    except IndexError:  # a key cut short by the end of the value: value[q] is past the end
+        return None
+
+
 @overload
 def read_change(value: bytes, offset: int, cls: type[_T]) -> _T | None: ...
 @overload
@@ -1080,39 +1118,19 @@ def read_change(value: bytes, offset: int, cls: type[Any] | None) -> Any:
         if h is None:
             return None
         rtype, p, q = h
+    key = value[p:q]
     try:
-        key = value[p:q]
-        branch = value[q]
-        if branch == 2:
-            a = value[q + 1]
-            if a < 0x80:
-                q += 2
-                n = a
-            elif value[q + 2] < 0x80:
-                n = (a & 0x7F) | (value[q + 2] << 7)
-                q += 3
-            else:
-                m = _VARINT_RE.match(value, q + 1)  # the length: one varint, any size
-                if m is None:
-                    return None
-                n_u = _varint_u64(m.group())
-                if n_u is None or n_u >= _I64_SIGN:
-                    return None
-                q = m.end()
-                n = n_u << 1
-            if n & 1:
-                return None
-            n >>= 1
-            body: bytes | None = value[q:q + n]
-            q += n
-        elif branch == 0:
-            body = None
-            q += 1
-        else:
+        # the common body (64 B .. 8 KiB): union branch 1 and a two-byte length in one look-up
+        n = _BODY_LEN2[value[q:q + 3]]
+        q += 3
+        body: bytes | None = value[q:q + n]
+        q += n
+    except KeyError:
+        t = _body_general(value, q)
+        if t is None:
             return None
-    except IndexError:
-        return None
-    # (a key cut short by the end of the value raised the IndexError above: value[q] was past the end)
+        body, q = t
+    # (a key or body cut short by the end of the value leaves q past the end: the tail cannot match)
     m = _CHANGE_TAIL.fullmatch(value, q)
     if m is None:
         return None
@@ -1225,6 +1243,106 @@ def _fast_change_body(
     except (IndexError, RecordFormatError, TypeError):
         return _MISMATCH
     return body if expected == value else _MISMATCH
+
+
+#: the first 11 bytes of a ControlEvent value (marker, fingerprint, the enum index of its type) -> its type
+_CONTROL_HEAD: Final = {SINGLE_OBJECT_MARKER + CONTROL_EVENT_FINGERPRINT + bytes((i << 1,)): t
+                        for i, t in enumerate((RecordType.SNAPSHOT, RecordType.FAILOVER_LOG, RecordType.ROLLBACK,
+                                               RecordType.STREAM_END))}
+
+
+_LONG_CACHE: dict[bytes, int | None] = {}
+
+
+def _control_long(v: bytes) -> int | None:
+    """:func:`_varint_u64` of a varint of a control record, remembered (vbuuids repeat)."""
+    try:
+        return _LONG_CACHE[v]
+    except KeyError:
+        if len(_LONG_CACHE) > 8192:
+            _LONG_CACHE.clear()
+        n = _LONG_CACHE[v] = _varint_u64(v)
+        return n
+
+
+def read_control(value: bytes) -> DecodedRecord | None:
+    """Decode a ControlEvent value from the value alone (the consumers' path for snapshot markers and
+    failover-log records: about 2 µs instead of ~11 µs through :func:`decode` and fastavro).
+
+    Returns what :func:`decode` returns for a well-formed Avro control record -- the same checks of the value:
+    every field in range, a non-empty failover log whose first vbuuid is the record's (failover-log and
+    rollback records), rollback seqno = seqno (rollback), snap start = seqno (snapshot), a reason (stream end),
+    no byte after the record -- but without comparing the ``dcp.*`` headers, which repeat the value's fields
+    (the value is the authoritative copy, as for :func:`read_change`). None for anything else (another
+    schema, raw JSON, a corrupt or truncated value, a failover log in more than one Avro block): then
+    :func:`decode` decodes it with the headers or raises the precise :class:`RecordFormatError`.
+    """
+    rtype = _CONTROL_HEAD.get(value[:11])
+    if rtype is None:
+        return None
+    # Every field after the type is an Avro int/long -- union branch indexes and array block counts too: one
+    # varint each. findall skips what is not a varint (a run of 10+ continuation bytes, a cut-off last one):
+    # the lengths must add up to the whole value.
+    vs = _VARINT_RE.findall(value, 11)
+    if sum(map(len, vs)) != len(value) - 11 or len(vs) < 9:
+        return None
+    get = _VARINT_U64.get
+    got = [get(v) for v in vs]
+    if None in got:  # values of more than 14 bits (a vbuuid: remembered)
+        got = [_control_long(v) if n is None else n for v, n in zip(vs, got, strict=True)]
+        if None in got:
+            return None
+    nums = cast(list[int], got)
+    vbucket, vbuuid, seqno, snap_start, snap_end, flags, count = nums[:7]
+    if vbucket > _VBUCKET_MAX or flags > _I32_MAX or count > 0x7FFF:  # (u64: a negative int/count is huge)
+        return None
+    i = 7 + 2 * count
+    if count:
+        if len(nums) < i + 3 or nums[i] != 0:  # one block, then the end-of-array count 0
+            return None
+        i += 1
+    rest = nums[i:]
+    rollback_seqno: int | None = None
+    reason: int | None = None
+    if rest[:1] == [1] and len(rest) >= 2:  # union branch 1: a long follows
+        rollback_seqno = rest[1]
+        rest = rest[2:]
+    elif rest[:1] == [0]:
+        rest = rest[1:]
+    else:
+        return None
+    if rest == [0]:
+        pass
+    elif len(rest) == 2 and rest[0] == 1 and rest[1] <= _I32_MAX:
+        reason = rest[1]
+    else:
+        return None
+    log: tuple[FailoverEntry, ...] | None = None
+    snapshot_flags: int | None = None
+    if rtype is RecordType.SNAPSHOT:
+        if snap_start != seqno:
+            return None
+        snapshot_flags = flags
+        rollback_seqno = None
+        reason = None
+    elif rtype is RecordType.STREAM_END:
+        if reason is None:
+            return None
+        rollback_seqno = None
+    else:
+        if not count or nums[7] != vbuuid:
+            return None
+        log = tuple(FailoverEntry(nums[j], nums[j + 1]) for j in range(7, 7 + 2 * count, 2))
+        reason = None
+        if rtype is RecordType.ROLLBACK:
+            if rollback_seqno != seqno:
+                return None
+        else:
+            rollback_seqno = None
+    return DecodedRecord(
+        rtype, vbucket, vbuuid, seqno, snap_start, snap_end, None, None,
+        None, None, None, None, None, snapshot_flags, log, rollback_seqno, reason, ValueFormat.AVRO,
+    )
 
 
 def _decode_control(

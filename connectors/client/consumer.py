@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import uuid
@@ -39,9 +40,9 @@ from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
-from gateway.records import decode, read_change
+from gateway.records import decode, read_change, read_control
 
-__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
+__all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "GC_YOUNG_THRESHOLD", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
            "PartialChange", "PriorLookup", "RollbackInstruction"]
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 FETCH_DEFAULTS: Final[Mapping[str, Any]] = {"fetch.wait.max.ms": 100, "fetch.max.bytes": 1 << 20}
 #: records taken from librdkafka at a time (bench.client gives its raw baseline consumer the same)
 DEFAULT_BATCH_SIZE: Final = 2000
+#: CPython's young-generation GC threshold while :meth:`ChangeStreamConsumer.run` runs (at least; see there)
+GC_YOUNG_THRESHOLD: Final = 50_000
 
 #: ``prior_lookup(vbucket, keys)`` -> {key: (value, seqno)} of the keys that exist in the application now
 PriorLookup = Callable[[int, Sequence[bytes]], Mapping[bytes, Prior]]
@@ -311,9 +314,11 @@ class ChangeStreamConsumer:
         confirmation may rewind the partition) or, in per-record mode, after any event.
 
         Hot path: a well-formed data record is decoded from its Avro value alone, straight into a
-        :class:`Change` (``read_change``), and fed to its vbucket's replayer; every other record (control
-        records, raw values, anything the fast reader does not accept, errors) goes through :meth:`_handle` and
-        the full, header-checking decoder.
+        :class:`Change` (``read_change``), and fed to its vbucket's replayer together with the records of the
+        same vbucket next to it (``VBucketReplayer.feed_changes``); every other record goes through
+        :meth:`_handle`: a well-formed Avro control record is decoded from its value alone (``read_control``),
+        anything else (raw values, whatever the fast readers do not accept, errors) by the full, header-checking
+        decoder.
         """
         backlog = self._backlog
         queue = self._queue
@@ -322,50 +327,73 @@ class ChangeStreamConsumer:
                 self._handle(backlog.popleft())
             return
         read = read_change
-        vbs = self._vbs
         assigned = self._assigned
         eof = self._eof
-        pop = backlog.popleft
-        n = 0
-        # The partition of the previous fast-path record (checked: assigned, and marked not at EOF -- an EOF
-        # only comes through _handle, which resets it) and the vbucket (its state and replayer: neither is
-        # replaced while the backlog is fed; confirmations come between calls).
-        last_p = last_vb = -1
-        s: _VB | None = None
-        feed: Callable[[Change], Snapshot | None] | None = None
+        # A run: consecutive well-formed data records of one vbucket of one (assigned) partition, fed to its
+        # replayer in one call when the run ends (another vbucket or partition, any other record, the end of
+        # the backlog). The partition is checked and marked not at EOF once per run (an EOF only comes through
+        # _handle, which ends the run).
+        run: list[Change] = []
+        add = run.append
+        run_vb = run_p = -1
+        done = 0  # records taken from the backlog (those of an unfed run go back if an exception escapes)
         try:
-            while backlog:
-                m = pop()
+            for m in backlog:
+                done += 1
                 if m.error() is None:
                     v = m.value()
                     ch = read(v, m.offset(), Change) if v is not None else None
                     if ch is not None:
+                        # fields by index: 3 vbucket (see Change)
+                        if ch[3] == run_vb and m.partition() == run_p:
+                            add(ch)
+                            continue
+                        if run:
+                            fed, run = run, []
+                            add = run.append
+                            self._feed_run(run_vb, run_p, fed)
                         p = m.partition()
-                        if p != last_p:
-                            if p not in assigned:
-                                continue
-                            eof[p] = False
-                            last_p = p
-                        n += 1
-                        vb = ch[3]  # Change.vbucket
-                        if vb != last_vb or s is None or feed is None:
-                            s = vbs.get(vb)
-                            if s is None:
-                                s = self._vb(vb, p, ch[11])
-                            feed = s.replayer.feed_change
-                            last_vb = vb
-                        if ch[11] > s.skip_through:  # Change.offset
-                            s.last_fed = ch[11]
-                            snap = feed(ch)
-                            if snap is not None:
-                                queue.append((vb, p, snap))
+                        if p not in assigned:
+                            run_vb = -1
+                            continue
+                        eof[p] = False
+                        run_vb = ch[3]
+                        run_p = p
+                        add(ch)
                         continue
+                if run:
+                    fed, run = run, []
+                    add = run.append
+                    self._feed_run(run_vb, run_p, fed)
+                run_vb = -1
                 self._handle(m)
-                last_p = last_vb = -1
                 if queue and queue[-1][2].__class__ is Rollback:
-                    return
+                    break
+            if run:
+                fed, run = run, []
+                self._feed_run(run_vb, run_p, fed)
         finally:
-            self.records_consumed += n
+            done -= len(run)
+            if done == len(backlog):
+                backlog.clear()
+            else:
+                for _ in range(done):
+                    backlog.popleft()
+
+    def _feed_run(self, vb: int, p: int, run: list[Change]) -> None:
+        """Feed a run of ``vb``'s data records (partition ``p``, ascending offsets) to its replayer."""
+        self.records_consumed += len(run)
+        s = self._vbs.get(vb)
+        if s is None:
+            s = self._vb(vb, p, run[0][11])  # Change.offset
+        skip = s.skip_through
+        if run[0][11] <= skip:  # records already applied (state loaded from the store, or a rewind)
+            run = [ch for ch in run if ch[11] > skip]
+            if not run:
+                return
+        s.last_fed = run[-1][11]
+        for snap in s.replayer.feed_changes(run):
+            self._queue.append((vb, p, snap))
 
     def _handle(self, m: Any) -> None:
         p = m.partition()
@@ -384,7 +412,12 @@ class ChangeStreamConsumer:
         off = m.offset()
         self.records_consumed += 1
         try:
-            rec = decode(m.key(), m.value(), m.headers())
+            # control records (snapshot markers, failover logs) from their value alone when it is well formed;
+            # anything else -- and every record read_control does not accept -- through the full decoder
+            v = m.value()
+            rec = read_control(v) if v.__class__ is bytes and m.key() is None else None
+            if rec is None:
+                rec = decode(m.key(), v, m.headers())
         except RecordFormatError as e:
             self._dead_letter(m, e)
             raise DecodeError(f"{self.topic}[{p}]@{off}: {e} (copied to the dead-letter destination)",
@@ -611,6 +644,16 @@ class ChangeStreamConsumer:
         once for applications that write into the state store's transaction (``store.conn``), whose writes
         roll back with it. A :class:`DecodeError` goes to ``on_error`` (then consumption continues) or,
         without it, is raised."""
+        # CPython's cyclic GC: with its default young-generation threshold (700 allocations) it collects
+        # several times per fetched batch, rescanning the batch's librdkafka Messages and the buffered Change
+        # tuples (tracked objects: a tuple subclass holding an enum member), and every ~10th pass promotes them
+        # into full collections of the whole process (~6 % of the client's time, docs/performance.md). The
+        # client owns this loop: while it runs the young threshold is at least GC_YOUNG_THRESHOLD (the engine
+        # uses the same, engine.bucket.GC_THRESHOLDS); the application's own thresholds are restored when it
+        # returns or raises. Nothing the client allocates forms reference cycles (refcounting frees it).
+        thresholds = gc.get_threshold()
+        if 0 < thresholds[0] < GC_YOUNG_THRESHOLD:  # (0: the application turned automatic collection off)
+            gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
             while True:
                 try:
@@ -635,6 +678,8 @@ class ChangeStreamConsumer:
                         self.abandon()
                     raise
         finally:
+            if gc.get_threshold()[0] == GC_YOUNG_THRESHOLD != thresholds[0]:
+                gc.set_threshold(*thresholds)
             self.flush()  # what the application confirmed stays confirmed
 
     def stop(self) -> None:

@@ -1,6 +1,7 @@
 """The consumers' hot path: ``gateway.records.read_change`` decodes a ChangeEvent value straight into the
-client's :class:`~connectors.client.replay.Change`. It must read exactly what the full, header-checking
-``decode`` reads, and on corrupt input return None or exactly what fastavro reads (never a wrong change)."""
+client's :class:`~connectors.client.replay.Change`, ``read_control`` a ControlEvent value into a
+``DecodedRecord``. Each must read exactly what the full, header-checking ``decode`` reads, and on corrupt input
+return None or exactly what fastavro reads (never a wrong record)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connectors.client.replay import Change
+from engine.failover_log import FailoverEntry
 from engine.item import Item, Op
-from engine.stream import SnapshotFlags, SnapshotMarker
-from gateway.records import CHANGE_EVENT_SCHEMA, RecordEncoder, decode, read_change, read_change_value
+from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
+from gateway.records import (
+    CHANGE_EVENT_SCHEMA,
+    CONTROL_EVENT_FINGERPRINT,
+    CONTROL_EVENT_SCHEMA,
+    SINGLE_OBJECT_MARKER,
+    KafkaRecord,
+    RecordEncoder,
+    RecordType,
+    ValueFormat,
+    decode,
+    read_change,
+    read_change_value,
+    read_control,
+)
 
 U64 = 2**64 - 1
 #: small (table) values, 15..32-bit values (the general path), any u64 (negative Avro longs: odd zigzag), edges
@@ -87,3 +102,81 @@ def test_not_a_change_event_reads_as_none() -> None:
         "trailing byte": v + b"\x00", "truncated tail": v[:-3],
     }.items():
         assert read_change(bad, 0, Change) is None, what
+
+
+# ------------------------------------------------------------------------- control records: read_control
+def _control(data: st.DataObject) -> KafkaRecord:
+    enc = RecordEncoder()
+    vb = data.draw(st.integers(0, 0xFFFF))
+    log = tuple(FailoverEntry(data.draw(u64s), data.draw(u64s)) for _ in range(data.draw(st.integers(1, 4))))
+    kind = data.draw(st.sampled_from(["snapshot", "failover-log", "rollback", "stream-end"]))
+    if kind == "snapshot":
+        start = data.draw(u64s)
+        flags = SnapshotFlags(data.draw(st.integers(0, 0x3F)))
+        return enc.snapshot(SnapshotMarker(vb, start, max(start, data.draw(u64s)), flags), data.draw(u64s))
+    if kind == "failover-log":
+        return enc.failover_log(vb, log, data.draw(u64s), data.draw(u64s), data.draw(u64s))
+    if kind == "rollback":
+        return enc.rollback(vb, data.draw(u64s), log, snap_start=data.draw(u64s), snap_end=data.draw(u64s))
+    return enc.stream_end(StreamEnd(vb, data.draw(st.sampled_from(list(StreamEndReason)))), data.draw(u64s),
+                          data.draw(u64s), data.draw(u64s), data.draw(u64s))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_read_control_reads_what_decode_reads(data: st.DataObject) -> None:
+    rec = _control(data)
+    assert rec.value is not None
+    d = decode(rec.key, rec.value, rec.headers)
+    for _ in range(2):  # the second read hits the vbuuid cache the first one filled
+        assert read_control(rec.value) == d
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_corrupt_control_values_read_as_none_or_as_fastavro_reads_them(data: st.DataObject) -> None:
+    """A corrupt control value is never read as something else: either None (the consumer then runs the full
+    decoder, which raises and dead-letters it) or exactly what fastavro reads from those bytes."""
+    rec = _control(data)
+    read_control(rec.value or b"")  # fill the cache with the good record's vbuuid first
+    value = bytearray(rec.value or b"")
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(value) - 1))
+        value[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del value[data.draw(st.integers(0, len(value) - 1)):]  # truncated
+    got = read_control(bytes(value))
+    if got is None:
+        return
+    assert bytes(value[:10]) == SINGLE_OBJECT_MARKER + CONTROL_EVENT_FINGERPRINT
+    buf = io.BytesIO(bytes(value[10:]))
+    d = schemaless_reader(buf, CONTROL_EVENT_SCHEMA, None)
+    assert buf.tell() == len(value) - 10  # every byte read: nothing may follow the record
+    assert (got.vbucket, got.vbuuid, got.seqno, got.snap_start, got.snap_end) == (
+        d["vbucket"], d["vbuuid"] & U64, d["seqno"] & U64, d["snap_start"] & U64, d["snap_end"] & U64)
+    assert got.type.value.upper().replace("-", "_") == d["type"]
+    log = tuple(FailoverEntry(e["vbuuid"] & U64, e["seqno"] & U64) for e in d["failover_log"])
+    assert got.failover_log in (None, log)
+    if got.failover_log is not None:
+        assert log and log[0].vbuuid == got.vbuuid
+    if got.type is RecordType.ROLLBACK:
+        assert d["rollback_seqno"] is not None and d["rollback_seqno"] & U64 == got.seqno == got.rollback_seqno
+    if got.type is RecordType.SNAPSHOT:
+        assert got.snapshot_flags == d["snapshot_flags"] and got.snap_start == got.seqno
+    if got.type is RecordType.STREAM_END:
+        assert got.stream_end_reason == d["stream_end_reason"] is not None
+
+
+def test_not_a_well_formed_control_value_reads_as_none() -> None:
+    enc = RecordEncoder()
+    v = enc.failover_log(7, (FailoverEntry(5, 10), FailoverEntry(4, 0)), 12, 10, 12).value
+    assert v is not None and read_control(v) is not None
+    data = enc.data(Item(b"k", b"v", 3, 5, 1, 1 << 61), 9, 5, 5).value
+    raw = RecordEncoder(ValueFormat.RAW).snapshot(SnapshotMarker(7, 40, 45, SnapshotFlags.MEMORY), 5).value
+    for what, bad in {
+        "empty": b"", "short": v[:11], "data record": data, "raw JSON": raw, "trailing byte": v + b"\x00",
+        "truncated": v[:-1], "cut varint": v[:-1] + b"\x80", "unknown type": v[:10] + b"\x08" + v[11:],
+        # the first failover entry's vbuuid (its first byte follows count 2 = b"\x04") must be the record's
+        "log vbuuid differs": v.replace(b"\x04\x0a", b"\x04\x0c", 1),
+    }.items():
+        assert read_control(bad or b"") is None, what

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sqlite3
 import threading
 import time
@@ -17,12 +18,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connectors.client import consumer as consumer_module
-from connectors.client.consumer import ChangeStreamConsumer, DeadLetter, PartialChange, RollbackInstruction
+from connectors.client.consumer import (
+    GC_YOUNG_THRESHOLD,
+    ChangeStreamConsumer,
+    DeadLetter,
+    PartialChange,
+    RollbackInstruction,
+)
 from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
-from gateway.records import read_change
+from gateway.records import read_change, read_change_value
 from tests.harness import Harness, write
 
 
@@ -216,16 +223,22 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
     rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied, batch_size=50)
     c = rep.consumer
     handled = 0
+    killed_at: Any = None
 
     class Killed(Exception):
         pass
 
     def read(value: bytes, offset: int, cls: Any) -> Any:
-        nonlocal handled
+        nonlocal handled, killed_at
         handled += 1
-        if handled == 250:
-            raise Killed  # the process dies here, in the middle of a snapshot
-        return read_change(value, offset, cls)
+        ch = read_change(value, offset, cls)
+        fields = read_change_value(value)
+        if handled >= 250 and killed_at is None and fields is not None and fields[5] < fields[12]:
+            killed_at = ch
+            raise Killed  # the process dies here, in the middle of a snapshot (its seqno < the snapshot's end)
+        return ch
+
+    c._batch = 100  # small fetches: snapshots are exposed before the 250th record is read
 
     monkeypatch.setattr(consumer_module, "read_change", read)
     exposed: list[Snapshot] = []
@@ -235,7 +248,7 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
             exposed.append(ev)
             rep.on_snapshot(ev)
             c.commit(ev)
-    assert exposed and any(s.replayer.has_partial for s in c._vbs.values())
+    assert exposed and killed_at is not None
     # every exposed snapshot was complete: its changes end at its end seqno
     assert all(ev.changes[-1].seqno == ev.end for ev in exposed if ev.changes)
     # one more event applied but never confirmed: rolled back with the dying process
@@ -531,3 +544,32 @@ def test_two_group_members_rebalance_and_share_one_stored_state(harness: Any, tm
     with Replicator(h.broker.bootstrap_servers, h.topic, db) as rep:
         assert rep.docs() == h.bucket.state_snapshot()
     assert set(applied.values()) == {1}, "a change was applied twice"
+
+
+@pytest.mark.parametrize("app_threshold", [700, 0])
+def test_run_raises_the_young_gc_threshold_only_while_it_runs(
+        harness: Any, tmp_path: Path, app_threshold: int) -> None:
+    """run() owns its loop: the young-generation GC threshold is at least GC_YOUNG_THRESHOLD while it runs
+    (callbacks included) and the application's thresholds are back when it returns; an application that
+    turned automatic collection off (threshold 0) keeps it off."""
+    h = harness(nvb=2)
+    write(h.bucket, 50)
+    h.settle()
+    before = gc.get_threshold()
+    gc.set_threshold(app_threshold, 10, 10)
+    seen: list[int] = []
+    try:
+        def fail(s: Snapshot) -> None:
+            seen.append(gc.get_threshold()[0])
+            raise RuntimeError("the application failed")
+
+        with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=tmp_path / "s.sqlite") as c:
+            with pytest.raises(RuntimeError):
+                c.run(fail, lambda r: None)
+            assert gc.get_threshold() == (app_threshold, 10, 10)  # restored when run() raises
+        with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=tmp_path / "s.sqlite") as c:
+            c.run(lambda s: seen.append(gc.get_threshold()[0]), lambda r: None, until_caught_up=True)
+            assert gc.get_threshold() == (app_threshold, 10, 10)  # and when it returns
+    finally:
+        gc.set_threshold(*before)
+    assert seen and set(seen) == {GC_YOUNG_THRESHOLD if app_threshold else 0}

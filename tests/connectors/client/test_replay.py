@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from connectors.client.replay import Rollback, Snapshot, VBucketReplayer, VBucketState
+from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
 from engine.failover_log import FailoverEntry as E
 from gateway.records import DecodedRecord, RecordType, ValueFormat
 
@@ -226,3 +228,48 @@ def test_seed_001_worked_examples_at_the_client(case: SeedCase) -> None:
         assert case.name.startswith("5 ") and restart == t and case.seed_answer == s
     # a rollback event exactly when the answer is below what was applied
     assert bool(rbs) == (case.seed_answer < s)
+
+
+# ------------------------------------------------------------------------------ feed_changes (client hot path)
+_step = st.one_of(
+    # a snapshot marker: start, length, branch
+    st.tuples(st.just("snap"), st.integers(0, 40), st.integers(0, 8), st.sampled_from([CAFEBABE, DEADBEEF])),
+    # a data record: seqno (duplicates, gaps and seqnos below what was applied included), branch
+    st.tuples(st.just("data"), st.integers(0, 50), st.integers(0, 0), st.sampled_from([CAFEBABE, DEADBEEF])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(_step, max_size=60), cuts=st.lists(st.booleans(), min_size=60, max_size=60),
+       applied=st.integers(0, 20))
+def test_feed_changes_is_feed_change_record_by_record(
+        steps: list[tuple[str, int, int, int]], cuts: list[bool], applied: int) -> None:
+    """``feed_changes`` (runs of data records in one call, as the Kafka client feeds them) yields the same
+    snapshots and leaves the same state (buffer, range, counters, last change) as ``feed_change`` per record,
+    wherever the runs are cut."""
+    state = VBucketState(0, CAFEBABE, applied, applied, applied)
+    one, runs = VBucketReplayer(state.copy()), VBucketReplayer(state.copy())
+    ev_one: list[object] = []
+    ev_runs: list[object] = []
+    run: list[Change] = []
+    for i, (kind, a, b, vbuuid) in enumerate(steps):
+        if kind == "snap":
+            ev_runs += runs.feed_changes(run)
+            run = []
+            marker = rec(RecordType.SNAPSHOT, a, (a, a + b), vbuuid)
+            ev_one += one.feed(marker, i)
+            ev_runs += runs.feed(marker, i)
+            continue
+        ch = Change(RecordType.MUTATION, b"k%d" % a, b"v", 0, vbuuid, a, 1, 1, 0, 0, 0, i)
+        snap = one.feed_change(ch)
+        if snap is not None:
+            ev_one.append(snap)
+        run.append(ch)
+        if cuts[i]:
+            ev_runs += runs.feed_changes(run)
+            run = []
+    ev_runs += runs.feed_changes(run)
+    assert ev_runs == ev_one
+    assert [getattr(e, "state", None) for e in ev_runs] == [getattr(e, "state", None) for e in ev_one]
+    for attr in ("_pending", "_range", "_vbuuid", "_last_offset", "accepted", "last_change", "state"):
+        assert getattr(runs, attr) == getattr(one, attr), attr
