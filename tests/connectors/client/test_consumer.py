@@ -219,8 +219,8 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
         h.settle()
     db = tmp_path / "r.sqlite"
     applied: Counter[tuple[int, int]] = Counter()
-    # small batches: complete snapshots are exposed before the kill, whatever one fetch returns under load
-    rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied, batch_size=50)
+    # small fetches: snapshots are exposed before the 250th record is read, whatever the broker returns
+    rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db, applied=applied, batch_size=100)
     c = rep.consumer
     handled = 0
     killed_at: Any = None
@@ -237,8 +237,6 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
             killed_at = ch
             raise Killed  # the process dies here, in the middle of a snapshot (its seqno < the snapshot's end)
         return ch
-
-    c._batch = 100  # small fetches: snapshots are exposed before the 250th record is read
 
     monkeypatch.setattr(consumer_module, "read_change", read)
     exposed: list[Snapshot] = []
