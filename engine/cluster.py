@@ -11,7 +11,6 @@ Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is call
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -374,10 +373,7 @@ class Cluster(ClusterManager):
         """Start a new node ``name`` (data under ``base_dir/name``, the other nodes' bucket settings); it
         holds no vbucket (all dead) until a rebalance moves some to it. A node ejected or failed over earlier
         can be added again: its old copies are streamed from their position (rolled back if they diverged)."""
-        if type(name) is not str or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise InvalidArgument(f"invalid node name {name!r}")
-        if name in self._map.nodes:
-            raise InvalidArgument(f"node {name} is already in the cluster")
+        self._check_new_node(name)
         existing = self.nodes.get(name)
         if existing is not None and existing.up:
             return existing

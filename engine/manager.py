@@ -17,6 +17,7 @@ Subclasses provide the node access and the replication plumbing (the ``_`` hooks
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,14 @@ class ClusterManager(ABC):
     def rebalance_running(self) -> Rebalance | None:
         """The rebalance in progress, if any."""
         return self._rebalance
+
+    def _check_new_node(self, name: str) -> None:
+        """``add_node``'s argument check: a valid node name (letters, digits, ``_.-``, at most 64) not in the
+        map yet (:class:`InvalidArgument` otherwise)."""
+        if type(name) is not str or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise InvalidArgument(f"invalid node name {name!r}")
+        if name in self._map.nodes:
+            raise InvalidArgument(f"node {name} is already in the cluster")
 
     def _check_rebalance(self, add: Sequence[str], remove: Sequence[str]) -> tuple[list[str], list[str]]:
         """Validate a rebalance request (InvalidArgument / TemporaryFailure, see ``start_rebalance``)."""

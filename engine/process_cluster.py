@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import select
 import signal
 import subprocess
@@ -270,10 +269,7 @@ class ProcessCluster(ClusterManager):
         """Start a new node process ``name`` (data under ``base_dir/name``, the other nodes' settings), all
         its vbuckets dead until a rebalance moves some to it; a node ejected or failed over earlier can come
         back (its old copies re-stream from their position)."""
-        if type(name) is not str or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-            raise InvalidArgument(f"invalid node name {name!r}")
-        if name in self._map.nodes:
-            raise InvalidArgument(f"node {name} is already in the cluster")
+        self._check_new_node(name)
         existing = self.nodes.get(name)
         if existing is not None and existing.up:
             return existing

@@ -359,3 +359,12 @@ def test_blocking_rebalance_raises_when_it_stops(make_cluster) -> None:
     assert c.rebalance_running is None
     assert "n3" in c.vbucket_map().nodes  # in the map's node list, holding nothing
     assert not c.vbucket_map().vbuckets_of("n3")
+
+
+@pytest.mark.parametrize("name", ["", "a b", "n/1", "x" * 65, 7, "n0"])
+def test_add_node_refuses_a_bad_or_taken_name(make_cluster, name) -> None:
+    c = make_cluster(nodes=3, replicas=1)
+    before = (c.vbucket_map(), sorted(c.nodes))
+    with pytest.raises(InvalidArgument):
+        c.add_node(name)
+    assert (c.vbucket_map(), sorted(c.nodes)) == before  # nothing started, the map unchanged
