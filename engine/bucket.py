@@ -154,9 +154,15 @@ class Bucket:
                 if vb.state is not VBucketState.ACTIVE:
                     # Replica warmup: the last complete snapshot persisted, and a partial one to resume inside.
                     b = self.storage.snapshot_boundary(vbid, rec.high_seqno)
-                    vb.snapshot_complete = vb.snapshot_persisted = b
                     if rec.snap_start <= rec.high_seqno < rec.snap_end:
                         vb.replica_snaps.append([rec.high_seqno, rec.snap_start, rec.snap_end])
+                    else:
+                        # The persisted state ends at a snapshot end: complete there. (A copy that was active
+                        # before -- a rebalance keeps the old active as a replica -- has no boundary rows for what
+                        # it wrote as the active; kv_engine: a replica's last complete snapshot is its high seqno
+                        # when no snapshot is partially received.)
+                        b = max(b, rec.high_seqno)
+                    vb.snapshot_complete = vb.snapshot_persisted = b
                 if not self.was_clean and vb.state is VBucketState.ACTIVE:
                     # kv_engine warmup: entry at the last snapshot end if the high seqno equals it, else start.
                     at = rec.snap_end if rec.high_seqno == rec.snap_end else rec.snap_start
