@@ -92,43 +92,48 @@ class Harness:
         # loss of a majority, in kv_engine either)
         return all(c.nodes[n].up for n in vbmap.nodes if n != name)
 
+    def step(self, o: tuple[Any, ...]) -> None:
+        """One operation other than a hard failover: sync, plain, pumps, flush, tick, crash, restart."""
+        c = self.cluster
+        kind = o[0]
+        if kind == "sync":
+            self.n += 1
+            key, value = f"s{self.n}", f"v{self.n}".encode()
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure, DurabilityImpossible):
+                sw = c.submit(key, value, durability=Durability(Level(o[1]), o[2]))
+                self.pending.append((sw, value, o[1]))
+        elif kind == "plain":
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure, SyncWriteInProgress):
+                c.write(f"p{o[1]}", f"plain{self.n}".encode())
+        elif kind == "pump":
+            conns = c.connections()
+            only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
+            c.pump(only=only, max_messages=o[2], flush=o[3])
+        elif kind == "pump_all":
+            c.pump(rounds=4)
+        elif kind == "flush":
+            node = c.nodes[self._name(o[1])]
+            if node.up:
+                assert node.bucket is not None
+                node.bucket.flush_all()
+        elif kind == "tick":
+            self.clock.advance(o[1])
+            c.process_durability_timeouts()
+        elif kind == "crash":
+            name = self._name(o[1])
+            if c.nodes[name].up:
+                c.kill(name)
+                self.crashes += 1
+        elif kind == "restart":
+            name = self._name(o[1])
+            if not c.nodes[name].up:
+                c.restart(name)
+
     def run(self, ops: list[tuple[Any, ...]]) -> None:
         c = self.cluster
         for o in ops:
             kind = o[0]
-            if kind == "sync":
-                self.n += 1
-                key, value = f"s{self.n}", f"v{self.n}".encode()
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure, DurabilityImpossible):
-                    sw = c.submit(key, value, durability=Durability(Level(o[1]), o[2]))
-                    self.pending.append((sw, value, o[1]))
-            elif kind == "plain":
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure, SyncWriteInProgress):
-                    c.write(f"p{o[1]}", f"plain{self.n}".encode())
-            elif kind == "pump":
-                conns = c.connections()
-                only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
-                c.pump(only=only, max_messages=o[2], flush=o[3])
-            elif kind == "pump_all":
-                c.pump(rounds=4)
-            elif kind == "flush":
-                node = c.nodes[self._name(o[1])]
-                if node.up:
-                    assert node.bucket is not None
-                    node.bucket.flush_all()
-            elif kind == "tick":
-                self.clock.advance(o[1])
-                c.process_durability_timeouts()
-            elif kind == "crash":
-                name = self._name(o[1])
-                if c.nodes[name].up:
-                    c.kill(name)
-                    self.crashes += 1
-            elif kind == "restart":
-                name = self._name(o[1])
-                if not c.nodes[name].up:
-                    c.restart(name)
-            elif kind == "hard_failover":
+            if kind == "hard_failover":
                 name = self._name(o[1])
                 if self._can_fail_over(name):
                     if o[2] and c.nodes[name].up:
@@ -137,6 +142,8 @@ class Harness:
                         c.kill(name)
                     c.failover(name)
                     self.failovers += 1
+            else:
+                self.step(o)
             self._collect()
         for name in c.vbucket_map().nodes:
             if not c.nodes[name].up:

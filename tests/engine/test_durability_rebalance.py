@@ -411,7 +411,7 @@ class RebalanceDurabilityHarness(Harness):
                     c.failover(name)
                     self.failovers += 1
             else:
-                self._base_op(o)
+                self.step(o)
             self._collect()
         for name in c.vbucket_map().nodes:
             if not c.nodes[name].up:
@@ -427,44 +427,6 @@ class RebalanceDurabilityHarness(Harness):
             if key in state and state[key][0] == value:
                 self.rstats["ambiguous_committed"] += 1  # answered ambiguous, committed by a new active
         c.close()
-
-    def _base_op(self, o: tuple[Any, ...]) -> None:
-        """One operation of test_durability_properties.Harness.run (sync, plain, pumps, flush, tick, crash,
-        restart)."""
-        c = self.cluster
-        kind = o[0]
-        if kind == "sync":
-            self.n += 1
-            key, value = f"s{self.n}", f"v{self.n}".encode()
-            with contextlib.suppress(NotMyVBucket, TemporaryFailure, DurabilityImpossible):
-                sw = c.submit(key, value, durability=Durability(Level(o[1]), o[2]))
-                self.pending.append((sw, value, o[1]))
-        elif kind == "plain":
-            with contextlib.suppress(NotMyVBucket, TemporaryFailure, SyncWriteInProgress):
-                c.write(f"p{o[1]}", f"plain{self.n}".encode())
-        elif kind == "pump":
-            conns = c.connections()
-            only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
-            c.pump(only=only, max_messages=o[2], flush=o[3])
-        elif kind == "pump_all":
-            c.pump(rounds=4)
-        elif kind == "flush":
-            node = c.nodes[self._name(o[1])]
-            if node.up:
-                assert node.bucket is not None
-                node.bucket.flush_all()
-        elif kind == "tick":
-            self.clock.advance(o[1])
-            c.process_durability_timeouts()
-        elif kind == "crash":
-            name = self._name(o[1])
-            if c.nodes[name].up:
-                c.kill(name)
-                self.crashes += 1
-        elif kind == "restart":
-            name = self._name(o[1])
-            if not c.nodes[name].up:
-                c.restart(name)
 
 
 RB_MAX_EXAMPLES = int(os.environ.get("DURABILITY_REBALANCE_EXAMPLES", "60"))
