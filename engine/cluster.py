@@ -11,6 +11,7 @@ Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is call
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -19,20 +20,23 @@ from typing import Any
 
 from engine.bucket import Bucket
 from engine.config import BucketConfig
+from engine.data_dir import MAP_FILE
 from engine.durability import Durability, ManualClock, SyncWrite
+from engine.durable_file import write_atomically
 from engine.exceptions import (
     InvalidArgument,
     NotMyVBucket,
     TemporaryFailure,
 )
 from engine.manager import ClusterManager, FailoverReport, ObserveResult
+from engine.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
 from engine.producer import DcpProducer
 from engine.rebalance import Rebalance, RebalanceProgress
 from engine.replication import DcpConsumer
 from engine.vbucket import GetResult, MutationResult, vbucket_of
 from engine.vbucket_map import VBucketMap
 
-MAP_FILE = "vbucket_map.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,15 +98,41 @@ class Cluster(ClusterManager):
         return cluster
 
     @classmethod
-    def open(cls, base_dir: Path | str, **bucket_overrides: Any) -> Cluster:
+    def open(cls, base_dir: Path | str, *, replicas: int | None = None, **bucket_overrides: Any) -> Cluster:
         """Reopen a cluster created under ``base_dir``: the map from ``vbucket_map.json``, every node of the
         map warmed up from its data directory (after an unclean stop its actives get a failover entry) and
-        the states set from the map. Nodes failed over earlier stay out."""
+        the states set from the map. Nodes failed over earlier stay out.
+
+        A map file that is missing (with node data present), empty or unreadable is rebuilt from the nodes'
+        persisted vbucket states (engine/map_recovery.py; ``replicas``: the replica count when the copies show
+        fewer), logged as a warning and saved; :class:`InvalidArgument` when there is neither
+        a map nor node data."""
         base = Path(base_dir)
+        path = base / MAP_FILE
+        problem = ""
+        vbmap: VBucketMap | None = None
+        raw = b""
         try:
-            vbmap = VBucketMap.from_json((base / MAP_FILE).read_text())
+            raw = path.read_bytes()
+            vbmap = VBucketMap.from_json(raw)
+        except FileNotFoundError:
+            problem = "missing"
         except OSError as e:
-            raise InvalidArgument(f"no cluster under {base}: {e}") from e
+            raise InvalidArgument(f"cannot read the vbucket map {path}: {e}") from e
+        except InvalidArgument:
+            problem = "empty" if not raw.strip() else "damaged"
+        rebuilt: MapRebuild | None = None
+        if vbmap is None:
+            name = str(bucket_overrides.get("name", BucketConfig.model_fields["name"].default))
+            states = read_node_states(base, name)
+            if not states:
+                raise InvalidArgument(f"no cluster under {base}: the vbucket map is {problem} and no node holds "
+                                      f"data of bucket {name!r}")
+            nvb = 1 + max((vb for copies in states.values() for vb in copies), default=0)
+            rebuilt = rebuild_map(states, nvb, replicas=replicas, revision=salvage_revision(raw) + 1)
+            vbmap = rebuilt.vbmap
+            log.warning("the vbucket map %s was %s: rebuilt from the nodes' vbucket states: %s", path, problem,
+                        rebuilt.summary())
         members: dict[str, Node] = {}
         for name in vbmap.nodes:
             opts: dict[str, Any] = {"tune_gc": False}
@@ -111,7 +141,10 @@ class Cluster(ClusterManager):
             members[name] = Node(name, cfg, Bucket(cfg))
         cluster = cls(base, members, vbmap)
         for name in vbmap.nodes:
-            cluster._apply_states(name)
+            cluster._apply_states(name)  # a replica the rebuild made active is promoted here (failover entry)
+        if rebuilt is not None:
+            cluster.failed.extend(rebuilt.failed_over)
+            cluster._save_map()
         return cluster
 
     def _wire(self) -> None:
@@ -123,7 +156,7 @@ class Cluster(ClusterManager):
 
     def _save_map(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        (self.base_dir / MAP_FILE).write_text(self._map.to_json())
+        write_atomically(self.base_dir / MAP_FILE, self._map.to_json().encode())
 
     # ------------------------------------------------------------------ access
     def node(self, name: str) -> Node:
@@ -441,4 +474,4 @@ class Cluster(ClusterManager):
         self.close()
 
 
-__all__ = ["Cluster", "FailoverReport", "Node", "ObserveResult"]
+__all__ = ["MAP_FILE", "Cluster", "FailoverReport", "Node", "ObserveResult"]

@@ -29,6 +29,8 @@ from typing import Any
 import orjson
 
 import engine
+from engine.data_dir import MAP_FILE
+from engine.durable_file import write_atomically
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
 from engine.manager import ClusterManager, NodeControl
@@ -37,7 +39,6 @@ from engine.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
 from engine.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
 from engine.vbucket_map import VBucketMap
 
-MAP_FILE = "vbucket_map.json"
 _ROOT = Path(engine.__file__).resolve().parents[1]
 
 
@@ -191,7 +192,7 @@ class ProcessCluster(ClusterManager):
 
     def _save_map(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        (self.base_dir / MAP_FILE).write_text(self._map.to_json())
+        write_atomically(self.base_dir / MAP_FILE, self._map.to_json().encode())
 
     # ------------------------------------------------------------------ ClusterManager hooks
     def _is_up(self, name: str) -> bool:

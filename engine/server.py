@@ -33,6 +33,7 @@ import orjson
 
 from engine.bucket import Bucket
 from engine.config import BucketConfig
+from engine.data_dir import DataDirLock, DataDirLocked
 from engine.durability import SyncWrite
 from engine.exceptions import (
     EngineError,
@@ -712,6 +713,9 @@ async def serve(args: argparse.Namespace) -> None:
     overrides: dict[str, Any] = orjson.loads(args.config_json) if args.config_json else {}
     overrides.setdefault("tune_gc", False)
     cfg = BucketConfig(data_dir=Path(args.data_dir), num_vbuckets=args.num_vbuckets, **overrides)
+    # One process per node directory (a node of an earlier cluster manager still exiting must not share it):
+    # held until this process exits (docs/reliability.md "Data directory").
+    lock = DataDirLock.acquire(cfg.data_dir)
     bucket = Bucket(cfg)
     server = NodeServer(bucket, args.name, host=args.host, port=args.port,
                         flush_interval=args.flush_interval_ms / 1000.0, parent_pid=args.parent_pid,
@@ -724,6 +728,7 @@ async def serve(args: argparse.Namespace) -> None:
     sys.stdout.flush()
     await server.wait_stopped()
     await server.shutdown(clean=True)
+    lock.release()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -742,7 +747,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except DataDirLocked as e:
+        sys.stderr.write(f"error: {e}\n")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -25,13 +25,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from gateway import __version__
 from gateway.broker import EmbeddedTansuBroker
 from gateway.exceptions import BrokerStartError
+
+if TYPE_CHECKING:
+    from engine.data_dir import DataDirLock
 
 app = typer.Typer(
     name="dcpgw",
@@ -161,6 +164,18 @@ def up(
     except ConfigError as e:
         _fail(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.data_dir import DataDirLock, check_layout
+    from engine.exceptions import EngineError
+
+    # One process per data directory, taken before anything (the broker included) is started; held until exit
+    # (docs/reliability.md "Data directory").
+    lock = DataDirLock(settings.data_dir)
+    try:
+        lock.lock()
+        check_layout(settings.data_dir, cluster=settings.cluster_nodes > 1)
+    except (EngineError, OSError) as e:
+        lock.release()
+        _fail(str(e))
     try:
         brk = select_broker() if settings.kafka.bootstrap_servers is None else None
         if brk is not None:
@@ -169,16 +184,18 @@ def up(
         _fail(str(e))
     bootstrap = settings.kafka.bootstrap_servers or (brk.bootstrap_servers if brk else "")
     try:
-        asyncio.run(_serve(settings, bootstrap, progress))
+        asyncio.run(_serve(settings, bootstrap, progress, lock))
     finally:
         if brk is not None:
             brk.stop()
+        lock.release()
 
 
-async def _serve(settings: Any, bootstrap: str, progress: bool) -> None:
+async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLock | None = None) -> None:
+    from engine.durable_file import write_atomically
     from gateway.service import GatewayService
 
-    svc = GatewayService(settings, bootstrap)
+    svc = GatewayService(settings, bootstrap, data_dir_lock=lock)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, svc.request_stop)
@@ -186,7 +203,7 @@ async def _serve(settings: Any, bootstrap: str, progress: bool) -> None:
     http_url = f"http://{settings.http_host}:{svc.http_port}"
     state = {"bootstrap_servers": bootstrap, "http_url": http_url, "topic": svc.topic, "pid": os.getpid()}
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    (settings.data_dir / STATE_FILE).write_text(json.dumps(state))
+    write_atomically(settings.data_dir / STATE_FILE, json.dumps(state).encode())
     typer.echo(f"dcpgw up: topic {svc.topic} on {bootstrap}; HTTP API {http_url}", err=True)
     if svc.cluster is not None:
         vbmap = svc.cluster.vbucket_map()
@@ -200,8 +217,12 @@ async def _serve(settings: Any, bootstrap: str, progress: bool) -> None:
     finally:
         typer.echo("dcpgw: stopping (flushing deliveries, clean engine shutdown)", err=True)
         await svc.stop()
-        with contextlib.suppress(OSError):
-            (settings.data_dir / STATE_FILE).unlink()
+        # Only our own state file: never another process's (with the data-directory lock there is none, but
+        # a file left by a process killed -9 and read by a newer one must not go either).
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            f = settings.data_dir / STATE_FILE
+            if json.loads(f.read_text()).get("pid") == os.getpid():
+                f.unlink()
 
 
 async def _catch_up_progress(svc: Any) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from engine import Bucket, InvalidArgument
-from engine.cluster import MAP_FILE, Cluster, FailoverReport
+from engine.cluster import Cluster, FailoverReport
+from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
@@ -33,8 +34,13 @@ log = logging.getLogger(__name__)
 class GatewayService:
     """One bucket streamed into one topic, with its HTTP API."""
 
-    def __init__(self, settings: GatewaySettings, bootstrap_servers: str) -> None:
+    def __init__(self, settings: GatewaySettings, bootstrap_servers: str, *,
+                 data_dir_lock: DataDirLock | None = None) -> None:
         self.settings = settings
+        #: the exclusive lock on ``settings.data_dir`` (docs/reliability.md "Data directory"): taken by
+        #: :meth:`start` unless the caller took it already (``dcpgw up`` does, before starting a broker)
+        self.data_dir_lock = data_dir_lock
+        self._own_lock = data_dir_lock is None
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic_name(settings.topic_prefix, settings.bucket)
         self.metrics = GatewayMetrics()
@@ -64,8 +70,22 @@ class GatewayService:
         return conf
 
     # ------------------------------------------------------------------ lifecycle
+    def open_data_dir(self) -> Layout:
+        """Lock the data directory (:class:`~engine.data_dir.DataDirLocked` naming the holder's pid) and check
+        that it holds data of this mode (:class:`~engine.data_dir.DataDirMismatch`); before anything in it
+        is opened."""
+        if self.data_dir_lock is None:
+            self.data_dir_lock = DataDirLock.acquire(self.settings.data_dir)
+        self.data_dir_lock.lock()
+        return check_layout(self.settings.data_dir, cluster=self.settings.cluster_nodes > 1)
+
     async def start(self) -> None:
         s = self.settings
+        try:
+            self.open_data_dir()
+        except BaseException:
+            self._release_data_dir()
+            raise
         if s.cluster_nodes > 1:
             self.cluster = self._open_cluster()
         else:
@@ -117,8 +137,9 @@ class GatewayService:
         ``cluster_nodes`` nodes and ``cluster_replicas`` replicas."""
         s = self.settings
         self.settings.engine_config()  # validates the bucket name / vbucket count the nodes will use
-        if (s.data_dir / MAP_FILE).exists():
-            cluster = Cluster.open(s.data_dir, name=s.bucket)
+        if check_layout(s.data_dir, cluster=True) is Layout.CLUSTER:
+            # a missing or damaged map next to node data is rebuilt from the nodes' states (engine/map_recovery.py)
+            cluster = Cluster.open(s.data_dir, replicas=s.cluster_replicas, name=s.bucket)
             if cluster.num_vbuckets != s.num_vbuckets:
                 cluster.close()
                 raise InvalidArgument(f"the cluster under {s.data_dir} has {cluster.num_vbuckets} vbuckets, "
@@ -241,6 +262,12 @@ class GatewayService:
         # Drop the Kafka clients now (librdkafka handles are destroyed with their last reference).
         self.publisher = None
         self.checkpoints = None
+        self._release_data_dir()
+
+    def _release_data_dir(self) -> None:
+        if self._own_lock and self.data_dir_lock is not None:
+            self.data_dir_lock.release()
+            self.data_dir_lock = None
 
     async def run_until_stopped(self) -> None:
         await self._stopping.wait()

@@ -1,0 +1,178 @@
+"""Rebuilding a lost or damaged vbucket map from the nodes' own persisted vbucket states.
+
+The map is written atomically (engine/durable_file.py), so a crash never leaves it empty; but a map damaged some
+other way (an older version's in-place rewrite, a disk error, an operator) must not make the cluster unusable
+while every node's data is intact. Every node persists, per vbucket, its state (active / replica / pending /
+dead), its failover log and its high seqno (engine/storage.py ``vbstate``) -- what ns_server would learn from
+the nodes' ``vbucket-details`` stats. From those:
+
+* **active**: the copy a node holds active. Two nodes claiming one vbucket active (a node hard-failed-over while
+  down keeps its old state on disk) are ordered by their failover logs: the copy whose log holds the other's
+  newest entry below its own newest one was promoted after it and wins; otherwise the newer newest entry
+  (higher seqno), then the higher high seqno, then the first node in name order. A node that lost an active
+  claim to a promotion was failed over: it stays out of the map, with all its copies.
+* **no active** (no node holds the vbucket active, e.g. a crash between a takeover's two state changes, or the
+  active's node left out as failed over): the replica with the highest last complete snapshot is promoted, as
+  a hard failover would
+  (:meth:`engine.manager.ClusterManager.failover`); ties go to the first node in name order.
+* **replicas**: every other node holding the vbucket as a replica, in node-name order, padded with empty slots
+  to the replica count (the largest number of replicas found, or the caller's hint).
+* **nodes**: every node holding at least one copy in the rebuilt chains, in natural name order (n2 < n10).
+
+What cannot be recovered: the order of the replicas in a chain and of the nodes in the list, where the empty
+slots of a failed-over node were, and nodes holding no copy. docs/cluster.md "Map recovery".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.data_dir import STORE_SUFFIX, cluster_node_dirs
+from engine.storage import Storage
+from engine.vbucket_map import MAX_REPLICAS, VBucketMap
+
+__all__ = ["CopyState", "MapRebuild", "node_order", "read_node_states", "rebuild_map", "salvage_revision"]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyState:
+    """One node's persisted copy of one vbucket."""
+
+    state: str
+    #: failover log, newest first: ``(vbuuid, seqno)``
+    failover: tuple[tuple[int, int], ...]
+    high_seqno: int
+    #: end of the last complete snapshot persisted (what a promotion keeps)
+    snapshot_complete: int
+
+
+NodeStates = Mapping[str, Mapping[int, CopyState]]
+
+
+@dataclass
+class MapRebuild:
+    """The rebuilt map and what the rebuild had to decide."""
+
+    vbmap: VBucketMap
+    #: vbucket -> the replica promoted because no node held it active
+    promoted: dict[int, str] = field(default_factory=dict)
+    #: vbucket -> the nodes that claimed it active (more than one), winner first
+    conflicts: dict[int, list[str]] = field(default_factory=dict)
+    #: nodes left out: they lost an active claim to a promotion (failed over)
+    failed_over: list[str] = field(default_factory=list)
+    #: vbuckets no node holds at all
+    lost: list[int] = field(default_factory=list)
+
+    def summary(self) -> str:
+        m = self.vbmap
+        parts = [f"nodes {', '.join(m.nodes)}", f"{m.num_replicas} replica(s)", f"{m.num_vbuckets} vbuckets"]
+        if self.promoted:
+            parts.append(f"replicas promoted for vbuckets {sorted(self.promoted)}")
+        if self.conflicts:
+            parts.append(f"two active copies resolved for vbuckets {sorted(self.conflicts)}")
+        if self.failed_over:
+            parts.append(f"failed-over nodes left out: {', '.join(self.failed_over)}")
+        if self.lost:
+            parts.append(f"vbuckets without any copy: {self.lost}")
+        return "; ".join(parts)
+
+
+def node_order(name: str) -> tuple[object, ...]:
+    """Natural order of node names (n2 before n10)."""
+    return tuple((0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", name) if t)
+
+
+def read_node_states(base_dir: Path | str, bucket: str, num_vbuckets: int | None = None) -> dict[str, dict[int, CopyState]]:
+    """Every node directory under ``base_dir`` holding ``<bucket>.sqlite3``: its persisted vbucket states (read
+    from the store directly; the node is not started)."""
+    out: dict[str, dict[int, CopyState]] = {}
+    for d in cluster_node_dirs(base_dir):
+        path = d / f"{bucket}{STORE_SUFFIX}"
+        if not path.is_file():
+            continue
+        store = Storage(path)
+        try:
+            copies: dict[int, CopyState] = {}
+            for vb, rec in store.load_states().items():
+                if num_vbuckets is not None and vb >= num_vbuckets:
+                    continue
+                partial = rec.state != "active" and rec.snap_start <= rec.high_seqno < rec.snap_end
+                complete = store.snapshot_boundary(vb, rec.high_seqno) if partial else rec.high_seqno
+                copies[vb] = CopyState(rec.state, tuple((int(u), int(s)) for u, s in rec.failover),
+                                       rec.high_seqno, complete)
+        finally:
+            store.close()
+        out[d.name] = copies
+    return out
+
+
+def _promoted_after(a: CopyState, b: CopyState) -> bool:
+    """``a``'s history continues ``b``'s past a promotion: ``b``'s newest entry is in ``a``'s log below its
+    newest one."""
+    return bool(b.failover) and b.failover[0] in a.failover[1:]
+
+
+def rebuild_map(states: NodeStates, num_vbuckets: int, *, replicas: int | None = None,
+                revision: int = 1) -> MapRebuild:
+    """The map the nodes' states describe (see the module doc). ``replicas``: the replica count to pad chains
+    to when it is larger than what the copies show (capped by the node count and 3). Deterministic."""
+    names = sorted(states, key=node_order)
+    order = {n: i for i, n in enumerate(names)}
+    failed: set[str] = set()
+    winners: dict[int, str] = {}
+    conflicts: dict[int, list[str]] = {}
+    for vb in range(num_vbuckets):
+        claims = [n for n in names if (c := states[n].get(vb)) is not None and c.state == "active"]
+        if len(claims) <= 1:
+            if claims:
+                winners[vb] = claims[0]
+            continue
+        # Not superseded by a later promotion first; then newest entry, high seqno, name order.
+        def rank(n: str, vb: int = vb, claims: list[str] = claims) -> tuple[object, ...]:
+            c = states[n][vb]
+            superseded = any(_promoted_after(states[o][vb], c) for o in claims if o != n)
+            head = c.failover[0][1] if c.failover else -1
+            return (not superseded, head, c.high_seqno, -order[n])
+        ranked = sorted(claims, key=rank, reverse=True)
+        winners[vb] = ranked[0]
+        conflicts[vb] = ranked
+        for n in ranked[1:]:
+            if _promoted_after(states[ranked[0]][vb], states[n][vb]):
+                failed.add(n)
+    live = [n for n in names if n not in failed]
+    chains: list[list[str | None]] = []
+    promoted: dict[int, str] = {}
+    lost: list[int] = []
+    width = 0
+    for vb in range(num_vbuckets):
+        active = winners.get(vb)
+        if active in failed:
+            active = None
+        reps = [n for n in live if n != active and (c := states[n].get(vb)) is not None and c.state == "replica"]
+        if active is None and reps:
+            active = max(reps, key=lambda n: (states[n][vb].snapshot_complete, -order[n]))
+            reps.remove(active)
+            promoted[vb] = active
+        if active is None and not reps:
+            lost.append(vb)
+        chain: list[str | None] = [active, *reps]
+        chains.append(chain)
+        width = max(width, len(reps))
+    holders = sorted({n for ch in chains for n in ch if n is not None}, key=node_order)
+    if not holders:
+        holders = live[:1] or names[:1]
+    want = max(width, min(replicas or 0, MAX_REPLICAS, max(len(holders) - 1, 0)))
+    for ch in chains:
+        ch.extend([None] * (want + 1 - len(ch)))
+    vbmap = VBucketMap(revision=max(revision, 1), nodes=holders, chains=chains)
+    return MapRebuild(vbmap, promoted, {vb: r for vb, r in conflicts.items()},
+                      sorted(failed, key=node_order), lost)
+
+
+def salvage_revision(damaged: bytes) -> int:
+    """The revision of a damaged map file when its start survived (``{"revision":N,...``), else 0."""
+    m = re.match(rb'\s*\{\s*"revision"\s*:\s*(\d+)', damaged)
+    return int(m.group(1)) if m else 0
