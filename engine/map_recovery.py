@@ -8,9 +8,12 @@ the nodes' ``vbucket-details`` stats. From those:
 
 * **active**: the copy a node holds active. Two nodes claiming one vbucket active (a node hard-failed-over while
   down keeps its old state on disk) are ordered by their failover logs: the copy whose log holds the other's
-  newest entry below its own newest one was promoted after it and wins; otherwise the newer newest entry
-  (higher seqno), then the higher high seqno, then the first node in name order. A node that lost an active
-  claim to a promotion was failed over: it stays out of the map, with all its copies.
+  newest entry below its own newest one was promoted after it and wins. Claims the logs do not order (a
+  replica promoted before it ever received the active's history) go to the newer newest entry (higher
+  seqno), then the higher high seqno, then the longer failover log, then the first node in name order. Two
+  active copies exist only when a node was hard-failed-over while down (a takeover and a graceful failover
+  set the old copy dead before the new one is active), so a node that loses a claim stays out of the map,
+  with all its copies.
 * **no active** (no node holds the vbucket active, e.g. a crash between a takeover's two state changes, or the
   active's node left out as failed over): the replica with the highest last complete snapshot is promoted, as
   a hard failover would
@@ -121,27 +124,34 @@ def rebuild_map(states: NodeStates, num_vbuckets: int, *, replicas: int | None =
     to when it is larger than what the copies show (capped by the node count and 3). Deterministic."""
     names = sorted(states, key=node_order)
     order = {n: i for i, n in enumerate(names)}
+    claims = {vb: [n for n in names if (c := states[n].get(vb)) is not None and c.state == "active"]
+              for vb in range(num_vbuckets)}
+    # A node whose active copy another node's history continues past a promotion was failed over: all of it
+    # stays out (its other copies are as stale).
     failed: set[str] = set()
-    winners: dict[int, str] = {}
+    for vb, ns in claims.items():
+        for a in ns:
+            for b in ns:
+                if a != b and _promoted_after(states[a][vb], states[b][vb]):
+                    failed.add(b)
+    # Two active copies exist only when a node was hard-failed-over while down (a takeover and a graceful
+    # failover set the old copy dead first): every loser is such a node.
     conflicts: dict[int, list[str]] = {}
-    for vb in range(num_vbuckets):
-        claims = [n for n in names if (c := states[n].get(vb)) is not None and c.state == "active"]
-        if len(claims) <= 1:
-            if claims:
-                winners[vb] = claims[0]
-            continue
-        # Not superseded by a later promotion first; then newest entry, high seqno, name order.
-        def rank(n: str, vb: int = vb, claims: list[str] = claims) -> tuple[object, ...]:
-            c = states[n][vb]
-            superseded = any(_promoted_after(states[o][vb], c) for o in claims if o != n)
-            head = c.failover[0][1] if c.failover else -1
-            return (not superseded, head, c.high_seqno, -order[n])
-        ranked = sorted(claims, key=rank, reverse=True)
-        winners[vb] = ranked[0]
-        conflicts[vb] = ranked
-        for n in ranked[1:]:
-            if _promoted_after(states[ranked[0]][vb], states[n][vb]):
-                failed.add(n)
+    for vb, ns in claims.items():
+        if len(ns) > 1:
+            # Not ordered by the logs: the newer newest entry, the higher high seqno, the longer history
+            # (promotions and unclean restarts add entries), the first name.
+            def rank(n: str, vb: int = vb) -> tuple[object, ...]:
+                c = states[n][vb]
+                return (n not in failed, c.failover[0][1] if c.failover else -1, c.high_seqno,
+                        len(c.failover), -order[n])
+            conflicts[vb] = sorted(ns, key=rank, reverse=True)
+            failed.update(conflicts[vb][1:])
+    winners: dict[int, str] = {}
+    for vb, ns in claims.items():
+        left = [n for n in conflicts.get(vb, ns) if n not in failed]
+        if left:
+            winners[vb] = left[0]
     live = [n for n in names if n not in failed]
     chains: list[list[str | None]] = []
     promoted: dict[int, str] = {}
