@@ -71,8 +71,13 @@ def test_second_up_on_one_data_dir_refuses_and_the_first_keeps_its_writes(kafka_
         again.kill9()
         again.start()
         assert json.loads(_get(again, "doc7")) == {"n": 7, "v": "last"}
+        # the state file is removed on stop only by the process it names (the mechanism by which the second
+        # gateway deleted the first's)
+        other = json.loads((data / "dcpgw-state.json").read_text()) | {"pid": 1}
+        (data / "dcpgw-state.json").write_text(json.dumps(other))
     finally:
         again.stop()
+    assert json.loads((data / "dcpgw-state.json").read_text())["pid"] == 1
 
 
 def test_cluster_up_on_single_bucket_data_and_the_reverse_refuse(kafka_broker: Broker, tmp_path: Path) -> None:
