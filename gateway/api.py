@@ -105,7 +105,10 @@ async def errors_middleware(
         return await handler(request)
     except ApiError as e:
         svc.metrics.http_errors.labels(str(e.status)).inc()
-        return _json_error(e.status, e.code, e.message)
+        resp = _json_error(e.status, e.code, e.message)
+        if e.code == "request_entity_too_large":
+            resp.force_close()  # the rest of the body is not read: close instead of draining it
+        return resp
     except EngineError as e:
         for cls, status, code in _STATUS_FOR:
             if isinstance(e, cls):
@@ -433,9 +436,11 @@ def _max_value_size(svc: GatewayService) -> int:
     return svc.settings.engine_config().max_value_size
 
 
-def _item_error(key: str, e: EngineError) -> dict[str, Any]:
+def _item_error(key: str, e: EngineError, op: str = "upsert") -> dict[str, Any]:
     for cls, status, code in _STATUS_FOR:
         if isinstance(e, cls):
+            if isinstance(e, KeyExists) and op == "insert":
+                code = "exists"
             return {"key": key, "status": status, "error": code, "message": str(e)}
     return {"key": key, "status": 500, "error": "engine_error", "message": str(e)}
 
@@ -493,7 +498,7 @@ async def bulk(request: web.Request) -> web.Response:
                 bucket = _bucket(svc, it.key)
                 res = _bulk_submit(bucket, it, durability)
             except EngineError as e:
-                items.append(_item_error(key, e))
+                items.append(_item_error(key, e, it.op))
                 continue
             if isinstance(res, SyncWrite):
                 pending.append((len(items), bucket, res))
