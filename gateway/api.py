@@ -4,16 +4,18 @@ Documents: ``GET/PUT/DELETE /docs/{key}`` (the body is the document; CAS travels
 a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` and ``?flags=`` set metadata;
 ``?durability=majority|majority_and_persist_to_active|persist_to_majority[&timeout_ms=N]`` makes it a sync write
 answered once committed -- seed 004, docs/durability.md),
-``POST /docs/_bulk`` (a JSON array of ``{"key", "value"}`` upserts; used by ``dcpgw load``).
+``POST /docs/_bulk`` (a JSON array of ``{"key", "value", "op"?, "cas"?, "expiry"?, "flags"?}`` entries, used by
+``dcpgw load``: all validated before the first write, then answered per item -- docs/gateway.md).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
 Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
 Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
 (``{"node": "n1", "graceful": false}``; answers the failover report), ``POST /cluster/rebalance``
 (``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
-(progress of the running or last rebalance).
+(progress of the running or last rebalance). ``GET /openapi.json``: the OpenAPI document (gateway/openapi.py).
 
 Every error is a JSON body ``{"error": <code>, "message": <text>}`` with a 4xx status (5xx only for server
-faults), mapped from the engine's typed exceptions.
+faults), mapped from the engine's typed exceptions -- aiohttp's own errors included (:class:`JsonAppRunner`).
+Inputs are bounded before any work (docs/gateway.md "Limits").
 """
 
 from __future__ import annotations

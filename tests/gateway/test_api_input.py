@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -266,3 +267,33 @@ def test_openapi_document_describes_every_route(kafka_broker: Broker, tmp_path: 
         assert document()["paths"].keys() >= {"/health/live", "/health/ready"}
 
     run_single(kafka_broker, tmp_path, scenario)
+
+
+@pytest.mark.slow
+def test_sigint_stops_dcpgw_up_during_a_rebalance(kafka_broker: Broker, tmp_path: Path) -> None:
+    """`dcpgw up --nodes 3` with the largest rebalance one request may start (8 new nodes): SIGINT right after
+    the 202 stops the process cleanly (on main a large rebalance request held the event loop and SIGINT waited)."""
+    import signal
+    import urllib.request
+
+    from tests.gateway.test_gateway_process import GatewayProc
+
+    data = tmp_path / "data"
+    data.mkdir()
+    gw = GatewayProc(kafka_broker, data, f"sig{uuid.uuid4().hex[:8]}", DCPGW_CLUSTER_NODES="3",
+                     DCPGW_CLUSTER_REPLICAS="1")
+    gw.start()
+    try:
+        gw.bulk([{"key": f"d{i}", "value": {"i": i, "pad": "x" * 200}} for i in range(3000)])
+        req = urllib.request.Request(gw.url + "/cluster/rebalance", method="POST",
+                                     data=json.dumps({"add": [f"a{i}" for i in range(8)]}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 202
+            assert json.loads(r.read())["status"] in ("running", "done")
+        assert gw.proc is not None
+        gw.proc.send_signal(signal.SIGINT)
+        assert gw.proc.wait(60) == 0  # generous: "did not hang"
+    finally:
+        if gw.proc is not None and gw.proc.poll() is None:
+            gw.proc.kill()
+            gw.proc.wait(10)
