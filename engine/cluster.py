@@ -402,17 +402,33 @@ class Cluster(ClusterManager):
         self._apply_states(name)
 
     # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
-    def add_node(self, name: str) -> Node:
+    def node_config(self, name: str) -> BucketConfig:
+        """The bucket settings a new node ``name`` gets: the other nodes', data under ``base_dir/name``."""
+        self._check_new_node(name)
+        template = next(iter(self.nodes.values())).config
+        return template.model_copy(update={"data_dir": self.base_dir / name})
+
+    def open_node_bucket(self, name: str) -> Bucket:
+        """Open (warm up) the engine of a new node ``name`` without adding it: the slow part of
+        :meth:`add_node` (a data directory, SQLite, every vbucket), which touches nothing of the cluster and so
+        may run on another thread (the gateway does, docs/gateway.md "Limits"); hand it to :meth:`add_node`."""
+        return Bucket(self.node_config(name), clock=self.clock)
+
+    def add_node(self, name: str, bucket: Bucket | None = None) -> Node:
         """Start a new node ``name`` (data under ``base_dir/name``, the other nodes' bucket settings); it
         holds no vbucket (all dead) until a rebalance moves some to it. A node ejected or failed over earlier
-        can be added again: its old copies are streamed from their position (rolled back if they diverged)."""
-        self._check_new_node(name)
+        can be added again: its old copies are streamed from their position (rolled back if they diverged).
+        ``bucket``: its engine opened already by :meth:`open_node_bucket` (used only when the node is started
+        here)."""
+        cfg = self.node_config(name)
         existing = self.nodes.get(name)
         if existing is not None and existing.up:
+            if bucket is not None:
+                bucket.close()
             return existing
-        template = next(iter(self.nodes.values())).config
-        cfg = template.model_copy(update={"data_dir": self.base_dir / name})
-        node = Node(name, cfg, Bucket(cfg, clock=self.clock))
+        if bucket is not None and Path(bucket.config.data_dir) != Path(cfg.data_dir):
+            raise InvalidArgument(f"the bucket given for node {name} is not under {cfg.data_dir}")
+        node = Node(name, cfg, bucket if bucket is not None else Bucket(cfg, clock=self.clock))
         self.nodes[name] = node
         if name in self.ejected:
             self.ejected.remove(name)
@@ -422,16 +438,18 @@ class Cluster(ClusterManager):
     def start_rebalance(
         self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
         progress: Callable[[RebalanceProgress], None] | None = None, concurrent_moves: int = 4,
+        buckets: dict[str, Bucket] | None = None,
     ) -> Rebalance:
         """Start a rebalance (seed 003; engine/rebalance.py): nodes ``add`` in (started with :meth:`add_node`
         when new), ``remove`` out; a new map over the new node set moving as few copies as possible; every
         :meth:`pump` advances it while writes continue. With neither, the current nodes are rebalanced (empty
         slots left by failovers refilled). :class:`InvalidArgument` for unknown / duplicate nodes, removing
         every node, too few nodes for the replicas, or a rebalance already running; TemporaryFailure when a
-        node of the map is down (fail it over first)."""
+        node of the map is down (fail it over first). ``buckets``: engines of added nodes opened already
+        (:meth:`open_node_bucket`); the ones used are taken out of the dict, the caller closes the rest."""
         add, remove = self._check_rebalance(add, remove)
         for n in add:
-            self.add_node(n)
+            self.add_node(n, None if buckets is None else buckets.pop(n, None))
         if add:
             self._set_map(self._map.with_chains(self._map.chains, list(self._map.nodes) + add))
         self._rebalance = Rebalance(self, add, remove, concurrent_moves=concurrent_moves, progress=progress)

@@ -178,6 +178,12 @@ class ClusterManager(ABC):
         if name in self._map.nodes:
             raise InvalidArgument(f"node {name} is already in the cluster")
 
+    def check_rebalance(self, add: Sequence[str], remove: Sequence[str]) -> None:
+        """Would ``start_rebalance(add, remove)`` be refused? Raises what it would raise, does nothing else."""
+        self._check_rebalance(add, remove)
+        for n in add:
+            self._check_new_node(n)
+
     def _check_rebalance(self, add: Sequence[str], remove: Sequence[str]) -> tuple[list[str], list[str]]:
         """Validate a rebalance request (InvalidArgument / TemporaryFailure, see ``start_rebalance``)."""
         if self._rebalance is not None:

@@ -4,16 +4,18 @@ Documents: ``GET/PUT/DELETE /docs/{key}`` (the body is the document; CAS travels
 a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` and ``?flags=`` set metadata;
 ``?durability=majority|majority_and_persist_to_active|persist_to_majority[&timeout_ms=N]`` makes it a sync write
 answered once committed -- seed 004, docs/durability.md),
-``POST /docs/_bulk`` (a JSON array of ``{"key", "value"}`` upserts; used by ``dcpgw load``).
+``POST /docs/_bulk`` (a JSON array of ``{"key", "value", "op"?, "cas"?, "expiry"?, "flags"?}`` entries, used by
+``dcpgw load``: all validated before the first write, then answered per item -- docs/gateway.md).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
 Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
 Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
 (``{"node": "n1", "graceful": false}``; answers the failover report), ``POST /cluster/rebalance``
 (``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
-(progress of the running or last rebalance).
+(progress of the running or last rebalance). ``GET /openapi.json``: the OpenAPI document (gateway/openapi.py).
 
 Every error is a JSON body ``{"error": <code>, "message": <text>}`` with a 4xx status (5xx only for server
-faults), mapped from the engine's typed exceptions.
+faults), mapped from the engine's typed exceptions -- aiohttp's own errors included (:class:`JsonAppRunner`).
+Inputs are bounded before any work (docs/gateway.md "Limits").
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ import asyncio
 import base64
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from engine import Bucket, Datatype
 from engine.cluster import Cluster, FailoverReport
@@ -53,6 +59,14 @@ log = logging.getLogger(__name__)
 
 SERVICE: web.AppKey[GatewayService] = web.AppKey("service")
 MAX_BODY = 64 * 1024 * 1024
+#: body limit of the admin routes (``/cluster/...``): their bodies are a few node names (docs/gateway.md "Limits")
+MAX_ADMIN_BODY = 64 * 1024
+#: the largest cluster the gateway runs in process (nodes in the map after a rebalance; docs/gateway.md "Limits")
+MAX_CLUSTER_NODES = 64
+#: nodes one rebalance may add (each is a new engine with its own data directory)
+MAX_NODES_PER_REBALANCE = 8
+#: a node name: what ClusterManager accepts (engine/manager.py ``_check_new_node``)
+NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 _STATUS_FOR: list[tuple[type[EngineError], int, str]] = [
     # synchronous replication (seed 004; docs/durability.md "HTTP"): a bad level is the client's fault; the
@@ -93,7 +107,10 @@ async def errors_middleware(
         return await handler(request)
     except ApiError as e:
         svc.metrics.http_errors.labels(str(e.status)).inc()
-        return _json_error(e.status, e.code, e.message)
+        resp = _json_error(e.status, e.code, e.message)
+        if e.code == "request_entity_too_large":
+            resp.force_close()  # the rest of the body is not read: close instead of draining it
+        return resp
     except EngineError as e:
         for cls, status, code in _STATUS_FOR:
             if isinstance(e, cls):
@@ -107,8 +124,83 @@ async def errors_middleware(
     except web.HTTPException as e:
         if e.status >= 400:
             svc.metrics.http_errors.labels(str(e.status)).inc()
-            return _json_error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+            text = e.text or e.reason
+            if text.startswith(f"{e.status}: "):  # aiohttp's default body repeats the status line
+                text = text[len(f"{e.status}: "):]
+            return _json_error(e.status, e.reason.lower().replace(" ", "_"), text)
         raise
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # a server fault: still a JSON body, logged with its traceback
+        log.exception("%s %s failed", request.method, request.path)
+        svc.metrics.http_errors.labels("500").inc()
+        return _json_error(500, "internal_error", f"{type(e).__name__}: {e}")
+
+
+class JsonRequestHandler(RequestHandler):
+    """aiohttp's connection handler with JSON error bodies: a request aiohttp's HTTP parser refuses (bad request
+    line, a header too large, a malformed chunk) never reaches the middleware; aiohttp answers it from
+    :meth:`handle_error`, in text -- here ``{"error", "message"}`` like every other error (docs/gateway.md)."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            self.log_debug("Bad request from %s: %s", request.remote, exc)
+        if request.writer.output_size > 0:  # part of a response was sent: the connection is broken
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "error"
+        code = "internal_error" if status >= 500 else phrase.lower().replace(" ", "_")
+        text = message or (str(exc) if exc is not None else phrase)
+        resp = _json_error(status, code, text or phrase)
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class JsonAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections answer aiohttp's own parser errors in JSON (:class:`JsonRequestHandler`)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # same state, only the connection-handler factory differs
+        return server
+
+
+async def _read_json(request: web.Request, limit: int, what: str, empty: Any = None) -> Any:
+    """The request body parsed as JSON, ``limit`` bytes at most (413 ``request_entity_too_large`` beyond,
+    without reading the rest). 400 ``invalid_json`` for bad JSON, invalid UTF-8 or nesting beyond the parser's
+    recursion limit (the C parser raises RecursionError instead of overflowing the stack)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, "request_entity_too_large",
+                       f"body of {request.content_length} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(65536)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "request_entity_too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if empty is not None and not raw.strip():
+        return empty
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "invalid_json", f"body must be a JSON {what}: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, "invalid_json", f"body must be a JSON {what}: {e}") from None
 
 
 def _svc(request: web.Request) -> GatewayService:
@@ -263,50 +355,170 @@ async def delete_doc(request: web.Request) -> web.Response:
     return web.json_response(_mutation(res))
 
 
-async def bulk(request: web.Request) -> web.Response:
-    svc = _svc(request)
+#: ``op`` of a ``_bulk`` entry (docs/gateway.md "POST /docs/_bulk")
+BULK_OPS = ("upsert", "insert", "replace", "delete")
+_BULK_FIELDS = frozenset({"key", "value", "encoding", "op", "expiry", "flags", "cas"})
+_U32 = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class _BulkItem:
+    key: bytes
+    value: bytes
+    op: str
+    expiry: int
+    flags: int
+    cas: int
+
+
+def _bulk_int(d: dict[str, Any], field: str, i: int, hi: int) -> int:
+    v = d.get(field, 0)
+    if type(v) is not int or not 0 <= v <= hi:
+        raise ApiError(400, "invalid_argument", f"entry {i}: {field} must be an integer in [0, {hi}], got {v!r}")
+    return v
+
+
+def _bulk_item(d: Any, i: int, max_value: int) -> _BulkItem:
+    """One ``_bulk`` entry checked completely (everything the engine would refuse for its shape): 400 / 413 for
+    the whole batch before anything is written."""
+    if not isinstance(d, dict):
+        raise ApiError(400, "invalid_argument", f'entry {i}: must be an object {{"key", "value", ...}}')
+    unknown = sorted(set(d) - _BULK_FIELDS)
+    if unknown:
+        raise ApiError(400, "invalid_argument", f"entry {i}: unknown fields {unknown}")
+    op = d.get("op", "upsert")
+    if op not in BULK_OPS:
+        raise ApiError(400, "invalid_argument", f"entry {i}: op must be one of {list(BULK_OPS)}, got {op!r}")
+    k = d.get("key")
     try:
-        docs = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, "invalid_json", f"body must be a JSON array of documents: {e}") from e
-    if not isinstance(docs, list):
-        raise ApiError(400, "invalid_argument", "body must be a JSON array of {\"key\", \"value\"} objects")
-    # Validate everything first: a bad entry rejects the batch before anything is written.
-    prepared: list[tuple[bytes, bytes, int]] = []
-    for i, d in enumerate(docs):
-        if not isinstance(d, dict) or "key" not in d or "value" not in d:
-            raise ApiError(400, "invalid_argument", f"entry {i}: needs \"key\" and \"value\"")
-        k, v = d["key"], d["value"]
-        if not isinstance(k, str) or not 0 < len(k.encode()) <= 250:
-            raise ApiError(400, "invalid_argument", f"entry {i}: key must be a string of 1..250 bytes")
-        if d.get("encoding") == "base64":
+        kb = k.encode() if isinstance(k, str) else b""
+    except UnicodeEncodeError:  # a lone surrogate (\ud800) has no UTF-8 form
+        kb = b""
+    if not 0 < len(kb) <= 250:
+        raise ApiError(400, "invalid_argument", f"entry {i}: key must be a UTF-8 string of 1..250 bytes")
+    expiry = _bulk_int(d, "expiry", i, _U32)
+    flags = _bulk_int(d, "flags", i, _U32)
+    cas = _bulk_int(d, "cas", i, 2**64 - 1)
+    if op == "insert" and cas:
+        raise ApiError(400, "invalid_argument", f"entry {i}: an insert cannot carry a cas")
+    encoding = d.get("encoding")
+    if encoding not in (None, "base64"):
+        raise ApiError(400, "invalid_argument", f'entry {i}: encoding must be "base64" or absent, got {encoding!r}')
+    if op == "delete":
+        if "value" in d or encoding is not None or expiry or flags:
+            raise ApiError(400, "invalid_argument", f"entry {i}: a delete takes only key and cas")
+        return _BulkItem(kb, b"", op, 0, 0, cas)
+    if "value" not in d:
+        raise ApiError(400, "invalid_argument", f'entry {i}: needs "key" and "value"')
+    v = d["value"]
+    try:
+        if encoding == "base64":
             if not isinstance(v, str):
                 raise ApiError(400, "invalid_argument", f"entry {i}: base64 values must be strings")
-            try:
-                vb = base64.b64decode(v, validate=True)
-            except ValueError as e:
-                raise ApiError(400, "invalid_argument", f"entry {i}: bad base64: {e}") from e
+            vb = base64.b64decode(v, validate=True)
         elif isinstance(v, str):
             vb = v.encode()
         else:
             vb = json.dumps(v, separators=(",", ":")).encode()
-        exp = d.get("expiry", 0)
-        if not isinstance(exp, int) or exp < 0:
-            raise ApiError(400, "invalid_argument", f"entry {i}: expiry must be a non-negative integer")
-        prepared.append((k.encode(), vb, exp))
-    written = 0
-    if svc.cluster is None:
+    except RecursionError:
+        raise ApiError(400, "invalid_argument", f"entry {i}: value nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ApiError(400, "invalid_argument", f"entry {i}: value is not valid Unicode (a lone surrogate)") from None
+    except ValueError as e:
+        raise ApiError(400, "invalid_argument", f"entry {i}: bad base64: {e}") from None
+    if len(vb) > max_value:
+        raise ApiError(413, "value_too_large",
+                       f"entry {i}: value of {len(vb)} bytes exceeds the maximum of {max_value}")
+    return _BulkItem(kb, vb, op, expiry, flags, cas)
+
+
+def _max_value_size(svc: GatewayService) -> int:
+    if svc.bucket is not None:
+        return svc.bucket.config.max_value_size
+    return svc.settings.engine_config().max_value_size
+
+
+def _item_error(key: str, e: EngineError, op: str = "upsert") -> dict[str, Any]:
+    for cls, status, code in _STATUS_FOR:
+        if isinstance(e, cls):
+            if isinstance(e, KeyExists) and op == "insert":
+                code = "exists"
+            return {"key": key, "status": status, "error": code, "message": str(e)}
+    return {"key": key, "status": 500, "error": "engine_error", "message": str(e)}
+
+
+def _bulk_submit(bucket: Bucket, it: _BulkItem, durability: Durability | None) -> Any:
+    """Apply one validated entry: its MutationResult, or its pending SyncWrite with ``durability`` (insert /
+    replace with durability are refused before the batch starts)."""
+    if it.op == "delete":
+        if durability is not None:
+            return bucket.delete(it.key, cas=it.cas, durability=durability)
+        return bucket.delete(it.key, cas=it.cas)
+    if it.op == "insert":
+        return bucket.add(it.key, it.value, flags=it.flags, expiry=it.expiry)
+    if it.op == "replace":
+        return bucket.replace(it.key, it.value, cas=it.cas, flags=it.flags, expiry=it.expiry)
+    if durability is not None:
+        return bucket.set(it.key, it.value, cas=it.cas, flags=it.flags, expiry=it.expiry, durability=durability)
+    return bucket.set(it.key, it.value, cas=it.cas, flags=it.flags, expiry=it.expiry)
+
+
+async def bulk(request: web.Request) -> web.Response:
+    """``POST /docs/_bulk``: the whole batch is validated first, so a 4xx means nothing was written; then every
+    entry is applied in order and answered in ``items`` (Elasticsearch ``_bulk`` style): an entry the engine
+    refuses at run time (CAS mismatch, key exists / not found, node down, temporary failure) fails alone with
+    its status and error code, the rest are written. docs/gateway.md "POST /docs/_bulk"."""
+    svc = _svc(request)
+    docs = await _read_json(request, MAX_BODY, "array of documents")
+    if not isinstance(docs, list):
+        raise ApiError(400, "invalid_argument", "body must be a JSON array of {\"key\", \"value\"} objects")
+    durability = _durability(request)
+    if durability is not None and any(isinstance(d, dict) and d.get("op") in ("insert", "replace") for d in docs):
+        raise ApiError(400, "invalid_argument", "insert / replace with durability is not supported")
+    max_value = _max_value_size(svc)
+    prepared = [_bulk_item(d, i, max_value) for i, d in enumerate(docs)]
+    if durability is not None and svc.cluster is not None:
+        svc.cluster.push_topologies()
+    items: list[dict[str, Any]] = []
+    pending: list[tuple[int, Bucket, SyncWrite]] = []
+    if svc.cluster is None and durability is None and all(
+            it.op == "upsert" and not it.cas for it in prepared):
+        # the ingest path (dcpgw load): plain upserts straight into the single bucket
         assert svc.bucket is not None
         bset = svc.bucket.set
-        for k, v, exp in prepared:
-            bset(k, v, expiry=exp)
-            written += 1
+        for it in prepared:
+            try:
+                res = bset(it.key, it.value, flags=it.flags, expiry=it.expiry)
+            except EngineError as e:
+                items.append(_item_error(it.key.decode(), e))
+            else:
+                items.append({"key": it.key.decode(), "status": 200, **_mutation(res)})
     else:
-        for k, v, exp in prepared:
-            _bucket(svc, k).set(k, v, expiry=exp)
-            written += 1
+        for it in prepared:
+            key = it.key.decode()
+            try:
+                bucket = _bucket(svc, it.key)
+                res = _bulk_submit(bucket, it, durability)
+            except EngineError as e:
+                items.append(_item_error(key, e, it.op))
+                continue
+            if isinstance(res, SyncWrite):
+                pending.append((len(items), bucket, res))
+                items.append({"key": key, "status": 0})
+            else:
+                items.append({"key": key, "status": 201 if it.op == "insert" else 200, **_mutation(res)})
     svc.wake()
-    return web.json_response({"written": written})
+    for idx, bucket, sw in pending:
+        key = items[idx]["key"]
+        try:
+            res = await _completed(svc, bucket, sw)
+        except EngineError as e:
+            items[idx] = _item_error(key, e)
+        else:
+            items[idx] = {"key": key, "status": 200, **_mutation(res)}
+    failed = sum(1 for x in items if "error" in x)
+    return web.json_response({"written": len(items) - failed, "failed": failed, "errors": failed > 0,
+                              "items": items})
 
 
 # ---------------------------------------------------------------------- streams & ops
@@ -413,10 +625,7 @@ async def cluster_map(request: web.Request) -> web.Response:
 async def cluster_failover(request: web.Request) -> web.Response:
     svc = _svc(request)
     _cluster(svc)
-    try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, "invalid_json", f"body must be a JSON object: {e}") from e
+    body = await _read_json(request, MAX_ADMIN_BODY, "object")
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_argument", 'body must be a JSON object {"node": ..., "graceful": ...}')
     unknown = sorted(set(body) - {"node", "graceful"})
@@ -424,38 +633,47 @@ async def cluster_failover(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid_argument", f"unknown fields {unknown}")
     node = body.get("node")
     graceful = body.get("graceful", False)
-    if not isinstance(node, str) or not node:
-        raise ApiError(400, "invalid_argument", '"node" must be a node name (a non-empty string)')
+    if not isinstance(node, str) or not NODE_NAME.fullmatch(node):
+        raise ApiError(400, "invalid_argument",
+                       '"node" must be a node name (1..64 of letters, digits, "_", ".", "-")')
     if not isinstance(graceful, bool):
         raise ApiError(400, "invalid_argument", '"graceful" must be true or false')
     report = svc.failover(node, graceful)
     return web.json_response(failover_report_json(report))
 
 
-def _node_list(body: dict[str, Any], field: str) -> list[str]:
+def _node_list(body: dict[str, Any], field: str, most: int) -> list[str]:
     value = body.get(field, [])
-    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
-        raise ApiError(400, "invalid_argument", f'"{field}" must be a list of node names (non-empty strings)')
+    if not isinstance(value, list) or not all(isinstance(n, str) and NODE_NAME.fullmatch(n) for n in value):
+        raise ApiError(400, "invalid_argument", f'"{field}" must be a list of node names '
+                                                f'(1..64 of letters, digits, "_", ".", "-")')
+    if len(value) > most:
+        raise ApiError(400, "invalid_argument", f'"{field}" names {len(value)} nodes: at most {most} per rebalance')
     return list(value)
 
 
 async def cluster_rebalance(request: web.Request) -> web.Response:
-    """Start a rebalance; 202 with its progress. The pump loop runs it step by step (gateway/service.py)."""
+    """Start a rebalance; 202 with its progress. Every input is bounded before any work (body size, node names,
+    nodes added, cluster size: docs/gateway.md "Limits"); the new nodes' engines are opened off the event loop,
+    then the pump loop runs the moves step by step (gateway/service.py ``rebalance``)."""
     svc = _svc(request)
     c = _cluster(svc)
-    try:
-        body = json.loads(await request.read() or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, "invalid_json", f"body must be a JSON object: {e}") from e
+    body = await _read_json(request, MAX_ADMIN_BODY, "object", empty={})
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_argument", 'body must be a JSON object {"add": [...], "remove": [...]}')
     unknown = sorted(set(body) - {"add", "remove"})
     if unknown:
         raise ApiError(400, "invalid_argument", f"unknown fields {unknown}")
-    add, remove = _node_list(body, "add"), _node_list(body, "remove")
-    if c.rebalance_running is not None:
+    add = _node_list(body, "add", MAX_NODES_PER_REBALANCE)
+    remove = _node_list(body, "remove", MAX_CLUSTER_NODES)
+    current = c.vbucket_map().nodes
+    final = len(set(current) - set(remove)) + len(set(add) - set(current))
+    if final > MAX_CLUSTER_NODES:
+        raise ApiError(400, "invalid_argument",
+                       f"the cluster would have {final} nodes: at most {MAX_CLUSTER_NODES} (docs/gateway.md)")
+    if c.rebalance_running is not None or svc.rebalance_preparing:
         raise ApiError(409, "rebalance_running", "a rebalance is already running (GET /cluster/rebalance)")
-    reb = svc.rebalance(add, remove)
+    reb = await svc.rebalance(add, remove)
     return web.json_response(reb.progress().to_json(), status=202)
 
 
@@ -481,6 +699,23 @@ def failover_report_json(report: FailoverReport) -> dict[str, Any]:
     }
 
 
+def app_routes(app: web.Application) -> set[tuple[str, str]]:
+    """``(METHOD, path)`` of every route ``app`` serves (HEAD, added by aiohttp for each GET, left out)."""
+    out: set[tuple[str, str]] = set()
+    for route in app.router.routes():
+        info = route.resource.get_info() if route.resource is not None else {}
+        path = info.get("path") or info.get("formatter")
+        if path and route.method != "HEAD":
+            out.add((route.method, path))
+    return out
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    from gateway.openapi import document
+
+    return web.json_response(document(app_routes(request.app)))
+
+
 def build_app(service: GatewayService) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
     app[SERVICE] = service
@@ -499,4 +734,5 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_post("/cluster/failover", cluster_failover)
     app.router.add_post("/cluster/rebalance", cluster_rebalance)
     app.router.add_get("/cluster/rebalance", cluster_rebalance_progress)
+    app.router.add_get("/openapi.json", openapi_json)
     return app

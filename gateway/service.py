@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine import Bucket, InvalidArgument
+from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster import Cluster, FailoverReport
 from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
@@ -29,6 +29,13 @@ from gateway.records import RecordEncoder, ValueFormat, topic_name
 from gateway.resume import CheckpointWriter, ensure_topics, recover_positions
 
 log = logging.getLogger(__name__)
+
+
+def _close_opened(setup: asyncio.Task[dict[str, Bucket]]) -> None:
+    """The engines a rebalance opened for a request that went away."""
+    if not setup.cancelled() and setup.exception() is None:
+        for b in setup.result().values():
+            b.close()
 
 
 class GatewayService:
@@ -48,9 +55,11 @@ class GatewayService:
         self.cluster: Cluster | None = None
         #: the rebalance started last through :meth:`rebalance` (running or finished)
         self.last_rebalance: Rebalance | None = None
+        #: the engines of a rebalance's new nodes being opened off the event loop (:meth:`rebalance`)
+        self._rebalance_setup: asyncio.Task[dict[str, Bucket]] | None = None
         self.publisher: Publisher | None = None
         self.checkpoints: CheckpointWriter | None = None
-        self.runner: web.AppRunner | None = None
+        self.runner: web.AppRunner | None = None  # gateway.api.JsonAppRunner once started
         self.http_port: int = settings.http_port
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -110,10 +119,10 @@ class GatewayService:
         )
         self.checkpoints = CheckpointWriter(self._producer_config(), self.topic)
         self.publisher.open()
-        from gateway.api import build_app  # local: api imports this module for typing
+        from gateway.api import JsonAppRunner, build_app  # local: api imports this module for typing
 
         app = build_app(self)
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = JsonAppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, s.http_host, s.http_port)
         await site.start()
@@ -169,20 +178,67 @@ class GatewayService:
         self.wake()
         return report
 
-    def rebalance(self, add: list[str], remove: list[str]) -> Rebalance:
+    @property
+    def rebalance_preparing(self) -> bool:
+        """A rebalance's new nodes are being opened (it is not running yet, a second one is refused)."""
+        return self._rebalance_setup is not None
+
+    async def rebalance(self, add: list[str], remove: list[str]) -> Rebalance:
         """Start a rebalance (engine/rebalance.py, seed 003): ``add`` nodes in, ``remove`` nodes out.
 
-        It runs **step-wise inside the pump loop**: every ``Cluster.pump`` advances it a bounded amount
-        (add-stream handshakes, one batch per mover connection, the moves' checks), interleaved with
-        ``Publisher.pump`` on the same event-loop thread, so publishing never waits for it and the in-process
-        cluster (not thread-safe) is never touched from another thread. Progress: :attr:`last_rebalance`.
-        :class:`InvalidArgument` for bad node sets or a rebalance already running."""
+        The request is checked first (nothing done when refused). The new nodes' engines (a data directory,
+        SQLite, every vbucket each) are then opened on a worker thread, one at a time, so the event loop keeps
+        serving: they touch nothing of the cluster until :meth:`~engine.cluster.Cluster.start_rebalance`
+        takes them over on the loop's thread. The moves then run **step-wise inside the pump loop**: every
+        ``Cluster.pump`` advances it a bounded amount (add-stream handshakes, one batch per mover connection,
+        the moves' checks), interleaved with ``Publisher.pump`` on the same event-loop thread, so publishing
+        never waits for it and the in-process cluster (not thread-safe) is never touched from another thread.
+        Progress: :attr:`last_rebalance`. :class:`InvalidArgument` for bad node sets or a rebalance already
+        running; TemporaryFailure when the service is stopping."""
         c = self.cluster
         if c is None:
             raise InvalidArgument("the gateway runs a single bucket, not a cluster (dcpgw up --nodes N)")
-        self.last_rebalance = c.start_rebalance(add, remove)
+        if self._rebalance_setup is not None:
+            raise InvalidArgument("a rebalance is already starting")
+        c.check_rebalance(add, remove)
+        setup = asyncio.create_task(self._open_nodes(c, add), name="dcpgw-rebalance-setup")
+        self._rebalance_setup = setup
+        try:
+            try:
+                # shielded: a request that goes away does not leave half-opened engines behind
+                opened = await asyncio.shield(setup)
+            except asyncio.CancelledError:
+                setup.add_done_callback(_close_opened)
+                raise
+            try:
+                if self._stopping.is_set():
+                    raise TemporaryFailure("the gateway is stopping: rebalance not started")
+                self.last_rebalance = c.start_rebalance(add, remove, buckets=opened)
+            finally:
+                for b in opened.values():  # the engines start_rebalance did not take over
+                    b.close()
+        finally:
+            self._rebalance_setup = None
         self.wake()
         return self.last_rebalance
+
+    async def _open_nodes(self, c: Cluster, add: list[str]) -> dict[str, Bucket]:
+        """The engines of the nodes ``add`` that are not up yet, opened one by one on a worker thread."""
+        loop = asyncio.get_running_loop()
+        opened: dict[str, Bucket] = {}
+        try:
+            for n in add:
+                node = c.nodes.get(n)
+                if node is not None and node.up:
+                    continue
+                if self._stopping.is_set():
+                    raise TemporaryFailure("the gateway is stopping: rebalance not started")
+                opened[n] = await loop.run_in_executor(None, c.open_node_bucket, n)
+        except BaseException:
+            for b in opened.values():
+                b.close()
+            raise
+        return opened
 
     def wake(self) -> None:
         """Writes happened: the pump loop should run now."""
@@ -248,6 +304,10 @@ class GatewayService:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        setup = self._rebalance_setup
+        if setup is not None:  # its worker thread finishes the engine it opens (bounded); rebalance() closes it
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([setup])
         if self.runner is not None:
             await self.runner.cleanup()
         if self.publisher is not None:

@@ -1,0 +1,197 @@
+"""The OpenAPI 3 document of the gateway's HTTP API, served at ``GET /openapi.json`` (docs/gateway.md).
+
+Hand-written: every route of :func:`gateway.api.build_app` with its parameters, bodies and responses. A test
+(tests/gateway/test_api_input.py) checks that every route the app serves is described here; the served document
+holds only the routes the running app has (``/health/live`` and ``/health/ready`` come with the health checks).
+The HTTP API fuzz (tests/gateway/test_api_fuzz.py) drives the API from this document.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from gateway import __version__
+
+_JSON = "application/json"
+
+ERROR = {
+    "type": "object",
+    "required": ["error", "message"],
+    "properties": {"error": {"type": "string"}, "message": {"type": "string"}},
+}
+MUTATION = {
+    "type": "object",
+    "required": ["vbucket", "vbuuid", "seqno", "cas"],
+    "properties": {k: {"type": "integer"} for k in ("vbucket", "vbuuid", "seqno", "cas")},
+}
+BULK_ENTRY = {
+    "type": "object",
+    "required": ["key"],
+    "additionalProperties": False,
+    "properties": {
+        "key": {"type": "string", "minLength": 1, "maxLength": 250,
+                "description": "the document key (1..250 bytes of UTF-8)"},
+        "value": {"description": "the document: a string is stored as its UTF-8 bytes, anything else as "
+                                 "compact JSON; required except for op=delete"},
+        "encoding": {"type": "string", "enum": ["base64"], "description": "value is base64 of the bytes"},
+        "op": {"type": "string", "enum": ["upsert", "insert", "replace", "delete"], "default": "upsert"},
+        "expiry": {"type": "integer", "minimum": 0, "maximum": 4294967295, "default": 0},
+        "flags": {"type": "integer", "minimum": 0, "maximum": 4294967295, "default": 0},
+        "cas": {"type": "integer", "minimum": 0, "maximum": 18446744073709551615, "default": 0,
+                "description": "write only if the document's CAS is still this (0: unconditional)"},
+    },
+}
+BULK_RESULT = {
+    "type": "object",
+    "required": ["written", "failed", "errors", "items"],
+    "properties": {
+        "written": {"type": "integer"},
+        "failed": {"type": "integer"},
+        "errors": {"type": "boolean"},
+        "items": {"type": "array", "items": {
+            "type": "object",
+            "required": ["key", "status"],
+            "properties": {
+                "key": {"type": "string"}, "status": {"type": "integer"},
+                "error": {"type": "string"}, "message": {"type": "string"},
+                "vbucket": {"type": "integer"}, "vbuuid": {"type": "integer"}, "seqno": {"type": "integer"},
+                "cas": {"type": "integer"},
+            },
+        }},
+    },
+}
+HEALTH = {
+    "type": "object",
+    "required": ["status"],
+    "properties": {"status": {"type": "string"}, "reasons": {"type": "array", "items": {}}},
+}
+PROGRESS = {
+    "type": "object",
+    "required": ["status", "total", "moved"],
+    "properties": {"status": {"type": "string", "enum": ["running", "done", "failed"]},
+                   "total": {"type": "integer"}, "moved": {"type": "integer"},
+                   "nodes": {"type": "array", "items": {"type": "string"}}},
+}
+NODE_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def _resp(description: str, schema: dict[str, Any] | None = None, ctype: str = _JSON) -> dict[str, Any]:
+    r: dict[str, Any] = {"description": description}
+    if schema is not None:
+        r["content"] = {ctype: {"schema": schema}}
+    return r
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {400: "bad request (JSON error)", 404: "not found (JSON error)", 405: "method not allowed",
+            409: "conflict", 412: "CAS mismatch / document exists", 413: "too large",
+            503: "temporarily unavailable (Retry-After)", 504: "sync write ambiguous"}
+    return {str(c): _resp(text[c], ERROR) for c in codes}
+
+
+def _q(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+KEY = {"name": "key", "in": "path", "required": True, "description": "document key (1..250 bytes)",
+       "schema": {"type": "string", "minLength": 1, "maxLength": 250}}
+VB = {"name": "vb", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0},
+      "description": "vbucket number"}
+U32 = {"type": "integer", "minimum": 0, "maximum": 4294967295}
+DURABILITY = [
+    _q("durability", {"type": "string", "enum": ["none", "majority", "majority_and_persist_to_active",
+                                                  "persist_to_majority"]},
+       "a sync write, answered once committed (docs/durability.md)"),
+    _q("timeout_ms", {"type": "integer", "minimum": 0, "maximum": 65535}, "sync write timeout (needs durability)"),
+]
+IF_MATCH = {"name": "If-Match", "in": "header", "required": False, "schema": {"type": "string"},
+            "description": "the document's CAS (ETag): write / delete only if unchanged"}
+IF_NONE_MATCH = {"name": "If-None-Match", "in": "header", "required": False,
+                 "schema": {"type": "string", "enum": ["*"]}, "description": "insert only"}
+DOC_WRITE_ERRORS = (400, 404, 409, 412, 413, 503, 504)
+
+PATHS: dict[str, dict[str, Any]] = {
+    "/docs/_bulk": {"post": {
+        "summary": "write a batch of documents (a 4xx means nothing was written; 200 answers per item)",
+        "parameters": DURABILITY,
+        "requestBody": {"required": True, "content": {_JSON: {"schema": {"type": "array", "items": BULK_ENTRY}}}},
+        "responses": {"200": _resp("per-item results", BULK_RESULT), **_errors(400, 413)},
+    }},
+    "/docs/{key}": {
+        "get": {"summary": "read a document", "parameters": [KEY],
+                "responses": {"200": {"description": "the document body (ETag = CAS)",
+                                      "content": {"application/json": {"schema": {}},
+                                                  "application/octet-stream": {"schema": {}}}},
+                              **_errors(400, 404, 503)}},
+        "put": {"summary": "write a document", "parameters": [
+                    KEY, _q("expiry", U32, "seconds (<= 30 days) or epoch time"), _q("flags", U32, "client flags"),
+                    IF_MATCH, IF_NONE_MATCH, *DURABILITY],
+                "requestBody": {"required": False, "content": {"application/octet-stream": {"schema": {
+                    "type": "string", "format": "binary"}}}},
+                "responses": {"200": _resp("written", MUTATION), "201": _resp("inserted", MUTATION),
+                              **_errors(*DOC_WRITE_ERRORS)}},
+        "delete": {"summary": "delete a document", "parameters": [KEY, IF_MATCH, *DURABILITY],
+                   "responses": {"200": _resp("deleted", MUTATION), **_errors(*DOC_WRITE_ERRORS)}},
+    },
+    "/streams": {"get": {"summary": "publishing status of every vbucket",
+                         "responses": {"200": _resp("per vbucket", {"type": "array", "items": OBJECT})}}},
+    "/vbuckets/{vb}": {"get": {"summary": "one vbucket's publishing status and engine stats", "parameters": [VB],
+                               "responses": {"200": _resp("status", OBJECT), **_errors(400, 404)}}},
+    "/vbuckets/{vb}/failover-log": {"get": {
+        "summary": "a vbucket's failover log", "parameters": [VB],
+        "responses": {"200": _resp("the log, newest first", OBJECT), **_errors(400, 404)}}},
+    "/health": {"get": {"summary": "readiness (same as /health/ready)",
+                        "responses": {"200": _resp("ready", HEALTH), "503": _resp("not ready", HEALTH)}}},
+    "/health/live": {"get": {"summary": "the process is alive",
+                             "responses": {"200": _resp("alive", HEALTH), "503": _resp("not alive", HEALTH)}}},
+    "/health/ready": {"get": {"summary": "ready: broker reachable, streams progressing, storage healthy",
+                              "responses": {"200": _resp("ready", HEALTH), "503": _resp("not ready", HEALTH)}}},
+    "/metrics": {"get": {"summary": "Prometheus metrics",
+                         "responses": {"200": _resp("text exposition format", {"type": "string"}, "text/plain")}}},
+    "/stats": {"get": {"summary": "engine and publisher statistics", "responses": {"200": _resp("stats", OBJECT)}}},
+    "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _resp("OpenAPI 3", OBJECT)}}},
+    "/cluster": {"get": {"summary": "cluster mode: nodes, vbucket counts, map revision, gateway following",
+                         "responses": {"200": _resp("status", OBJECT), **_errors(404)}}},
+    "/cluster/map": {"get": {"summary": "cluster mode: the vbucket map",
+                             "responses": {"200": _resp("revision, nodes, chains", OBJECT), **_errors(404)}}},
+    "/cluster/failover": {"post": {
+        "summary": "cluster mode: fail a node over",
+        "requestBody": {"required": True, "content": {_JSON: {"schema": {
+            "type": "object", "required": ["node"], "additionalProperties": False,
+            "properties": {"node": NODE_NAME, "graceful": {"type": "boolean", "default": False}}}}}},
+        "responses": {"200": _resp("the failover report", OBJECT), **_errors(400, 404, 413, 503)}}},
+    "/cluster/rebalance": {
+        "post": {
+            "summary": "cluster mode: start a rebalance (at most 8 nodes added, 64 nodes in the cluster)",
+            "requestBody": {"required": False, "content": {_JSON: {"schema": {
+                "type": "object", "additionalProperties": False,
+                "properties": {"add": {"type": "array", "maxItems": 8, "items": NODE_NAME},
+                               "remove": {"type": "array", "maxItems": 64, "items": NODE_NAME}}}}}},
+            "responses": {"202": _resp("started: its progress", PROGRESS), **_errors(400, 404, 409, 413, 503)}},
+        "get": {"summary": "cluster mode: progress of the running or last rebalance",
+                "responses": {"200": _resp("progress", PROGRESS), **_errors(404)}},
+    },
+}
+
+
+def document(routes: set[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """The OpenAPI document; with ``routes`` (``(METHOD, path)`` pairs the app serves) only those operations."""
+    paths: dict[str, dict[str, Any]] = {}
+    for path, ops in PATHS.items():
+        kept = {m: copy.deepcopy(op) for m, op in ops.items() if routes is None or (m.upper(), path) in routes}
+        if kept:
+            paths[path] = kept
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "dcp-gateway HTTP API", "version": __version__,
+                 "description": "Documents, streams, operations and cluster administration (docs/gateway.md). "
+                                "Every error is a JSON body {\"error\", \"message\"} with a 4xx status."},
+        "paths": paths,
+    }
+
+
+def described() -> set[tuple[str, str]]:
+    """Every ``(METHOD, path)`` this module describes."""
+    return {(m.upper(), p) for p, ops in PATHS.items() for m in ops}
