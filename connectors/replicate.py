@@ -11,6 +11,7 @@ CLI: ``dcpgw replicate --topic dcp.default --db replica.sqlite [--until-caught-u
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,12 +19,14 @@ from typing import Any
 
 from connectors.client.consumer import DEFAULT_BATCH_SIZE, ChangeStreamConsumer, RollbackInstruction
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
-from connectors.client.replay import Snapshot
+from connectors.client.replay import Oversize, Snapshot
 
 __all__ = ["Replicator"]
 
 _SCHEMA = "CREATE TABLE IF NOT EXISTS docs (key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER, seqno INTEGER)"
 
+
+log = logging.getLogger(__name__)
 
 def _k(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
@@ -44,6 +47,8 @@ class Replicator:
         self.conn.execute(_SCHEMA)
         self.snapshots = 0
         self.changes = 0
+        #: changes Kafka refused as too large (oversize records): the table keeps the key's previous value
+        self.oversize: list[Oversize] = []
         self.rollbacks: list[RollbackInstruction] = []
 
     def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
@@ -91,7 +96,15 @@ class Replicator:
                                   (_k(u.key), u.prior_value, rb.vbucket, u.prior_seqno))
 
     def run(self, until_caught_up: bool = True) -> None:
-        self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up)
+        self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
+                          on_oversize=self.on_oversize)
+
+    def on_oversize(self, o: Oversize) -> None:
+        """A change Kafka refused as too large: the table keeps the key's previous value (docs/client.md)."""
+        self.oversize.append(o)
+        log.warning("replicate: key %r of vbucket %d changed at seqno %d but its %d-byte value is not in the topic "
+                    "(Kafka refused it as too large: %s); the table keeps the previous value", o.key, o.vbucket,
+                    o.seqno, o.size, o.reason)
 
     def docs(self) -> dict[bytes, tuple[bytes, int]]:
         """key -> (value, vbucket), like ``engine.Bucket.state_snapshot()``."""

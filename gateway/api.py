@@ -550,11 +550,14 @@ async def failover_log(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     svc = _svc(request)
     pub = svc.publisher
-    ok = pub is not None and pub.error is None and bool(svc.buckets())
-    body = {"status": "ok" if ok else "failing", "topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
-            "streams": len(pub.streaming) if pub else 0}
+    ok = pub is not None and pub.error is None and bool(svc.buckets()) and not pub.failed_vbuckets
+    body: dict[str, Any] = {"status": "ok" if ok else "failing", "topic": svc.topic,
+                            "bootstrap_servers": svc.bootstrap_servers, "streams": len(pub.streaming) if pub else 0}
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
+    if pub is not None and pub.failed_vbuckets:
+        # oversize_policy=fail stopped these streams (docs/reliability.md "Large documents")
+        body["failed_vbuckets"] = {str(vb): reason for vb, reason in sorted(pub.failed_vbuckets.items())}
     return web.json_response(body, status=200 if ok else 503)
 
 
@@ -583,6 +586,8 @@ async def stats(request: web.Request) -> web.Response:
         "records_acknowledged": pub.records_acked,
         "rollbacks": pub.rollbacks,
         "errors": pub.errors,
+        "oversize_records": pub.oversize_records,
+        "failed_vbuckets": sorted(pub.failed_vbuckets),
         "inflight": pub.inflight,
         "streams": len(pub.streaming),
         "lag": pub.lag()[0],

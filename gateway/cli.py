@@ -487,7 +487,8 @@ def replicate(
                 rep.run(until_caught_up=until_caught_up)
             n = rep.conn.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
             typer.echo(json.dumps({"topic": topic, "db": str(db), "docs": n, "snapshots": rep.snapshots,
-                                   "changes": rep.changes, "rollbacks": len(rep.rollbacks)}))
+                                   "changes": rep.changes, "rollbacks": len(rep.rollbacks),
+                                   "oversize": len(rep.oversize)}))
     except ConnectorError as e:
         _fail(str(e))
 

@@ -89,6 +89,10 @@ MASK: Final = "**********"
 #: Bound on the producer's local queue (librdkafka ``queue.buffering.max.kbytes``): 64 MiB, so that the
 #: gateway's memory stays bounded when the broker is slow or down; ``kafka.extra`` may override it.
 PRODUCER_QUEUE_MAX_KBYTES: Final = 64 * 1024
+#: What a data record adds to the document body: key (<= 250 bytes), dcp.* headers, Avro fields and Kafka record
+#: and batch framing -- with a wide margin. The producer's ``message.max.bytes`` and the created topics'
+#: ``max.message.bytes`` are the engine's largest value plus this (docs/reliability.md "Large documents").
+RECORD_OVERHEAD_BYTES: Final = 64 * 1024
 
 # ------------------------------------------------------------------------------------------------------------
 # librdkafka property names, from librdkafka's CONFIGURATION.md (global and topic tables), checked against the
@@ -241,6 +245,8 @@ SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"
 StreamFrom = Literal["saved-offset-or-beginning", "saved-offset-or-now", "beginning", "now"]
 ValueFormat = Literal["avro", "raw"]
 Compression = Literal["none", "lz4", "zstd", "snappy", "gzip"]
+#: what the gateway does when Kafka still refuses a record as too large (docs/configuration.md)
+OversizePolicy = Literal["skip", "fail"]
 
 Problem = tuple[tuple[str | int, ...], str]
 
@@ -488,6 +494,9 @@ class GatewaySettings(BaseSettings):
     producer_linger_ms: int = Field(default=20, ge=0, le=900_000)
     producer_batch_size: int = Field(default=1_048_576, ge=1, le=2_147_483_647)
     producer_compression: Compression = "lz4"
+    #: a record Kafka refuses as too large: ``skip`` publishes an oversize control record in its place,
+    #: ``fail`` stops that vbucket's stream (docs/reliability.md "Large documents")
+    oversize_policy: OversizePolicy = "skip"
     # HTTP API
     http_host: str = Field(default="127.0.0.1", min_length=1)
     http_port: int = Field(default=8080, ge=0, le=65535)
@@ -603,10 +612,16 @@ class GatewaySettings(BaseSettings):
                 for e in exc.errors(include_url=False)
             ]) from None
 
+    def max_record_bytes(self) -> int:
+        """The largest record the gateway produces: the engine's largest value plus key, headers and framing."""
+        return int(BucketConfig.model_fields["max_value_size"].default) + RECORD_OVERHEAD_BYTES
+
     def producer_config(self) -> LibrdkafkaConfig:
         """librdkafka settings of the gateway's producers: the connection (consumer-only properties left out),
-        a bounded local queue, and the delivery guarantees the gateway relies on (idempotence, acks=all)."""
-        conf: LibrdkafkaConfig = {"queue.buffering.max.kbytes": PRODUCER_QUEUE_MAX_KBYTES}
+        a bounded local queue, records up to :meth:`max_record_bytes` (``kafka.extra`` may lower it), and the
+        delivery guarantees the gateway relies on (idempotence, acks=all)."""
+        conf: LibrdkafkaConfig = {"queue.buffering.max.kbytes": PRODUCER_QUEUE_MAX_KBYTES,
+                                  "message.max.bytes": self.max_record_bytes()}
         conf.update(_without(self.kafka.to_librdkafka(), LIBRDKAFKA_CONSUMER_PROPERTIES))
         conf.update({
             "enable.idempotence": True,

@@ -86,7 +86,8 @@ def check_partition(records: PartitionRecords) -> None:
         if r.snap_start > r.snap_end:
             raise fail(f"has dcp.snap.start {r.snap_start} > dcp.snap.end {r.snap_end}")
         t = r.type
-        if r.is_data:
+        if r.is_data or t is RecordType.OVERSIZE:
+            # an oversize record takes the place of the data record Kafka refused (same seqno, snapshot)
             if st.ended:
                 raise fail("follows a stream-end record without a stream restart (failover-log record)")
             if st.snap is None:
@@ -151,5 +152,7 @@ def check_partition(records: PartitionRecords) -> None:
 
 
 def data_positions(records: PartitionRecords) -> Counter[tuple[int, int, int]]:
-    """How many data records each (vbucket, vbuuid, seqno) has (exactly once: every count is 1)."""
-    return Counter((r.vbucket, r.vbuuid, r.seqno) for _, r in _with_offsets(records) if r.is_data)
+    """How many data records each (vbucket, vbuuid, seqno) has (exactly once: every count is 1); an oversize
+    record counts for the data record it replaces."""
+    return Counter((r.vbucket, r.vbuuid, r.seqno) for _, r in _with_offsets(records)
+                   if r.is_data or r.type is RecordType.OVERSIZE)

@@ -24,6 +24,10 @@ class GatewayMetrics:
         self.errors = Counter("dcpgw_errors", "Records Kafka refused permanently", registry=r)
         self.http_errors = Counter("dcpgw_http_errors", "HTTP requests answered 4xx/5xx", ["status"], registry=r)
         self.filtered = Counter("dcpgw_items_filtered", "Items dropped by the key filters", registry=r)
+        self.oversize = Counter("dcpgw_oversize_records", "Oversize control records published in place of records "
+                                "Kafka refused as too large (oversize_policy=skip)", registry=r)
+        self.failed_vbuckets = Gauge("dcpgw_failed_vbuckets", "vbuckets whose stream was stopped because Kafka "
+                                     "refused a record as too large (oversize_policy=fail)", registry=r)
         self.events_per_s = Gauge("dcpgw_events_per_second", "Records acknowledged per second (since the "
                                   "previous scrape)", registry=r)
         self.lag = Gauge("dcpgw_lag_items", "Sum over vbuckets of engine high seqno - acknowledged seqno",
@@ -32,7 +36,8 @@ class GatewayMetrics:
         self.inflight = Gauge("dcpgw_inflight_records", "Records produced, not yet acknowledged", registry=r)
         self.ckpt_mem = Gauge("dcpgw_engine_checkpoint_memory_bytes", "Engine checkpoint memory", registry=r)
         self.items = Gauge("dcpgw_engine_items", "Live documents in the engine", registry=r)
-        self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0}
+        self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
+                      "oversize": 0}
         self._last = (time.monotonic(), 0)
 
     def collect(self, pub: Publisher) -> None:
@@ -43,6 +48,7 @@ class GatewayMetrics:
             ("rollbacks", self.rollbacks, pub.rollbacks),
             ("errors", self.errors, pub.errors),
             ("filtered", self.filtered, pub.items_filtered),
+            ("oversize", self.oversize, pub.oversize_records),
         ):
             delta = value - self._seen[name]
             if delta > 0:
@@ -57,6 +63,7 @@ class GatewayMetrics:
         self.lag.set(total)
         self.max_lag.set(worst)
         self.inflight.set(pub.inflight)
+        self.failed_vbuckets.set(len(pub.failed_vbuckets))
         self.ckpt_mem.set(pub.source.checkpoint_memory())
         self.items.set(pub.source.items())
 

@@ -21,6 +21,15 @@ Delivery (issue "Gateway"):
   the map is reloaded and the vbucket re-requested from the new active with the gateway's own published
   position, exactly as after a restart. Rollback mitigation there holds each vbucket's DCP messages in a buffer
   until observe-by-seqno says they are persisted on the active and every replica (Couchbase Kafka connector).
+
+Records Kafka refuses as too large (docs/reliability.md "Large documents"): a record larger than
+``large_record_bytes`` is produced *alone* on its partition (nothing else of the partition in flight before or
+after it until its delivery report), so a refusal -- synchronous from ``produce()`` (the producer's
+``message.max.bytes``) or in its delivery report (the topic's ``max.message.bytes``) -- affects that record
+only and the partition's FIFO of in-flight records stays exact. ``oversize_policy`` then decides: ``skip``
+publishes an oversize control record in its place (same vbucket, seqno, snapshot; it takes the refused
+record's FIFO entry, so positions, buffer-acks and checkpoints move as if the data record had been
+delivered), ``fail`` stops that vbucket's stream only (:attr:`Publisher.failed_vbuckets`).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -67,6 +76,27 @@ log = logging.getLogger(__name__)
 DcpMessage = DcpStreamMessage
 
 
+#: Kafka's answers to a record (batch) larger than a limit: the producer's message.max.bytes (from produce()), the
+#: topic's / broker's max.message.bytes (MSG_SIZE_TOO_LARGE = MESSAGE_TOO_LARGE) or the batch
+#: (RECORD_LIST_TOO_LARGE) in the delivery report
+_TOO_LARGE: Final = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+#: records above this many bytes are produced alone on their partition unless the publisher is told the
+#: topic's limit: Apache Kafka's default max.message.bytes (1048588) minus a margin
+DEFAULT_LARGE_RECORD_BYTES: Final = 1_000_000
+#: what librdkafka adds to key + value + headers per record (record and batch framing), for size estimates
+_RECORD_OVERHEAD: Final = 128
+
+OversizePolicy = Literal["skip", "fail"]
+
+
+def record_size(rec: KafkaRecord) -> int:
+    """Bytes of ``rec`` on the wire, about (key + value + header names and values + framing)."""
+    n = _RECORD_OVERHEAD + len(rec.key or b"") + len(rec.value or b"")
+    for name, value in rec.headers:
+        n += len(name) + len(value or b"")
+    return n
+
+
 class PublishError(GatewayError):
     """Kafka refused a record permanently (the gateway stops; restart resumes from the partition tail)."""
 
@@ -81,6 +111,12 @@ class _Inflight:
     filtered: bool = False
     #: the DCP connection the message came from (its bytes are buffer-acknowledged there)
     producer: DcpConnection | None = None
+    #: a data record's item and (vbuuid, snap_start, snap_end), kept while Kafka may still refuse it as too
+    #: large (an oversize record is then built from them)
+    item: Item | None = None
+    meta: tuple[int, int, int] | None = None
+    #: record_size() of the record, when it was produced alone on its partition (0: not)
+    large: int = 0
 
 
 class KeyFilter:
@@ -118,6 +154,8 @@ class Publisher:
         rollback_mitigation: bool = True,
         connection_name: str = "dcpgw",
         on_event: Callable[[str, int, int], None] | None = None,
+        oversize_policy: OversizePolicy = "skip",
+        large_record_bytes: int = DEFAULT_LARGE_RECORD_BYTES,
     ) -> None:
         self.source: DcpSource = make_source(source, connection_name, flow_control_bytes)
         self.is_cluster = self.source.is_cluster
@@ -130,6 +168,10 @@ class Publisher:
         self.flow_control_bytes = flow_control_bytes
         self.connection_name = connection_name
         self._on_event = on_event
+        if oversize_policy not in ("skip", "fail"):
+            raise GatewayError(f"oversize_policy must be 'skip' or 'fail', got {oversize_policy!r}")
+        self.oversize_policy: OversizePolicy = oversize_policy
+        self.large_record_bytes = large_record_bytes
         # The producer must not keep the publisher alive (a reference cycle would leave librdkafka's threads
         # running until a cyclic GC): its delivery callback holds a weak reference.
         ref = weakref.ref(self)
@@ -158,8 +200,15 @@ class Publisher:
         self.acked: dict[int, PublishPosition] = {vb: p.copy() for vb, p in self.sent.items()}
         self._inflight: dict[int, deque[_Inflight]] = {}
         self._dirty_acked: set[int] = set()
+        #: partitions waiting for a large record (delivered alone): what to produce after it, in order
+        self._blocked: dict[int, deque[tuple[_Inflight, KafkaRecord | None]]] = {}
+        #: large records Kafka refused in their delivery report (handled after the poll that served it)
+        self._refusals: list[tuple[int, _Inflight, str]] = []
         self.streaming: set[int] = set()
         self.error: BaseException | None = None
+        #: vbuckets stopped by oversize_policy=fail (or a too-large refusal that could not be replaced):
+        #: vbucket -> reason; the other vbuckets keep publishing
+        self.failed_vbuckets: dict[int, str] = {}
         # stats
         self.records_sent = 0
         self.records_acked = 0
@@ -168,6 +217,8 @@ class Publisher:
         self.errors = 0
         self.items_filtered = 0
         self.restreams = 0
+        #: oversize control records published in place of records Kafka refused as too large
+        self.oversize_records = 0
 
     @property
     def bucket(self) -> Bucket:
@@ -219,6 +270,8 @@ class Publisher:
         """Stream request for ``vb`` from the publisher's own position (or from now); ROLLBACK answers become
         rollback records and the request is repeated (dcp-reference.md "Client rules": rollbacks can repeat).
         Returns False when the vbucket cannot be streamed now (NOT_MY_VBUCKET, node down)."""
+        if vb in self.failed_vbuckets:
+            return False  # stopped by oversize_policy=fail until the gateway restarts
         pos = self.sent[vb]
         src = self.source
         for _attempt in range(64):
@@ -331,6 +384,8 @@ class Publisher:
         if self.error is not None:
             raise PublishError(f"publishing stopped: {self.error}") from self.error
         self.kafka.poll(0)
+        if self._refusals or self._blocked:
+            self._after_poll()
         if self.error is not None:  # a delivery report just served said a record was lost
             raise PublishError(f"publishing stopped: {self.error}") from self.error
         if self.is_cluster:
@@ -430,7 +485,12 @@ class Publisher:
         sent = self.sent
         kf = self.key_filter
         filtering = kf.active
+        failed = self.failed_vbuckets
         for m in msgs:
+            if failed and m.vbucket in failed:
+                # the vbucket's stream was stopped (oversize_policy=fail): the tail it had already sent
+                self._buffer_ack_vb(m.vbucket, m.dcp_size)
+                continue
             if type(m) is Item:
                 vb = m.vbucket
                 pos = sent[vb]
@@ -444,8 +504,9 @@ class Publisher:
                     self._produce(vb, None, size, pos.copy() if done else None)
                     continue
                 rec = enc.data(m, pos.vbuuid, pos.snap_start, pos.snap_end)
+                meta = (pos.vbuuid, pos.snap_start, pos.snap_end)
                 pos.on_data(m.seqno)
-                self._produce(vb, rec, size, pos.copy() if m.seqno >= pos.snap_end else None, m.seqno)
+                self._produce(vb, rec, size, pos.copy() if m.seqno >= pos.snap_end else None, m, meta)
             elif type(m) is SnapshotMarker:
                 vb = m.vbucket
                 pos = sent[vb]
@@ -465,30 +526,151 @@ class Publisher:
                     self._detach(vb)
 
     def _produce(
-        self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None, seqno: int = -1
+        self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None,
+        item: Item | None = None, meta: tuple[int, int, int] | None = None,
     ) -> None:
         part = partition_for(vb, self.num_partitions)
+        entry = _Inflight(vb, dcp_bytes, pos, rec is None, self._owner[vb], item, meta)
+        blocked = self._blocked.get(part)
+        if blocked is not None:
+            blocked.append((entry, rec))  # the partition waits for a large record's delivery report
+            return
+        self._send(part, entry, rec)
+
+    def _send(self, part: int, entry: _Inflight, rec: KafkaRecord | None) -> None:
         q = self._inflight.get(part)
         if q is None:
             q = self._inflight[part] = deque()
         if rec is None:
             # Filtered item: acknowledged once everything before it on this partition is delivered.
-            entry = _Inflight(vb, dcp_bytes, pos, True, self._owner[vb])
             if q:
                 q.append(entry)
             else:
-                self._ack(entry, self.acked[vb].offset)
+                self._ack(entry, self.acked[entry.vbucket].offset)
             return
-        q.append(_Inflight(vb, dcp_bytes, pos, False, self._owner[vb]))
+        value = rec.value
+        large = len(value) > self.large_record_bytes if value is not None else False
+        if large:
+            size = record_size(rec)
+            if q:
+                # Produced alone: it waits until everything before it on the partition is delivered, so a
+                # refusal of its batch refuses it only.
+                self._blocked[part] = deque([(entry, rec)])
+                return
+        refused = self._try_produce(part, rec)
+        if refused is not None:
+            # too large for the producer: nothing was queued, so what replaces it keeps the order
+            self._refused(part, entry, record_size(rec), refused)
+            return
+        if large:
+            entry.large = size
+            self._blocked[part] = deque()  # nothing else of the partition until its delivery report
+        else:
+            entry.item = entry.meta = None
+        q.append(entry)
+
+    def _try_produce(self, part: int, rec: KafkaRecord) -> str | None:
+        """Produce ``rec``; returns why the producer refused it as too large (None: queued)."""
         while True:
             try:
                 self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
                 break
             except BufferError:
+                if len(self.kafka) == 0:
+                    # nothing queued to wait for: the record alone is larger than the producer's queue
+                    return "larger than the producer queue (queue.buffering.max.kbytes)"
                 # librdkafka's queue is full (broker slow): serve delivery reports, then retry.
                 self.kafka.poll(0.05)
+            except KafkaException as e:
+                err = e.args[0]
+                if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
+                    return f"{err.name()}: {err.str()}"
+                raise
         self.records_sent += 1
         self.bytes_sent += len(rec.value or b"") + len(rec.key or b"")
+        return None
+
+    def _refused(self, part: int, entry: _Inflight, size: int, reason: str) -> None:
+        """Kafka refused ``entry``'s record as too large, and nothing after it on the partition was produced:
+        publish the oversize record in its place (``skip``) or stop the vbucket (``fail``)."""
+        vb = entry.vbucket
+        item, meta = entry.item, entry.meta
+        entry.item = entry.meta = None
+        entry.large = 0
+        if item is None or meta is None:
+            self._fail_vbucket(vb, entry, f"a control record of {size} bytes was refused: {reason}")
+            return
+        what = f"key {item.key!r}, vbucket {vb}, seqno {item.seqno}, {size} bytes"
+        if self.oversize_policy == "fail":
+            self._fail_vbucket(vb, entry, f"Kafka refused the record of {what}: {reason}")
+            return
+        rec = self.encoder.oversize(item, meta[0], meta[1], meta[2], size, reason)
+        again = self._try_produce(part, rec)
+        if again is not None:
+            self._fail_vbucket(vb, entry, f"Kafka refused the record of {what} and its oversize record: {again}")
+            return
+        self.oversize_records += 1
+        self._event("oversize", vb, item.seqno)
+        log.warning("published an oversize record in place of the record of %s (oversize_policy=skip): %s",
+                    what, reason)
+        q = self._inflight.get(part)
+        if q is None:
+            q = self._inflight[part] = deque()
+        q.append(entry)
+
+    def _fail_vbucket(self, vb: int, entry: _Inflight, reason: str) -> None:
+        """Stop ``vb``'s stream (the others keep publishing); its acknowledged position stays before the
+        refused record, so a restart streams it again from there."""
+        if vb not in self.failed_vbuckets:
+            self.failed_vbuckets[vb] = reason
+            log.error("vbucket %d stopped: %s", vb, reason)
+        if entry.dcp_bytes and entry.producer is not None:
+            self._buffer_ack(entry.producer, entry.dcp_bytes)
+        self.streaming.discard(vb)
+        p = self._owner[vb]
+        if p is not None and not p.closed and vb in p.streams:
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                p.close_stream(vb)
+            p.discard_stream(vb)
+        held = self._held.pop(vb, None)
+        if held:
+            self._buffer_ack_vb(vb, sum(m.dcp_size for m in held))
+        for waiting in self._blocked.values():
+            mine = [e for e, _ in waiting if e.vbucket == vb]
+            if mine:
+                kept = [(e, r) for e, r in waiting if e.vbucket != vb]
+                waiting.clear()
+                waiting.extend(kept)
+                for e in mine:
+                    if e.dcp_bytes and e.producer is not None:
+                        self._buffer_ack(e.producer, e.dcp_bytes)
+
+    def _buffer_ack_vb(self, vb: int, nbytes: int) -> None:
+        p = self._owner[vb]
+        if p is not None and nbytes:
+            self._buffer_ack(p, nbytes)
+
+    def _after_poll(self) -> None:
+        """Handle large records Kafka refused in their delivery report, then produce what waited behind
+        large records that are now delivered."""
+        while self._refusals:
+            part, entry, reason = self._refusals.pop(0)
+            self._refused(part, entry, entry.large, reason)
+        for part in list(self._blocked):
+            if self._inflight.get(part):
+                continue
+            waiting = self._blocked.pop(part)
+            while waiting:
+                entry, rec = waiting.popleft()
+                if entry.vbucket in self.failed_vbuckets:
+                    if entry.dcp_bytes and entry.producer is not None:
+                        self._buffer_ack(entry.producer, entry.dcp_bytes)
+                    continue
+                self._send(part, entry, rec)
+                again = self._blocked.get(part)
+                if again is not None:  # blocked again by a large record: the rest waits behind it
+                    again.extend(waiting)
+                    break
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         part = msg.partition()
@@ -497,6 +679,16 @@ class Publisher:
             log.error("delivery report for partition %s with nothing in flight", part)
             return
         entry = q.popleft()
+        if err is not None and err.code() in _TOO_LARGE:
+            reason = f"{err.name()}: {err.str()}"
+            if entry.large and part is not None:
+                # produced alone: nothing after it on the partition was produced; replaced after this poll
+                self._refusals.append((part, entry, reason))
+            else:
+                # refused with a batch it shared: its vbucket cannot be continued without a gap
+                self.errors += 1
+                self._fail_vbucket(entry.vbucket, entry, f"Kafka refused a batch as too large: {reason}")
+            return
         if err is not None:
             self.errors += 1
             self.error = KafkaException(err)
@@ -542,13 +734,19 @@ class Publisher:
 
     @property
     def inflight(self) -> int:
-        return sum(len(q) for q in self._inflight.values())
+        """Records produced and not acknowledged yet, and those waiting behind a large record."""
+        n = sum(len(q) for q in self._inflight.values())
+        if self._blocked:
+            n += sum(len(q) for q in self._blocked.values())
+        return n
 
     def flush(self, timeout: float = 30.0) -> int:
         """Wait for outstanding deliveries. Returns how many remain."""
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
             self.kafka.poll(0.05)
+            if self._refusals or self._blocked:
+                self._after_poll()
         return self.inflight
 
     def status(self, vb: int) -> dict[str, int | bool]:

@@ -47,6 +47,9 @@ __all__ = [
     "CONTROL_EVENT_NAME",
     "CONTROL_EVENT_SCHEMA",
     "DEFAULT_TOPIC_PREFIX",
+    "OVERSIZE_EVENT_FINGERPRINT",
+    "OVERSIZE_EVENT_NAME",
+    "OVERSIZE_EVENT_SCHEMA",
     "SCHEMA_FINGERPRINTS",
     "SINGLE_OBJECT_MARKER",
     "DecodedRecord",
@@ -89,6 +92,8 @@ class RecordType(StrEnum):
     FAILOVER_LOG = "failover-log"
     ROLLBACK = "rollback"
     STREAM_END = "stream-end"
+    #: Kafka refused a data record as too large: this control record takes its place (docs/record-format.md)
+    OVERSIZE = "oversize"
 
 
 #: Kafka record headers: (name, value) pairs. The values the encoder writes are always ``bytes``; the type is
@@ -227,19 +232,27 @@ CHANGE_EVENT_NAME: Final = "com.dcpgateway.ChangeEvent"
 CONTROL_EVENT_NAME: Final = "com.dcpgateway.ControlEvent"
 CHANGE_EVENT_FINGERPRINT: Final = schema_fingerprint(CHANGE_EVENT_SCHEMA)
 CONTROL_EVENT_FINGERPRINT: Final = schema_fingerprint(CONTROL_EVENT_SCHEMA)
+#: the oversize control record's value (schemas/oversize_event.avsc): a schema of its own, so every other
+#: record keeps its encoding and fingerprint
+OVERSIZE_EVENT_SCHEMA: Final[dict[str, Any]] = _parse(load_schema("oversize_event"))
+OVERSIZE_EVENT_NAME: Final = "com.dcpgateway.OversizeEvent"
+OVERSIZE_EVENT_FINGERPRINT: Final = schema_fingerprint(OVERSIZE_EVENT_SCHEMA)
 
 #: 8-byte fingerprint (as in the single-object encoding) -> schema full name, for the known schemas
 SCHEMA_FINGERPRINTS: Final[dict[bytes, str]] = {
     CHANGE_EVENT_FINGERPRINT: CHANGE_EVENT_NAME,
     CONTROL_EVENT_FINGERPRINT: CONTROL_EVENT_NAME,
+    OVERSIZE_EVENT_FINGERPRINT: OVERSIZE_EVENT_NAME,
 }
 _SCHEMA_BY_FINGERPRINT: Final[dict[bytes, dict[str, Any]]] = {
     CHANGE_EVENT_FINGERPRINT: CHANGE_EVENT_SCHEMA,
     CONTROL_EVENT_FINGERPRINT: CONTROL_EVENT_SCHEMA,
+    OVERSIZE_EVENT_FINGERPRINT: OVERSIZE_EVENT_SCHEMA,
 }
 _FINGERPRINT_BY_ID: Final[dict[int, bytes]] = {
     id(CHANGE_EVENT_SCHEMA): CHANGE_EVENT_FINGERPRINT,
     id(CONTROL_EVENT_SCHEMA): CONTROL_EVENT_FINGERPRINT,
+    id(OVERSIZE_EVENT_SCHEMA): OVERSIZE_EVENT_FINGERPRINT,
 }
 _CHANGE_PREFIX: Final = SINGLE_OBJECT_MARKER + CHANGE_EVENT_FINGERPRINT
 _HEADER_LEN: Final = 10
@@ -651,6 +664,49 @@ class RecordEncoder:
             log=log, rollback_seqno=rollback_seqno,
         )
 
+    def oversize(
+        self, item: Item, vbuuid: int, snap_start: int, snap_end: int, record_size: int, reason: str
+    ) -> KafkaRecord:
+        """The record written in place of ``item``'s data record when Kafka refused that as too large
+        (``record_size`` bytes, for ``reason``): same vbucket, seqno, branch and snapshot, so it takes the
+        change's place in the partition. Kafka key = the document key; value = Avro OversizeEvent, or a JSON
+        object with the same fields except ``key`` (raw)."""
+        vbc = self._vb_entry(item.vbucket, vbuuid)
+        sc = self._snap_entry(snap_start, snap_end)
+        seqno = item.seqno
+        headers: Headers = [
+            _TYPE_HEADER[RecordType.OVERSIZE],
+            self._format_header,
+            vbc[1],
+            vbc[2],
+            (H_SEQNO, _dec(seqno, "seqno")),
+            sc[1],
+            sc[2],
+        ]
+        size = len(item.value) if item.value is not None else 0
+        key = bytes(item.key)
+        if self.raw:
+            doc = {
+                "type": "OVERSIZE", "vbucket": item.vbucket, "vbuuid": vbuuid, "seqno": seqno,
+                "rev_seqno": item.rev_seqno, "cas": item.cas, "snap_start": snap_start, "snap_end": snap_end,
+                "size": size, "record_size": record_size, "reason": reason,
+            }
+            return KafkaRecord(key, json.dumps(doc, separators=(",", ":")).encode("ascii"), headers)
+        record = {
+            "key": key,
+            "vbucket": item.vbucket,
+            "vbuuid": _signed(vbuuid, "vbuuid"),
+            "seqno": _signed(seqno, "seqno"),
+            "rev_seqno": _signed(item.rev_seqno, "rev_seqno"),
+            "cas": _signed(item.cas, "cas"),
+            "snap_start": _signed(snap_start, "snap_start"),
+            "snap_end": _signed(snap_end, "snap_end"),
+            "size": size,
+            "record_size": record_size,
+            "reason": reason,
+        }
+        return KafkaRecord(key, single_object_encode(OVERSIZE_EVENT_SCHEMA, record), headers)
+
     def stream_end(
         self, end: StreamEnd, vbuuid: int, last_seqno: int, snap_start: int, snap_end: int
     ) -> KafkaRecord:
@@ -693,6 +749,9 @@ class DecodedRecord:
     rollback_seqno: int | None
     stream_end_reason: int | None
     value_format: ValueFormat
+    #: oversize records: bytes of the document body, and why Kafka refused its data record
+    size: int | None = None
+    reason: str | None = None
 
     @property
     def is_data(self) -> bool:
@@ -701,7 +760,7 @@ class DecodedRecord:
 
     @property
     def is_control(self) -> bool:
-        """True for snapshot, failover-log, rollback and stream-end records."""
+        """True for snapshot, failover-log, rollback, stream-end and oversize records."""
         return self.type not in _OP_OF_TYPE
 
     @property
@@ -830,6 +889,8 @@ def decode(key: bytes | None, value: bytes | None, headers: HeadersIn) -> Decode
     where = f"{rtype.value} record (vbucket {vbucket}, seqno {seqno})"
     if rtype in _OP_OF_TYPE:
         return _decode_data(h, rtype, fmt, key, value, vbucket, vbuuid, seqno, snap_start, snap_end, where)
+    if rtype is RecordType.OVERSIZE:
+        return _decode_oversize(fmt, key, value, vbucket, vbuuid, seqno, snap_start, snap_end, where)
     return _decode_control(rtype, fmt, key, value, vbucket, vbuuid, seqno, snap_start, snap_end, where)
 
 
@@ -1415,4 +1476,56 @@ def _decode_control(
     return DecodedRecord(
         rtype, vbucket, vbuuid, seqno, snap_start, snap_end, None, None,
         None, None, None, None, None, snapshot_flags, log, rollback_seqno, reason, fmt,
+    )
+
+
+def _decode_oversize(
+    fmt: ValueFormat,
+    key: bytes | None,
+    value: bytes | None,
+    vbucket: int,
+    vbuuid: int,
+    seqno: int,
+    snap_start: int,
+    snap_end: int,
+    where: str,
+) -> DecodedRecord:
+    if key is None:
+        raise RecordFormatError(f"{where}: an oversize record needs a key (the document key)")
+    key = bytes(key)
+    if value is None:
+        raise RecordFormatError(f"{where}: an oversize record needs a value")
+    u64: Any
+    if fmt is ValueFormat.AVRO:
+        name, d = single_object_decode(value)
+        if name != OVERSIZE_EVENT_NAME:
+            raise RecordFormatError(f"{where}: the value is a {name}, an oversize record holds a {OVERSIZE_EVENT_NAME}")
+        u64 = _avro_u64
+        _agree(where, "key", d.get("key"), "the Kafka key", key)
+    else:
+        try:
+            d = json.loads(value)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RecordFormatError(f"{where}: dcp.format=raw but the value is not a JSON object: {e}") from e
+        if not isinstance(d, dict):
+            raise RecordFormatError(f"{where}: dcp.format=raw but the value is not a JSON object")
+        u64 = _json_u64
+        _agree(where, "type", d.get("type"), H_TYPE, "OVERSIZE")
+    _agree(where, "vbucket", d.get("vbucket"), H_VBUCKET, vbucket)
+    _agree(where, "vbuuid", u64(d, "vbuuid", where), H_VBUUID, vbuuid)
+    _agree(where, "seqno", u64(d, "seqno", where), H_SEQNO, seqno)
+    _agree(where, "snap_start", u64(d, "snap_start", where), H_SNAP_START, snap_start)
+    _agree(where, "snap_end", u64(d, "snap_end", where), H_SNAP_END, snap_end)
+    if not snap_start <= seqno <= snap_end:
+        raise RecordFormatError(f"{where}: seqno lies outside its snapshot [{snap_start}, {snap_end}]")
+    size = d.get("size")
+    reason = d.get("reason")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise RecordFormatError(f"{where}: field size={size!r} is not a non-negative integer")
+    if not isinstance(reason, str):
+        raise RecordFormatError(f"{where}: field reason={reason!r} is not a string")
+    return DecodedRecord(
+        RecordType.OVERSIZE, vbucket, vbuuid, seqno, snap_start, snap_end, key, None,
+        u64(d, "rev_seqno", where), u64(d, "cas", where), None, None, None, None, None, None, None, fmt,
+        size, reason,
     )

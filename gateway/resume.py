@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from gateway.exceptions import BrokerError, GatewayError
 from gateway.position import PublishPosition
@@ -32,16 +32,18 @@ def checkpoint_topic_name(topic: str) -> str:
 
 def ensure_topics(
     client_config: dict[str, Any], topic: str, partitions: int, replication_factor: int = 1,
-    timeout: float = 30.0,
+    timeout: float = 30.0, max_message_bytes: int | None = None,
 ) -> int:
-    """Create the data topic (``partitions`` partitions) and the compacted checkpoint topic if missing.
+    """Create the data topic (``partitions`` partitions; ``max.message.bytes`` = ``max_message_bytes`` when
+    given) and the compacted checkpoint topic if missing.
 
     Returns the data topic's actual partition count (an existing topic may have fewer: vbucket v then goes
     to partition v mod P).
     """
     admin = AdminClient(client_config)
+    data_config = {"max.message.bytes": str(max_message_bytes)} if max_message_bytes else {}
     wanted = [
-        NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor),
+        NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor, config=data_config),
         NewTopic(checkpoint_topic_name(topic), num_partitions=1, replication_factor=replication_factor,
                  config={"cleanup.policy": "compact"}),
     ]
@@ -61,6 +63,37 @@ def ensure_topics(
         if time.monotonic() > deadline:
             raise BrokerError(f"topic {topic} did not become available")
         time.sleep(0.1)
+
+
+def topic_record_limit(
+    client_config: dict[str, Any], topic: str, needed: int, timeout: float = 30.0,
+) -> int | None:
+    """The data topic's ``max.message.bytes`` (None when the broker does not say: Tansu answers only the
+    configs set at creation, docs/kafka-compat.md). Logs a warning with the numbers when it is below
+    ``needed`` (the largest record the gateway may produce): larger records are then handled by the
+    ``oversize_policy`` (docs/reliability.md "Large documents")."""
+    admin = AdminClient(client_config)
+    try:
+        futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)],
+                                         request_timeout=timeout)
+        configs = next(iter(futures.values())).result(timeout=timeout)
+    except KafkaException as e:
+        log.warning("cannot read the configuration of topic %s (%s): its record size limit is unknown", topic, e)
+        return None
+    entry = configs.get("max.message.bytes")
+    if entry is None or entry.value is None:
+        return None
+    try:
+        limit = int(entry.value)
+    except ValueError:
+        return None
+    if limit < needed:
+        log.warning(
+            "topic %s has max.message.bytes=%d, below the %d bytes of the largest record the gateway may "
+            "produce (the engine's largest value plus key and headers): larger records are handled by "
+            "oversize_policy; raise it with kafka-configs --alter --add-config max.message.bytes=%d",
+            topic, limit, needed, needed)
+    return limit
 
 
 def _consumer(client_config: dict[str, Any]) -> Consumer:

@@ -24,9 +24,9 @@ from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
 from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
-from gateway.publisher import KeyFilter, Publisher
+from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
 from gateway.records import RecordEncoder, ValueFormat, topic_name
-from gateway.resume import CheckpointWriter, ensure_topics, recover_positions
+from gateway.resume import CheckpointWriter, ensure_topics, recover_positions, topic_record_limit
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,13 @@ class GatewayService:
         nparts = s.create_topic_partitions or s.num_vbuckets
         client = self._client_config()
         loop = asyncio.get_running_loop()
+        needed = s.max_record_bytes()
         partitions = await loop.run_in_executor(
-            None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor)
+            None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor, 30.0, needed)
+        # docs/reliability.md "Large documents": an existing topic may refuse large records; records above its
+        # limit (or above Kafka's default when the broker does not say) are produced alone on their partition
+        topic_limit = await loop.run_in_executor(None, topic_record_limit, client, self.topic, needed)
+        large = DEFAULT_LARGE_RECORD_BYTES if topic_limit is None else min(topic_limit, needed) - 1024
         positions = await loop.run_in_executor(
             None, recover_positions, client, self.topic, partitions, s.num_vbuckets)
         origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
@@ -116,6 +121,8 @@ class GatewayService:
             flow_control_bytes=s.flow_control_buffer_bytes,
             rollback_mitigation=s.rollback_mitigation,
             connection_name=f"dcpgw:{s.bucket}",
+            oversize_policy=s.oversize_policy,
+            large_record_bytes=max(1, large),
         )
         self.checkpoints = CheckpointWriter(self._producer_config(), self.topic)
         self.publisher.open()
@@ -253,7 +260,12 @@ class GatewayService:
         flush = self.settings.rollback_mitigation
         idle = 0
         while not self._stopping.is_set():
-            n = pub.pump()
+            try:
+                n = pub.pump()
+            except Exception:
+                # a dead pump task must not be silent (it was: issue 16, a record too large wedged publishing)
+                log.exception("publishing stopped")
+                raise
             if cluster is not None:
                 n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
                 if cluster.rebalance_running is not None:

@@ -11,6 +11,10 @@ sees three kinds of events:
   of its partition);
 * :class:`PartialChange` (``per_record=True`` only): one data record before its snapshot completed.
 
+A change Kafka refused as too large arrives as an oversize record (docs/record-format.md): it is never a change
+of a snapshot; the snapshot lists it in ``Snapshot.oversize`` (:class:`~connectors.client.replay.Oversize`) and
+:meth:`ChangeStreamConsumer.run` hands each to ``on_oversize``.
+
 Every event is confirmed with :meth:`ChangeStreamConsumer.commit` (or by returning from the callback of
 :meth:`ChangeStreamConsumer.run`): only then are the consumer state, the mutation log and the partition's
 resume offset saved (one SQLite transaction) and the Kafka group offset committed.
@@ -36,7 +40,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior, Undo
-from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
+from connectors.client.replay import Change, Oversize, Rollback, Snapshot, VBucketReplayer, VBucketState
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
@@ -209,6 +213,8 @@ class ChangeStreamConsumer:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.records_consumed = 0
         self.dead_letters = 0
+        #: oversize records in the snapshots handed out (changes Kafka refused as too large)
+        self.oversize_records = 0
         self._stop = threading.Event()
         self._closed = False
         self.consumer = Consumer(conf)
@@ -498,6 +504,7 @@ class ChangeStreamConsumer:
             if mlog is not None and self.prior_lookup is not None and ev.changes:
                 keys = list(dict.fromkeys(c.key for c in ev.changes))
                 mlog.record(vb, [(c.seqno, c.key) for c in ev.changes], self.prior_lookup(vb, keys))
+            self.oversize_records += len(ev.oversize)
             if self.per_record:
                 ev = dataclasses.replace(ev, changes=())
             self._open = _Open(ev, vb, p, ev.state)
@@ -637,13 +644,16 @@ class ChangeStreamConsumer:
         until_caught_up: bool = True,
         on_change: Callable[[PartialChange], None] | None = None,
         on_error: Callable[[DecodeError], None] | None = None,
+        on_oversize: Callable[[Oversize], None] | None = None,
     ) -> None:
         """Callback API: each event is confirmed when its callback returns; confirmed events are committed
         in groups of up to ``group_commit`` per store transaction (and always before the consumer waits for
         records, and when ``run`` returns or raises), so a crash redelivers at most the last group -- exactly
         once for applications that write into the state store's transaction (``store.conn``), whose writes
         roll back with it. A :class:`DecodeError` goes to ``on_error`` (then consumption continues) or,
-        without it, is raised."""
+        without it, is raised. ``on_oversize`` is called, after ``on_snapshot`` and before the snapshot is
+        confirmed, for every change of the snapshot Kafka refused as too large (without it each is logged as a
+        warning)."""
         # CPython's cyclic GC: with its default young-generation threshold (700 allocations) it collects
         # several times per fetched batch, rescanning the batch's librdkafka Messages and the buffered Change
         # tuples (tracked objects: a tuple subclass holding an enum member), and every ~10th pass promotes them
@@ -660,6 +670,13 @@ class ChangeStreamConsumer:
                     for ev in self.events(until_caught_up=until_caught_up):
                         if isinstance(ev, Snapshot):
                             on_snapshot(ev)
+                            for o in ev.oversize:
+                                if on_oversize is not None:
+                                    on_oversize(o)
+                                else:
+                                    log.warning("vbucket %d seqno %d: the change of key %r (%d bytes) is not in "
+                                                "%s: Kafka refused it as too large (%s)", o.vbucket, o.seqno,
+                                                o.key, o.size, self.topic, o.reason)
                         elif isinstance(ev, RollbackInstruction):
                             on_rollback(ev)
                         elif on_change is not None:

@@ -13,12 +13,16 @@ both apply exactly the same rules (docs/record-format.md, "What consumers must d
   holds duplicates;
 * a **rollback record** to R with restart point B (its ``snap_end``) discards the buffer and yields a
   :class:`Rollback` to B when the consumer applied anything above B;
+* an **oversize record** (Kafka refused a change as too large; docs/record-format.md) takes the change's place:
+  it counts for the snapshot's seqnos like a data record and is reported in :attr:`Snapshot.oversize`, never as
+  a change;
 * a **failover-log record** whose log diverges from the consumer's own (the engine's rollback rule run over the
   two logs, seed 001 "How clients roll back changes") yields a :class:`Rollback` to the common point.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -45,7 +49,25 @@ class Change(NamedTuple):
 
     @property
     def deleted(self) -> bool:
-        return self.type is not RecordType.MUTATION
+        return self.type is RecordType.DELETION or self.type is RecordType.EXPIRATION
+
+
+@dataclass(frozen=True, slots=True)
+class Oversize:
+    """A change Kafka refused as too large (an oversize record, docs/record-format.md): the document ``key``
+    changed at ``seqno`` but its new value is not in the topic. The application's copy of ``key`` is stale;
+    read the document from the bucket if it needs it (``cas`` tells the version)."""
+
+    vbucket: int
+    vbuuid: int
+    seqno: int
+    key: bytes
+    #: bytes of the document body, and why Kafka refused its record
+    size: int
+    reason: str
+    rev_seqno: int
+    cas: int
+    offset: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +83,8 @@ class Snapshot:
     offset: int
     #: the consumer state right after this snapshot (what a state store persists when it is confirmed)
     state: VBucketState | None = field(default=None, compare=False, repr=False)
+    #: changes of this snapshot Kafka refused as too large (not in ``changes``), in seqno order
+    oversize: tuple[Oversize, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +143,13 @@ class VBucketReplayer:
     state produces the same events (deterministic replay, which Spark's recovery relies on).
     """
 
-    __slots__ = ("_last_offset", "_pending", "_range", "_vbuuid", "accepted", "last_change", "state")
+    __slots__ = ("_last_offset", "_oversize", "_pending", "_range", "_vbuuid", "accepted", "last_change", "state")
 
     def __init__(self, state: VBucketState) -> None:
         self.state = state
         self._pending: list[Change] = []
+        #: seqno -> (size, reason) of the oversize records in ``_pending`` (held there as OVERSIZE changes)
+        self._oversize: dict[int, tuple[int, str]] = {}
         self._range: tuple[int, int] | None = None
         self._vbuuid = state.vbuuid
         self._last_offset = state.offset
@@ -161,6 +187,19 @@ class VBucketReplayer:
                 rec.cas or 0, rec.flags or 0, rec.expiry or 0, rec.datatype or 0, offset))
             if snap is not None:
                 out.append(snap)
+        elif t is RecordType.OVERSIZE:
+            # takes the refused change's place: buffered (and de-duplicated) like it, reported apart
+            assert rec.key is not None
+            known = rec.seqno in self._oversize
+            self._oversize[rec.seqno] = (rec.size or 0, rec.reason or "")
+            before = self.accepted
+            snap = self.feed_change(Change(
+                rec.type, rec.key, None, rec.vbucket, rec.vbuuid, rec.seqno, rec.rev_seqno or 0, rec.cas or 0,
+                0, 0, 0, offset))
+            if snap is None and self.accepted == before and not known:
+                del self._oversize[rec.seqno]  # a duplicate: not buffered
+            if snap is not None:
+                out.append(snap)
         elif t is RecordType.ROLLBACK:
             restart = rec.snap_end
             rng = self._range
@@ -171,6 +210,7 @@ class VBucketReplayer:
                 if ev is not None:
                     out.append(ev)
             self._pending.clear()
+            self._oversize.clear()
             self._range = None
             log = list(rec.failover_log or ())
             rolled_back = st.applied_seqno > restart
@@ -197,6 +237,7 @@ class VBucketReplayer:
                     seen = self._pending[-1].seqno
                     if server.rollback_point(seen, rec.seqno, st.failover_log, seen, seen, 0) is not None:
                         self._pending.clear()
+                        self._oversize.clear()
                         self._range = None
                 point = None
                 if st.applied_seqno > 0:
@@ -204,6 +245,7 @@ class VBucketReplayer:
                     point = server.rollback_point(a, rec.seqno, st.failover_log, a, a, 0)
                 if point is not None and point < st.applied_seqno:
                     self._pending.clear()
+                    self._oversize.clear()
                     self._range = None
                     applied = st.applied_seqno
                     st.applied_seqno = st.snap_start = st.snap_end = point
@@ -303,5 +345,20 @@ class VBucketReplayer:
         st.snap_start, st.snap_end = rng
         st.vbuuid = self._vbuuid
         st.offset = offset
-        return Snapshot(st.vbucket, self._vbuuid, rng[0], rng[1], changes, offset, st.copy())
+        snap = Snapshot(st.vbucket, self._vbuuid, rng[0], rng[1], changes, offset, st.copy())
+        if self._oversize:
+            info, self._oversize = self._oversize, {}
+            snap = self._with_oversize(snap, info)
+        return snap
+
+    @staticmethod
+    def _with_oversize(snap: Snapshot, info: dict[int, tuple[int, str]]) -> Snapshot:
+        """``snap`` with its OVERSIZE changes moved from ``changes`` to ``oversize``."""
+        changes = [c for c in snap.changes if c.type is not RecordType.OVERSIZE]
+        if len(changes) == len(snap.changes):
+            return snap
+        over = tuple(
+            Oversize(c.vbucket, c.vbuuid, c.seqno, c.key, *info.get(c.seqno, (0, "")), c.rev_seqno, c.cas, c.offset)
+            for c in snap.changes if c.type is RecordType.OVERSIZE)
+        return dataclasses.replace(snap, changes=tuple(changes), oversize=over)
 

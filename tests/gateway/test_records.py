@@ -27,6 +27,8 @@ from gateway.records import (
     CONTROL_EVENT_NAME,
     CONTROL_EVENT_SCHEMA,
     DATA_HEADERS,
+    OVERSIZE_EVENT_FINGERPRINT,
+    OVERSIZE_EVENT_NAME,
     SCHEMA_FINGERPRINTS,
     DecodedRecord,
     KafkaRecord,
@@ -36,7 +38,9 @@ from gateway.records import (
     crc64_avro,
     decode,
     partition_for,
+    read_change,
     read_change_value,
+    read_control,
     schema_fingerprint,
     single_object_decode,
     single_object_encode,
@@ -129,7 +133,12 @@ def test_schema_files_and_names() -> None:
     assert SCHEMA_FINGERPRINTS == {
         CHANGE_EVENT_FINGERPRINT: CHANGE_EVENT_NAME,
         CONTROL_EVENT_FINGERPRINT: CONTROL_EVENT_NAME,
+        OVERSIZE_EVENT_FINGERPRINT: OVERSIZE_EVENT_NAME,
     }
+    oversize = json.loads((d / "oversize_event.avsc").read_text())
+    assert (oversize["namespace"], oversize["name"]) == ("com.dcpgateway", "OversizeEvent")
+    # docs/record-format.md publishes it
+    assert OVERSIZE_EVENT_FINGERPRINT.hex() == "f0a6b337b042ac48"
     assert CHANGE_EVENT_NAME == "com.dcpgateway.ChangeEvent"
     assert CONTROL_EVENT_NAME == "com.dcpgateway.ControlEvent"
 
@@ -628,3 +637,36 @@ def test_sync_items_are_refused_by_the_encoder() -> None:
     for op in (Op.PREPARE, Op.PREPARE_DELETION, Op.ABORT):
         with pytest.raises(InvalidArgument):
             enc.data(mutation(op=op, value=None), BIG, 40, 45)
+
+
+# ---------------------------------------------------------------------------------------------- oversize records
+@pytest.mark.parametrize("fmt", list(ValueFormat))
+def test_oversize_record_round_trip(fmt: ValueFormat) -> None:
+    """The record that takes the place of a data record Kafka refused as too large (docs/record-format.md)."""
+    enc = RecordEncoder(fmt)
+    item = mutation(cas=U64, rev_seqno=BIG)
+    rec = enc.oversize(item, U64 - 1, item.seqno - 1, item.seqno + 3, 1_000_512, "MSG_SIZE_TOO_LARGE: too big")
+    assert rec.key == item.key
+    h = headers_of(rec)
+    assert h["dcp.type"] == b"oversize" and h["dcp.seqno"] == str(item.seqno).encode()
+    assert set(h) == {"dcp.type", "dcp.format", "dcp.vbucket", "dcp.vbuuid", "dcp.seqno", "dcp.snap.start",
+                      "dcp.snap.end"}
+    d = decode(rec.key, rec.value, rec.headers)
+    assert d.type is RecordType.OVERSIZE and not d.is_data and d.is_control
+    assert (d.key, d.value, d.vbucket, d.vbuuid, d.seqno) == (item.key, None, item.vbucket, U64 - 1, item.seqno)
+    assert (d.snap_start, d.snap_end, d.rev_seqno, d.cas) == (item.seqno - 1, item.seqno + 3, BIG, U64)
+    assert d.size == len(item.value or b"") and d.reason == "MSG_SIZE_TOO_LARGE: too big"
+    # the fast readers of data / control records leave it to decode()
+    assert read_change(rec.value, 0, None) is None
+    assert read_control(rec.value) is None
+
+
+def test_oversize_record_whose_value_disagrees_is_malformed() -> None:
+    enc = RecordEncoder()
+    item = mutation()
+    rec = enc.oversize(item, 7, item.seqno, item.seqno, 10, "r")
+    bad = [(n, b"999" if n == "dcp.seqno" else v) for n, v in rec.headers]
+    with pytest.raises(RecordFormatError, match="seqno"):
+        decode(rec.key, rec.value, bad)
+    with pytest.raises(RecordFormatError, match="key"):
+        decode(b"other", rec.value, rec.headers)

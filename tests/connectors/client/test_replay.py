@@ -273,3 +273,36 @@ def test_feed_changes_is_feed_change_record_by_record(
     assert [getattr(e, "state", None) for e in ev_runs] == [getattr(e, "state", None) for e in ev_one]
     for attr in ("_pending", "_range", "_vbuuid", "_last_offset", "accepted", "last_change", "state"):
         assert getattr(runs, attr) == getattr(one, attr), attr
+
+
+# ---------------------------------------------------------------------------------------------- oversize records
+def oversize(seqno: int, snap: tuple[int, int], key: bytes, size: int = 2_000_000) -> DecodedRecord:
+    return DecodedRecord(RecordType.OVERSIZE, 0, CAFEBABE, seqno, snap[0], snap[1], key, None, 1, 7, None, None,
+                         None, None, None, None, None, ValueFormat.AVRO, size, "MSG_SIZE_TOO_LARGE")
+
+
+def test_oversize_record_takes_the_seqno_and_is_reported_apart() -> None:
+    f = Feed()
+    f.flog((CAFEBABE, 0))
+    f.snap(1, 3)
+    f.data(1, (1, 3))
+    assert f(oversize(2, (1, 3), b"big")) == []
+    [s] = f.data(3, (1, 3))
+    assert isinstance(s, Snapshot)
+    assert [c.seqno for c in s.changes] == [1, 3]
+    assert [(o.key, o.seqno, o.size, o.reason, o.cas) for o in s.oversize] == [
+        (b"big", 2, 2_000_000, "MSG_SIZE_TOO_LARGE", 7)]
+    # an oversize record at the snapshot's end completes it; a duplicate of it is skipped
+    f.snap(4, 5)
+    f.data(4, (4, 5))
+    [s2] = f(oversize(5, (4, 5), b"big2"))
+    assert isinstance(s2, Snapshot) and [c.seqno for c in s2.changes] == [4]
+    assert [o.seqno for o in s2.oversize] == [5] and f.r.state.applied_seqno == 5
+    assert f(oversize(5, (4, 5), b"big2")) == []
+    # a rollback discards a buffered oversize record with the rest of the snapshot
+    f.snap(6, 8)
+    f(oversize(6, (6, 8), b"big3"))
+    f.rollback(5, 5, (DEADBEEF, 5), (CAFEBABE, 0))
+    f.snap(6, 6, DEADBEEF)
+    [s3] = f.data(6, (6, 6), DEADBEEF)
+    assert isinstance(s3, Snapshot) and s3.oversize == () and [c.seqno for c in s3.changes] == [6]
