@@ -6,7 +6,9 @@ a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` an
 answered once committed -- seed 004, docs/durability.md),
 ``POST /docs/_bulk`` (a JSON array of ``{"key", "value"}`` upserts; used by ``dcpgw load``).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
-Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
+Operations: ``GET /health`` (= ``GET /health/ready``: 200 or 503 with ``{"status", "reasons"}``),
+``GET /health/live``, ``GET /metrics``, ``GET /stats``. Writes answer 503 with ``Retry-After`` while more than
+``max_unacked_bytes`` of accepted writes wait for Kafka (docs/reliability.md "Stalled broker and health").
 Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
 (``{"node": "n1", "graceful": false}``; answers the failover report), ``POST /cluster/rebalance``
 (``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
@@ -44,6 +46,7 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
+from gateway.exceptions import Backpressure
 from gateway.source import cluster_summary
 
 if TYPE_CHECKING:
@@ -94,6 +97,9 @@ async def errors_middleware(
     except ApiError as e:
         svc.metrics.http_errors.labels(str(e.status)).inc()
         return _json_error(e.status, e.code, e.message)
+    except Backpressure as e:
+        svc.metrics.http_errors.labels("503").inc()
+        return _json_error(503, "backpressure", str(e))
     except EngineError as e:
         for cls, status, code in _STATUS_FOR:
             if isinstance(e, cls):
@@ -221,6 +227,7 @@ async def get_doc(request: web.Request) -> web.Response:
 async def put_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
     key = _key(request)
+    svc.admit_write()
     expiry = _int_param(request, "expiry")
     flags = _int_param(request, "flags")
     cas = _cas_header(request)
@@ -243,6 +250,7 @@ async def put_doc(request: web.Request) -> web.Response:
         res = bucket.set(key, body, cas=cas, flags=flags, expiry=expiry)
     else:
         res = bucket.set(key, body, flags=flags, expiry=expiry)
+    svc.note_write(res.vbucket, res.seqno, len(key) + len(body))
     svc.wake()
     return web.json_response(_mutation(res), status=201 if insert else 200, headers={"ETag": f'"{res.cas}"'})
 
@@ -250,6 +258,7 @@ async def put_doc(request: web.Request) -> web.Response:
 async def delete_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
     key = _key(request)
+    svc.admit_write()
     durability = _durability(request)
     bucket = _bucket(svc, key)
     if durability is not None:
@@ -259,12 +268,14 @@ async def delete_doc(request: web.Request) -> web.Response:
         res = await _completed(svc, bucket, sw)
     else:
         res = bucket.delete(key, cas=_cas_header(request))
+    svc.note_write(res.vbucket, res.seqno, len(key))
     svc.wake()
     return web.json_response(_mutation(res))
 
 
 async def bulk(request: web.Request) -> web.Response:
     svc = _svc(request)
+    svc.admit_write()
     try:
         docs = json.loads(await request.read())
     except (ValueError, UnicodeDecodeError) as e:
@@ -295,15 +306,18 @@ async def bulk(request: web.Request) -> web.Response:
             raise ApiError(400, "invalid_argument", f"entry {i}: expiry must be a non-negative integer")
         prepared.append((k.encode(), vb, exp))
     written = 0
+    note = svc.note_write
     if svc.cluster is None:
         assert svc.bucket is not None
         bset = svc.bucket.set
         for k, v, exp in prepared:
-            bset(k, v, expiry=exp)
+            res = bset(k, v, expiry=exp)
+            note(res.vbucket, res.seqno, len(k) + len(v))
             written += 1
     else:
         for k, v, exp in prepared:
-            _bucket(svc, k).set(k, v, expiry=exp)
+            res = _bucket(svc, k).set(k, v, expiry=exp)
+            note(res.vbucket, res.seqno, len(k) + len(v))
             written += 1
     svc.wake()
     return web.json_response({"written": written})
@@ -336,19 +350,27 @@ async def failover_log(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """``GET /health`` and ``GET /health/ready``: 200 ``{"status": "ok", "reasons": []}`` or 503
+    ``{"status": "failing", "reasons": [...]}`` (docs/reliability.md "Stalled broker and health")."""
     svc = _svc(request)
     pub = svc.publisher
-    ok = pub is not None and pub.error is None and bool(svc.buckets())
-    body = {"status": "ok" if ok else "failing", "topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
-            "streams": len(pub.streaming) if pub else 0}
+    status, body = svc.ready_view()
+    body.update({"topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
+                 "streams": len(pub.streaming) if pub else 0})
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
-    return web.json_response(body, status=200 if ok else 503)
+    return web.json_response(body, status=status)
+
+
+async def health_live(request: web.Request) -> web.Response:
+    """``GET /health/live``: 200 while the process serves requests (restart it when this stops answering)."""
+    return web.json_response({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
     svc = _svc(request)
     assert svc.publisher is not None
+    svc.metrics.collect_health(svc.publisher.oldest_unacked_age(), len(svc.readiness.stalled), svc.unacked.total)
     return web.Response(body=svc.metrics.render(svc.publisher),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -372,6 +394,8 @@ async def stats(request: web.Request) -> web.Response:
         "rollbacks": pub.rollbacks,
         "errors": pub.errors,
         "inflight": pub.inflight,
+        "unacked_write_bytes": svc.unacked.total,
+        "oldest_unacked_age_s": round(pub.oldest_unacked_age(), 3),
         "streams": len(pub.streaming),
         "lag": pub.lag()[0],
     })
@@ -492,6 +516,8 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_get("/vbuckets/{vb}", vbucket_status)
     app.router.add_get("/vbuckets/{vb}/failover-log", failover_log)
     app.router.add_get("/health", health)
+    app.router.add_get("/health/ready", health)
+    app.router.add_get("/health/live", health_live)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_get("/cluster", cluster_status)

@@ -81,6 +81,22 @@ class _Inflight:
     filtered: bool = False
     #: the DCP connection the message came from (its bytes are buffer-acknowledged there)
     producer: DcpConnection | None = None
+    #: time.monotonic() when the record was handed to the publisher (age of the oldest unacknowledged record)
+    t: float = 0.0
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A record whose position is already taken (``sent`` moved) but that librdkafka's full queue did not
+    accept yet: produced, in order, before anything else on a later pump (docs/reliability.md)."""
+
+    vb: int
+    rec: KafkaRecord | None
+    dcp_bytes: int
+    pos: PublishPosition | None
+    seqno: int
+    producer: DcpConnection | None
+    t: float
 
 
 class KeyFilter:
@@ -157,6 +173,8 @@ class Publisher:
         self.sent: dict[int, PublishPosition] = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(nvb)}
         self.acked: dict[int, PublishPosition] = {vb: p.copy() for vb, p in self.sent.items()}
         self._inflight: dict[int, deque[_Inflight]] = {}
+        #: records librdkafka's queue refused (BufferError), oldest first: DCP is not stepped while any wait
+        self._backlog: deque[_Queued] = deque()
         self._dirty_acked: set[int] = set()
         self.streaming: set[int] = set()
         self.error: BaseException | None = None
@@ -333,6 +351,12 @@ class Publisher:
         self.kafka.poll(0)
         if self.error is not None:  # a delivery report just served said a record was lost
             raise PublishError(f"publishing stopped: {self.error}") from self.error
+        if self._backlog:
+            # librdkafka's queue was full (broker slow or paused): hand it the waiting records first and
+            # step DCP only once they are all in; never wait for room on this (the event loop's) thread.
+            n = self._drain()
+            if self._backlog:
+                return n
         if self.is_cluster:
             return self._pump_cluster(max_messages)
         src = self.source
@@ -467,28 +491,48 @@ class Publisher:
     def _produce(
         self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None, seqno: int = -1
     ) -> None:
+        queued = _Queued(vb, rec, dcp_bytes, pos, seqno, self._owner[vb], time.monotonic())
+        if self._backlog or not self._send(queued):
+            # keep the order: once one record waits, every later one waits behind it
+            self._backlog.append(queued)
+
+    def _drain(self) -> int:
+        """Produce waiting records in order until librdkafka's queue is full again. Returns how many went."""
+        n = 0
+        backlog = self._backlog
+        while backlog:
+            if not self._send(backlog[0]):
+                break
+            backlog.popleft()
+            n += 1
+        return n
+
+    def _send(self, r: _Queued) -> bool:
+        """Produce one record (never waits). False when librdkafka's queue is full: nothing was changed, the
+        caller keeps the record for a later pump."""
+        vb = r.vb
         part = partition_for(vb, self.num_partitions)
         q = self._inflight.get(part)
         if q is None:
             q = self._inflight[part] = deque()
+        rec = r.rec
         if rec is None:
             # Filtered item: acknowledged once everything before it on this partition is delivered.
-            entry = _Inflight(vb, dcp_bytes, pos, True, self._owner[vb])
+            entry = _Inflight(vb, r.dcp_bytes, r.pos, True, r.producer, r.t)
             if q:
                 q.append(entry)
             else:
                 self._ack(entry, self.acked[vb].offset)
-            return
-        q.append(_Inflight(vb, dcp_bytes, pos, False, self._owner[vb]))
-        while True:
-            try:
-                self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
-                break
-            except BufferError:
-                # librdkafka's queue is full (broker slow): serve delivery reports, then retry.
-                self.kafka.poll(0.05)
+            return True
+        try:
+            self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
+        except BufferError:
+            return False
+        # appended after produce(): delivery reports are only served by poll(), so none can come in between
+        q.append(_Inflight(vb, r.dcp_bytes, r.pos, False, r.producer, r.t))
         self.records_sent += 1
         self.bytes_sent += len(rec.value or b"") + len(rec.key or b"")
+        return True
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         part = msg.partition()
@@ -542,12 +586,30 @@ class Publisher:
 
     @property
     def inflight(self) -> int:
-        return sum(len(q) for q in self._inflight.values())
+        """Records not yet acknowledged: produced, or waiting for room in librdkafka's queue."""
+        return sum(len(q) for q in self._inflight.values()) + len(self._backlog)
+
+    @property
+    def backlog(self) -> int:
+        """Records waiting for room in librdkafka's queue (the broker is slow or paused)."""
+        return len(self._backlog)
+
+    def oldest_unacked_age(self, now: float | None = None) -> float:
+        """Seconds since the oldest record not yet acknowledged by Kafka was handed over (0.0: none)."""
+        oldest = min((q[0].t for q in self._inflight.values() if q), default=None)
+        if self._backlog:
+            t = self._backlog[0].t
+            oldest = t if oldest is None else min(oldest, t)
+        if oldest is None:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - oldest)
 
     def flush(self, timeout: float = 30.0) -> int:
-        """Wait for outstanding deliveries. Returns how many remain."""
+        """Wait for outstanding deliveries (blocking: for shutdown and tests, never on the event loop's
+        thread while it serves requests). Returns how many remain."""
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
+            self._drain()
             self.kafka.poll(0.05)
         return self.inflight
 
