@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gateway.broker import EmbeddedTansuBroker
-from tests.gateway.test_gateway_process import GatewayProc, verify
+from tests.gateway.test_gateway_process import GatewayProc, _cli, verify
 
 pytestmark = pytest.mark.slow
 
@@ -182,10 +182,20 @@ def test_stalled_vbucket_threshold_and_gauges(private_broker: EmbeddedTansuBroke
             assert gauge("dcpgw_stalled_vbuckets") >= 1
             assert gauge("dcpgw_oldest_unacked_record_age_seconds") >= 3
             assert call(url + "/health/live")[0] == 200
+            # dcpgw status shows the readiness and its reasons
+            r = _cli("status", "--json", "--url", url)
+            assert r.returncode == 0, r.stderr
+            ready = json.loads(r.stdout)["ready"]
+            assert ready["status"] == "failing" and any(x.startswith("vbuckets_stalled") for x in ready["reasons"])
+            r = _cli("status", "--url", url, "--top", "0")
+            assert r.returncode == 0 and "not ready because" in r.stdout, r.stdout + r.stderr
         finally:
             private_broker.resume()
         wait_for(lambda: call(url + "/health/ready")[0] == 200, 60, "/health/ready back to 200")
         gw.wait_caught_up()
+        r = _cli("status", "--json", "--url", url)
+        ready = json.loads(r.stdout)["ready"]
+        assert r.returncode == 0 and ready["status"] == "ok" and ready["reasons"] == [], r.stdout
         wait_for(lambda: gauge("dcpgw_stalled_vbuckets") == 0, 10, "no stalled vbucket")
         assert gauge("dcpgw_oldest_unacked_record_age_seconds") == 0
     finally:
