@@ -7,7 +7,9 @@ answered once committed -- seed 004, docs/durability.md),
 ``POST /docs/_bulk`` (a JSON array of ``{"key", "value", "op"?, "cas"?, "expiry"?, "flags"?}`` entries, used by
 ``dcpgw load``: all validated before the first write, then answered per item -- docs/gateway.md).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
-Operations: ``GET /health``, ``GET /metrics``, ``GET /stats``.
+Operations: ``GET /health`` (= ``GET /health/ready``: 200 or 503 with ``{"status", "reasons"}``),
+``GET /health/live``, ``GET /metrics``, ``GET /stats``. Writes answer 503 with ``Retry-After`` while more than
+``max_unacked_bytes`` of accepted writes wait for Kafka (docs/reliability.md "Stalled broker and health").
 Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
 (``{"node": "n1", "graceful": false}``; answers the failover report), ``POST /cluster/rebalance``
 (``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
@@ -50,6 +52,7 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
+from gateway.exceptions import Backpressure
 from gateway.source import cluster_summary
 
 if TYPE_CHECKING:
@@ -111,6 +114,9 @@ async def errors_middleware(
         if e.code == "request_entity_too_large":
             resp.force_close()  # the rest of the body is not read: close instead of draining it
         return resp
+    except Backpressure as e:
+        svc.metrics.http_errors.labels("503").inc()
+        return _json_error(503, "backpressure", str(e))
     except EngineError as e:
         for cls, status, code in _STATUS_FOR:
             if isinstance(e, cls):
@@ -313,6 +319,7 @@ async def get_doc(request: web.Request) -> web.Response:
 async def put_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
     key = _key(request)
+    svc.admit_write()
     expiry = _int_param(request, "expiry")
     flags = _int_param(request, "flags")
     cas = _cas_header(request)
@@ -335,6 +342,7 @@ async def put_doc(request: web.Request) -> web.Response:
         res = bucket.set(key, body, cas=cas, flags=flags, expiry=expiry)
     else:
         res = bucket.set(key, body, flags=flags, expiry=expiry)
+    svc.note_write(res.vbucket, res.seqno, len(key) + len(body))
     svc.wake()
     return web.json_response(_mutation(res), status=201 if insert else 200, headers={"ETag": f'"{res.cas}"'})
 
@@ -342,6 +350,7 @@ async def put_doc(request: web.Request) -> web.Response:
 async def delete_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
     key = _key(request)
+    svc.admit_write()
     durability = _durability(request)
     bucket = _bucket(svc, key)
     if durability is not None:
@@ -351,6 +360,7 @@ async def delete_doc(request: web.Request) -> web.Response:
         res = await _completed(svc, bucket, sw)
     else:
         res = bucket.delete(key, cas=_cas_header(request))
+    svc.note_write(res.vbucket, res.seqno, len(key))
     svc.wake()
     return web.json_response(_mutation(res))
 
@@ -469,6 +479,7 @@ async def bulk(request: web.Request) -> web.Response:
     refuses at run time (CAS mismatch, key exists / not found, node down, temporary failure) fails alone with
     its status and error code, the rest are written. docs/gateway.md "POST /docs/_bulk"."""
     svc = _svc(request)
+    svc.admit_write()
     docs = await _read_json(request, MAX_BODY, "array of documents")
     if not isinstance(docs, list):
         raise ApiError(400, "invalid_argument", "body must be a JSON array of {\"key\", \"value\"} objects")
@@ -481,6 +492,7 @@ async def bulk(request: web.Request) -> web.Response:
         svc.cluster.push_topologies()
     items: list[dict[str, Any]] = []
     pending: list[tuple[int, Bucket, SyncWrite]] = []
+    note = svc.note_write
     if svc.cluster is None and durability is None and all(
             it.op == "upsert" and not it.cas for it in prepared):
         # the ingest path (dcpgw load): plain upserts straight into the single bucket
@@ -492,6 +504,7 @@ async def bulk(request: web.Request) -> web.Response:
             except EngineError as e:
                 items.append(_item_error(it.key.decode(), e))
             else:
+                note(res.vbucket, res.seqno, len(it.key) + len(it.value))
                 items.append({"key": it.key.decode(), "status": 200, **_mutation(res)})
     else:
         for it in prepared:
@@ -506,6 +519,7 @@ async def bulk(request: web.Request) -> web.Response:
                 pending.append((len(items), bucket, res))
                 items.append({"key": key, "status": 0})
             else:
+                note(res.vbucket, res.seqno, len(it.key) + len(it.value))
                 items.append({"key": key, "status": 201 if it.op == "insert" else 200, **_mutation(res)})
     svc.wake()
     for idx, bucket, sw in pending:
@@ -548,22 +562,30 @@ async def failover_log(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """``GET /health`` and ``GET /health/ready``: 200 ``{"status": "ok", "reasons": []}`` or 503
+    ``{"status": "failing", "reasons": [...]}`` (docs/reliability.md "Stalled broker and health")."""
     svc = _svc(request)
     pub = svc.publisher
-    ok = pub is not None and pub.error is None and bool(svc.buckets()) and not pub.failed_vbuckets
-    body: dict[str, Any] = {"status": "ok" if ok else "failing", "topic": svc.topic,
-                            "bootstrap_servers": svc.bootstrap_servers, "streams": len(pub.streaming) if pub else 0}
+    status, body = svc.ready_view()
+    body.update({"topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
+                 "streams": len(pub.streaming) if pub else 0})
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
     if pub is not None and pub.failed_vbuckets:
         # oversize_policy=fail stopped these streams (docs/reliability.md "Large documents")
         body["failed_vbuckets"] = {str(vb): reason for vb, reason in sorted(pub.failed_vbuckets.items())}
-    return web.json_response(body, status=200 if ok else 503)
+    return web.json_response(body, status=status)
+
+
+async def health_live(request: web.Request) -> web.Response:
+    """``GET /health/live``: 200 while the process serves requests (restart it when this stops answering)."""
+    return web.json_response({"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:
     svc = _svc(request)
     assert svc.publisher is not None
+    svc.metrics.collect_health(svc.publisher.oldest_unacked_age(), len(svc.readiness.stalled), svc.unacked.total)
     return web.Response(body=svc.metrics.render(svc.publisher),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -589,6 +611,8 @@ async def stats(request: web.Request) -> web.Response:
         "oversize_records": pub.oversize_records,
         "failed_vbuckets": sorted(pub.failed_vbuckets),
         "inflight": pub.inflight,
+        "unacked_write_bytes": svc.unacked.total,
+        "oldest_unacked_age_s": round(pub.oldest_unacked_age(), 3),
         "streams": len(pub.streaming),
         "lag": pub.lag()[0],
     })
@@ -732,6 +756,8 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_get("/vbuckets/{vb}", vbucket_status)
     app.router.add_get("/vbuckets/{vb}/failover-log", failover_log)
     app.router.add_get("/health", health)
+    app.router.add_get("/health/ready", health)
+    app.router.add_get("/health/live", health_live)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_get("/cluster", cluster_status)

@@ -132,6 +132,22 @@ def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.
         _fail(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)")
 
 
+def _readiness(base: str) -> dict[str, Any]:
+    """``GET /health/ready``: its body whether the answer is 200 (ready) or 503 (not ready, with reasons)."""
+    try:
+        with urllib.request.urlopen(f"{base}/health/ready", timeout=30.0) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        if e.code != 503:
+            _fail(f"GET {base}/health/ready -> HTTP {e.code}")
+        try:
+            return dict(json.loads(e.read()))
+        except ValueError:
+            return {"status": "failing", "reasons": [f"HTTP 503: {e.reason}"]}
+    except (urllib.error.URLError, OSError) as e:
+        _fail(f"cannot reach the gateway at {base}: {e} (is `dcpgw up` running?)")
+
+
 # ---------------------------------------------------------------------- up
 @app.command()
 def up(
@@ -289,15 +305,19 @@ def status(
     from rich.table import Table
 
     base = _url(url, data_dir)
+    ready = _readiness(base)
     stats = _http("GET", f"{base}/stats")
     streams = _http("GET", f"{base}/streams")
     if as_json:
-        typer.echo(json.dumps({"stats": stats, "streams": streams}))
+        typer.echo(json.dumps({"ready": ready, "stats": stats, "streams": streams}))
         return
     con = Console()
     t = Table(title=f"dcpgw {base}")
     t.add_column("stat")
     t.add_column("value", justify="right")
+    t.add_row("ready", "yes" if ready.get("status") == "ok" else f"no ({ready.get('status')})")
+    for reason in ready.get("reasons", []):
+        t.add_row("  not ready because", str(reason))
     for k, v in stats.items():
         t.add_row(k, str(v))
     con.print(t)

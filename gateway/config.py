@@ -484,6 +484,13 @@ class GatewaySettings(BaseSettings):
     key_filter_regex: str | None = None
     flow_control_buffer_bytes: int = Field(default=16 * MIB, ge=64 * KIB)
     checkpoint_interval_s: PositiveSeconds = 1.0
+    #: write backpressure: above this many bytes of accepted, not yet Kafka-acknowledged writes, PUT / DELETE /
+    #: _bulk answer 503 with Retry-After (docs/reliability.md "Stalled broker and health")
+    max_unacked_bytes: int = Field(default=64 * MIB, ge=64 * KIB)
+    #: /health/ready: not ready once the oldest unacknowledged record is this old (delivery stalled)
+    health_delivery_stall_s: PositiveSeconds = 5.0
+    #: /health/ready: not ready once a vbucket with records pending has made no progress for this long
+    health_vbucket_stall_s: PositiveSeconds = 30.0
     #: publish only persisted items (flush the engine before every DCP step): a crash of the process then
     #: never needs a rollback record (docs/gateway.md)
     rollback_mitigation: bool = True

@@ -90,3 +90,14 @@ class ConfigError(GatewayError):
             return f"invalid dcp-gateway configuration{where}: {lines[0]}"
         head = f"invalid dcp-gateway configuration{where}, {len(lines)} problems:"
         return "\n".join([head, *(f"  {line}" for line in lines)])
+
+
+class Backpressure(GatewayError):
+    """Too many accepted writes wait for Kafka's acknowledgement (``max_unacked_bytes``): retry later (HTTP 503
+    with ``Retry-After``; docs/reliability.md "Stalled broker and health")."""
+
+    def __init__(self, unacked_bytes: int, limit: int) -> None:
+        super().__init__(f"{unacked_bytes} bytes of accepted writes are not yet acknowledged by Kafka "
+                         f"(max_unacked_bytes {limit}); retry later")
+        self.unacked_bytes = unacked_bytes
+        self.limit = limit

@@ -36,9 +36,20 @@ class GatewayMetrics:
         self.inflight = Gauge("dcpgw_inflight_records", "Records produced, not yet acknowledged", registry=r)
         self.ckpt_mem = Gauge("dcpgw_engine_checkpoint_memory_bytes", "Engine checkpoint memory", registry=r)
         self.items = Gauge("dcpgw_engine_items", "Live documents in the engine", registry=r)
+        self.oldest_unacked = Gauge("dcpgw_oldest_unacked_record_age_seconds", "Age of the oldest record not yet "
+                                    "acknowledged by Kafka (0: none)", registry=r)
+        self.stalled = Gauge("dcpgw_stalled_vbuckets", "Vbuckets with records pending and no progress for "
+                             "health_vbucket_stall_s", registry=r)
+        self.unacked_bytes = Gauge("dcpgw_unacked_write_bytes", "Bytes of accepted writes not yet acknowledged "
+                                   "by Kafka (writes answer 503 above max_unacked_bytes)", registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
                       "oversize": 0}
         self._last = (time.monotonic(), 0)
+
+    def collect_health(self, oldest_age: float, stalled: int, unacked_bytes: int) -> None:
+        self.oldest_unacked.set(oldest_age)
+        self.stalled.set(stalled)
+        self.unacked_bytes.set(unacked_bytes)
 
     def collect(self, pub: Publisher) -> None:
         for name, counter, value in (

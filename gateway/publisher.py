@@ -117,6 +117,12 @@ class _Inflight:
     meta: tuple[int, int, int] | None = None
     #: record_size() of the record, when it was produced alone on its partition (0: not)
     large: int = 0
+    #: time.monotonic() when the record was handed to the publisher (age of the oldest unacknowledged record)
+    t: float = 0.0
+
+
+class _QueueFull(Exception):
+    """librdkafka's queue has no room now (BufferError with records queued): keep the record for a later pump."""
 
 
 class KeyFilter:
@@ -199,6 +205,9 @@ class Publisher:
         self.sent: dict[int, PublishPosition] = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(nvb)}
         self.acked: dict[int, PublishPosition] = {vb: p.copy() for vb, p in self.sent.items()}
         self._inflight: dict[int, deque[_Inflight]] = {}
+        #: records librdkafka's queue had no room for (BufferError), oldest first, with their partitions:
+        #: DCP is not stepped while any wait (docs/reliability.md "Stalled broker and health")
+        self._backlog: deque[tuple[int, _Inflight, KafkaRecord | None]] = deque()
         self._dirty_acked: set[int] = set()
         #: partitions waiting for a large record (delivered alone): what to produce after it, in order
         self._blocked: dict[int, deque[tuple[_Inflight, KafkaRecord | None]]] = {}
@@ -388,6 +397,12 @@ class Publisher:
             self._after_poll()
         if self.error is not None:  # a delivery report just served said a record was lost
             raise PublishError(f"publishing stopped: {self.error}") from self.error
+        if self._backlog:
+            # librdkafka's queue was full (broker slow or paused): hand it the waiting records first and
+            # step DCP only once they are all in; never wait for room on this (the event loop's) thread.
+            n = self._drain()
+            if self._backlog:
+                return n
         if self.is_cluster:
             return self._pump_cluster(max_messages)
         src = self.source
@@ -530,14 +545,29 @@ class Publisher:
         item: Item | None = None, meta: tuple[int, int, int] | None = None,
     ) -> None:
         part = partition_for(vb, self.num_partitions)
-        entry = _Inflight(vb, dcp_bytes, pos, rec is None, self._owner[vb], item, meta)
+        entry = _Inflight(vb, dcp_bytes, pos, rec is None, self._owner[vb], item, meta, t=time.monotonic())
+        if self._backlog or not self._send(part, entry, rec):
+            # keep the order: once one record waits for room, every later one waits behind it
+            self._backlog.append((part, entry, rec))
+
+    def _drain(self) -> int:
+        """Produce waiting records in order until librdkafka's queue is full again. Returns how many went."""
+        n = 0
+        backlog = self._backlog
+        while backlog:
+            if not self._send(*backlog[0]):
+                break
+            backlog.popleft()
+            n += 1
+        return n
+
+    def _send(self, part: int, entry: _Inflight, rec: KafkaRecord | None) -> bool:
+        """Produce one record, or queue it behind a large record of its partition; never waits. False when
+        librdkafka's queue is full: nothing was changed, the caller keeps the record for a later pump."""
         blocked = self._blocked.get(part)
         if blocked is not None:
             blocked.append((entry, rec))  # the partition waits for a large record's delivery report
-            return
-        self._send(part, entry, rec)
-
-    def _send(self, part: int, entry: _Inflight, rec: KafkaRecord | None) -> None:
+            return True
         q = self._inflight.get(part)
         if q is None:
             q = self._inflight[part] = deque()
@@ -547,7 +577,7 @@ class Publisher:
                 q.append(entry)
             else:
                 self._ack(entry, self.acked[entry.vbucket].offset)
-            return
+            return True
         value = rec.value
         large = len(value) > self.large_record_bytes if value is not None else False
         if large:
@@ -556,36 +586,39 @@ class Publisher:
                 # Produced alone: it waits until everything before it on the partition is delivered, so a
                 # refusal of its batch refuses it only.
                 self._blocked[part] = deque([(entry, rec)])
-                return
-        refused = self._try_produce(part, rec)
+                return True
+        try:
+            refused = self._try_produce(part, rec)
+        except _QueueFull:
+            return False
         if refused is not None:
             # too large for the producer: nothing was queued, so what replaces it keeps the order
             self._refused(part, entry, record_size(rec), refused)
-            return
+            return True
         if large:
             entry.large = size
             self._blocked[part] = deque()  # nothing else of the partition until its delivery report
         else:
             entry.item = entry.meta = None
+        # appended after produce(): delivery reports are only served by poll(), so none can come in between
         q.append(entry)
+        return True
 
     def _try_produce(self, part: int, rec: KafkaRecord) -> str | None:
-        """Produce ``rec``; returns why the producer refused it as too large (None: queued)."""
-        while True:
-            try:
-                self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
-                break
-            except BufferError:
-                if len(self.kafka) == 0:
-                    # nothing queued to wait for: the record alone is larger than the producer's queue
-                    return "larger than the producer queue (queue.buffering.max.kbytes)"
-                # librdkafka's queue is full (broker slow): serve delivery reports, then retry.
-                self.kafka.poll(0.05)
-            except KafkaException as e:
-                err = e.args[0]
-                if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
-                    return f"{err.name()}: {err.str()}"
-                raise
+        """Produce ``rec``; returns why the producer refused it as too large (None: queued). Raises
+        :class:`_QueueFull` when librdkafka's queue has no room now (never waits for it)."""
+        try:
+            self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
+        except BufferError:
+            if len(self.kafka) == 0:
+                # nothing queued to wait for: the record alone is larger than the producer's queue
+                return "larger than the producer queue (queue.buffering.max.kbytes)"
+            raise _QueueFull from None
+        except KafkaException as e:
+            err = e.args[0]
+            if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
+                return f"{err.name()}: {err.str()}"
+            raise
         self.records_sent += 1
         self.bytes_sent += len(rec.value or b"") + len(rec.key or b"")
         return None
@@ -605,7 +638,21 @@ class Publisher:
             self._fail_vbucket(vb, entry, f"Kafka refused the record of {what}: {reason}")
             return
         rec = self.encoder.oversize(item, meta[0], meta[1], meta[2], size, reason)
-        again = self._try_produce(part, rec)
+        try:
+            again = self._try_produce(part, rec)
+        except _QueueFull:
+            # no room now: the oversize record goes first once the partition is released (_after_poll)
+            waiting = self._blocked.get(part)
+            if waiting is None:
+                waiting = self._blocked[part] = deque()
+            waiting.appendleft((entry, rec))
+            again = None
+        else:
+            if again is None:
+                q = self._inflight.get(part)
+                if q is None:
+                    q = self._inflight[part] = deque()
+                q.append(entry)
         if again is not None:
             self._fail_vbucket(vb, entry, f"Kafka refused the record of {what} and its oversize record: {again}")
             return
@@ -613,10 +660,6 @@ class Publisher:
         self._event("oversize", vb, item.seqno)
         log.warning("published an oversize record in place of the record of %s (oversize_policy=skip): %s",
                     what, reason)
-        q = self._inflight.get(part)
-        if q is None:
-            q = self._inflight[part] = deque()
-        q.append(entry)
 
     def _fail_vbucket(self, vb: int, entry: _Inflight, reason: str) -> None:
         """Stop ``vb``'s stream (the others keep publishing); its acknowledged position stays before the
@@ -636,14 +679,21 @@ class Publisher:
         if held:
             self._buffer_ack_vb(vb, sum(m.dcp_size for m in held))
         for waiting in self._blocked.values():
-            mine = [e for e, _ in waiting if e.vbucket == vb]
-            if mine:
-                kept = [(e, r) for e, r in waiting if e.vbucket != vb]
-                waiting.clear()
-                waiting.extend(kept)
-                for e in mine:
-                    if e.dcp_bytes and e.producer is not None:
-                        self._buffer_ack(e.producer, e.dcp_bytes)
+            self._drop_vbucket(waiting, vb)
+        self._drop_vbucket(self._backlog, vb)
+
+    def _drop_vbucket(self, waiting: deque[Any], vb: int) -> None:
+        """Remove ``vb``'s records from a waiting queue (their DCP bytes buffer-acknowledged)."""
+        mine = [w for w in waiting if w[-2].vbucket == vb]
+        if not mine:
+            return
+        kept = [w for w in waiting if w[-2].vbucket != vb]
+        waiting.clear()
+        waiting.extend(kept)
+        for w in mine:
+            e = w[-2]
+            if e.dcp_bytes and e.producer is not None:
+                self._buffer_ack(e.producer, e.dcp_bytes)
 
     def _buffer_ack_vb(self, vb: int, nbytes: int) -> None:
         p = self._owner[vb]
@@ -661,16 +711,22 @@ class Publisher:
                 continue
             waiting = self._blocked.pop(part)
             while waiting:
-                entry, rec = waiting.popleft()
+                entry, rec = waiting[0]
                 if entry.vbucket in self.failed_vbuckets:
+                    waiting.popleft()
                     if entry.dcp_bytes and entry.producer is not None:
                         self._buffer_ack(entry.producer, entry.dcp_bytes)
                     continue
-                self._send(part, entry, rec)
                 again = self._blocked.get(part)
                 if again is not None:  # blocked again by a large record: the rest waits behind it
                     again.extend(waiting)
                     break
+                if not self._send(part, entry, rec):
+                    # librdkafka's queue is full: the rest goes ahead of the backlog (the backlog's records
+                    # of this partition came after them)
+                    self._backlog.extendleft((part, e, r) for e, r in reversed(waiting))
+                    break
+                waiting.popleft()
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
         part = msg.partition()
@@ -734,16 +790,38 @@ class Publisher:
 
     @property
     def inflight(self) -> int:
-        """Records produced and not acknowledged yet, and those waiting behind a large record."""
-        n = sum(len(q) for q in self._inflight.values())
+        """Records not yet acknowledged: produced, waiting behind a large record, or waiting for room in
+        librdkafka's queue."""
+        n = sum(len(q) for q in self._inflight.values()) + len(self._backlog)
         if self._blocked:
             n += sum(len(q) for q in self._blocked.values())
         return n
 
+    @property
+    def backlog(self) -> int:
+        """Records waiting for room in librdkafka's queue (the broker is slow or paused)."""
+        return len(self._backlog)
+
+    def oldest_unacked_age(self, now: float | None = None) -> float:
+        """Seconds since the oldest record not yet acknowledged by Kafka was handed over (0.0: none)."""
+        oldest = min((q[0].t for q in self._inflight.values() if q), default=None)
+        for waiting in self._blocked.values():
+            if waiting:
+                t = waiting[0][0].t
+                oldest = t if oldest is None else min(oldest, t)
+        if self._backlog:
+            t = self._backlog[0][1].t
+            oldest = t if oldest is None else min(oldest, t)
+        if oldest is None:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - oldest)
+
     def flush(self, timeout: float = 30.0) -> int:
-        """Wait for outstanding deliveries. Returns how many remain."""
+        """Wait for outstanding deliveries (blocking: for shutdown and tests, never on the event loop's
+        thread while it serves requests). Returns how many remain."""
         deadline = time.monotonic() + timeout
         while self.inflight and time.monotonic() < deadline:
+            self._drain()
             self.kafka.poll(0.05)
             if self._refusals or self._blocked:
                 self._after_poll()

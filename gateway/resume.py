@@ -191,23 +191,33 @@ def recover_positions(
 
 
 class CheckpointWriter:
-    """Writes acknowledged positions to the compacted checkpoint topic."""
+    """Writes acknowledged positions to the compacted checkpoint topic.
+
+    :meth:`write` never waits (it runs on the event loop's thread): positions librdkafka's full queue does not
+    take now are kept, newest per vbucket, and produced first by the next :meth:`write` or :meth:`flush`."""
 
     def __init__(self, producer_config: dict[str, Any], topic: str) -> None:
         self.topic = checkpoint_topic_name(topic)
         self._p = Producer(producer_config)
         self.written = 0
+        #: positions not yet handed to librdkafka (its queue was full), newest per vbucket
+        self.pending: dict[int, PublishPosition] = {}
 
     def write(self, positions: dict[int, PublishPosition]) -> None:
-        for vb, p in positions.items():
-            while True:
-                try:
-                    self._p.produce(self.topic, p.to_json(), str(vb).encode(), partition=0)
-                    break
-                except BufferError:
-                    self._p.poll(0.05)
+        self.pending.update(positions)
+        for vb in list(self.pending):
+            try:
+                self._p.produce(self.topic, self.pending[vb].to_json(), str(vb).encode(), partition=0)
+            except BufferError:
+                break
+            del self.pending[vb]
             self.written += 1
         self._p.poll(0)
 
     def flush(self, timeout: float = 10.0) -> int:
-        return int(self._p.flush(timeout))
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            self.write({})
+            if self.pending:
+                self._p.poll(0.05)
+        return int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from typing import Any
@@ -23,6 +24,8 @@ from engine.cluster import Cluster, FailoverReport
 from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
 from gateway.config import GatewaySettings
+from gateway.exceptions import Backpressure
+from gateway.health import Readiness, UnackedWrites
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
 from gateway.records import RecordEncoder, ValueFormat, topic_name
@@ -66,6 +69,9 @@ class GatewayService:
         self._wake = asyncio.Event()
         self.started_at = 0.0
         self.recovered_records = 0
+        #: write backpressure and readiness (docs/reliability.md "Stalled broker and health")
+        self.unacked = UnackedWrites(settings.max_unacked_bytes)
+        self.readiness = Readiness(settings.health_delivery_stall_s, settings.health_vbucket_stall_s)
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
@@ -114,7 +120,7 @@ class GatewayService:
         origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
         assert origin is not None
         self.publisher = Publisher(
-            origin, self._producer_config(), self.topic, partitions,
+            origin, {**self._producer_config(), "error_cb": self.readiness.on_kafka_error}, self.topic, partitions,
             RecordEncoder(ValueFormat(s.value_format)), positions,
             stream_from=s.stream_from,
             key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
@@ -142,6 +148,7 @@ class GatewayService:
             asyncio.create_task(self._every(s.checkpoint_interval_s, self._checkpoint), name="dcpgw-ckpt"),
             asyncio.create_task(self._every(s.expiry_pager_interval_s, self._expiry), name="dcpgw-expiry"),
             asyncio.create_task(self._every(s.compaction_interval_s, self._compact), name="dcpgw-compact"),
+            asyncio.create_task(self._watch_health(), name="dcpgw-health"),
         ]
         if not s.rollback_mitigation:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
@@ -252,6 +259,9 @@ class GatewayService:
         self._wake.set()
 
     async def _pump_loop(self) -> None:
+        """Pump publisher (and cluster) in bounded rounds, yielding to the loop between them: a round steps at
+        most one DCP batch, never waits for Kafka (a full librdkafka queue keeps the records for the next
+        round) and flushes only what was written since the last round (docs/reliability.md)."""
         pub = self.publisher
         assert pub is not None
         cluster = self.cluster
@@ -259,17 +269,30 @@ class GatewayService:
         # publishing waits for); without it the flush task does it every flush_interval_s.
         flush = self.settings.rollback_mitigation
         idle = 0
+        acked = pub.records_acked
         while not self._stopping.is_set():
             try:
                 n = pub.pump()
-            except Exception:
-                # a dead pump task must not be silent (it was: issue 16, a record too large wedged publishing)
-                log.exception("publishing stopped")
-                raise
-            if cluster is not None:
-                n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
-                if cluster.rebalance_running is not None:
-                    n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
+                if cluster is not None:
+                    n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
+                    if cluster.rebalance_running is not None:
+                        n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
+            except Exception as e:
+                if pub.error is not None:
+                    log.error("publishing stopped: %s", pub.error)
+                    return  # a record was lost: /health/ready says publish_failed; restart resumes
+                if self.readiness.pump_error is None:
+                    log.exception("pump failed (retried every second; /health/ready is 503 meanwhile)")
+                self.readiness.on_pump_error(e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout=1.0)
+                continue
+            if self.readiness.pump_error is not None:
+                log.info("pump recovered")
+                self.readiness.pump_error = None
+            if pub.records_acked != acked:
+                acked = pub.records_acked
+                self.unacked.release(pub)
             if n:
                 idle = 0
                 await asyncio.sleep(0)
@@ -278,6 +301,46 @@ class GatewayService:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=0.001 * idle)
+
+    async def _watch_health(self) -> None:
+        """Refresh the stalled-vbucket view; while librdkafka says every broker is down, probe the broker
+        (a metadata request, off the loop's thread) so readiness returns when it answers again."""
+        interval = min(1.0, self.settings.health_vbucket_stall_s / 4)
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=interval)
+            pub = self.publisher
+            if self._stopping.is_set() or pub is None:
+                return
+            self.readiness.observe(pub)
+            self.unacked.release(pub)
+            if self.readiness.broker_error is not None:
+                kafka = pub.kafka
+                try:
+                    await loop.run_in_executor(None, functools.partial(kafka.list_topics, self.topic, timeout=2.0))
+                except Exception:
+                    continue
+                self.readiness.broker_reachable()
+
+    def admit_write(self) -> None:
+        """Backpressure: :class:`~gateway.exceptions.Backpressure` once ``max_unacked_bytes`` of accepted
+        writes wait for Kafka's acknowledgement."""
+        if self.unacked.over_limit():
+            raise Backpressure(self.unacked.total, self.unacked.limit)
+
+    def note_write(self, vbucket: int, seqno: int, nbytes: int) -> None:
+        """A write the engine accepted (counted until Kafka acknowledges its record)."""
+        pub = self.publisher
+        if pub is not None:
+            self.unacked.add(vbucket, seqno, nbytes, pub.sent[vbucket].seqno)
+
+    def ready_view(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health/ready`` (and ``/health``): 200 ``{"status": "ok", "reasons": []}`` or 503 with why."""
+        pub = self.publisher
+        reasons = self.readiness.reasons(pub, bool(self.buckets()))
+        body: dict[str, Any] = {"status": "failing" if reasons else "ok", "reasons": reasons}
+        return (503 if reasons else 200), body
 
     async def _every(self, interval: float, fn: Any) -> None:
         while not self._stopping.is_set():
@@ -305,7 +368,13 @@ class GatewayService:
             b.compact()
 
     def _flush(self) -> None:
-        if sum(b.flush() for b in self.buckets()):
+        try:
+            n = sum(b.flush() for b in self.buckets())
+        except Exception as e:
+            self.readiness.on_pump_error(e)
+            raise
+        self.readiness.pump_error = None
+        if n:
             self.wake()
 
     async def stop(self) -> None:

@@ -186,6 +186,7 @@ def test_cli_load_status_tail_against_a_running_gateway(kafka_broker: Broker, tm
         assert r.returncode == 0, r.stderr
         st = json.loads(r.stdout)
         assert st["stats"]["items"] == 700 and st["stats"]["lag"] == 0 and len(st["streams"]) == NVB
+        assert st["ready"]["status"] == "ok" and st["ready"]["reasons"] == []
         r = _cli("status", "--url", gw.url, "--top", "3")
         assert r.returncode == 0 and "top 3 lagging vbuckets" in r.stdout
         r = _cli("tail", "3", "--max", "4", "--data-dir", str(data))
