@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -21,11 +22,13 @@ from aiohttp import web
 from engine import Bucket, InvalidArgument
 from engine.cluster import MAP_FILE, Cluster, FailoverReport
 from engine.rebalance import Rebalance
+from gateway.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
+from gateway.exceptions import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import KeyFilter, Publisher
 from gateway.records import RecordEncoder, ValueFormat, topic_name
-from gateway.resume import CheckpointWriter, ensure_topics, recover_positions
+from gateway.resume import CheckpointWriter, ensure_topics, recover_positions, wait_for_kafka
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +54,33 @@ class GatewayService:
         self._wake = asyncio.Event()
         self.started_at = 0.0
         self.recovered_records = 0
+        #: librdkafka's log lines and errors of every client of this process, rate-limited
+        self.client_log = ClientLog()
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
         conf = dict(self.settings.admin_config())
         conf["bootstrap.servers"] = self.bootstrap_servers
-        return conf
+        return with_client_log(conf, self.client_log)
 
     def _producer_config(self) -> dict[str, Any]:
         conf = dict(self.settings.producer_config())
         conf["bootstrap.servers"] = self.bootstrap_servers
-        return conf
+        return with_client_log(conf, self.client_log)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         s = self.settings
+        client = self._client_config()
+        loop = asyncio.get_running_loop()
+        # Unreachable Kafka: one BrokerError naming the address within kafka_connect_timeout_s, before
+        # anything else waits on it (docs/reliability.md).
+        await loop.run_in_executor(None, wait_for_kafka, client, s.kafka_connect_timeout_s)
         if s.cluster_nodes > 1:
             self.cluster = self._open_cluster()
         else:
             self.bucket = Bucket(s.engine_config())
         nparts = s.create_topic_partitions or s.num_vbuckets
-        client = self._client_config()
-        loop = asyncio.get_running_loop()
         partitions = await loop.run_in_executor(
             None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor)
         positions = await loop.run_in_executor(
@@ -96,7 +104,11 @@ class GatewayService:
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, s.http_host, s.http_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise GatewayError(f"cannot listen on {s.http_host}:{s.http_port} (http_port): "
+                               f"{os.strerror(e.errno) if e.errno else e}") from e
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:
             self.http_port = server.sockets[0].getsockname()[1]
