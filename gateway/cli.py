@@ -115,7 +115,11 @@ def _url(url: str | None, data_dir: Path) -> str:
     return str(st.get("http_url") or "http://127.0.0.1:8080")
 
 
-def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
+class _RequestFailed(Exception):
+    """An HTTP request to the gateway failed; the message is one line."""
+
+
+def _request(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
     req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -126,9 +130,24 @@ def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.
             msg = f"{err.get('error')}: {err.get('message')}"
         except ValueError:
             msg = str(e)
-        _fail(f"{method} {url} -> HTTP {e.code}: {msg}")
+        raise _RequestFailed(f"{method} {url} -> HTTP {e.code}: {msg}") from e
     except (urllib.error.URLError, OSError) as e:
-        _fail(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)")
+        raise _RequestFailed(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)") from e
+
+
+def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
+    try:
+        return _request(method, url, body, timeout)
+    except _RequestFailed as e:
+        _fail(str(e))
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt for SIGINT."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
 
 
 def _kafka_client(bootstrap: str) -> dict[str, Any]:
@@ -314,14 +333,30 @@ def load(
     base = _url(url, data_dir)
     pad = "x" * max(0, size - 48)
     written = 0
-    with Progress(transient=not sys.stderr.isatty()) as bar:
-        task = bar.add_task("load", total=docs)
-        for lo in range(start, start + docs, batch):
-            hi = min(lo + batch, start + docs)
-            body = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
-            res = _http("POST", f"{base}/docs/_bulk", json.dumps(body).encode())
-            written += int(res["written"])
-            bar.update(task, advance=hi - lo)
+
+    def stopped(why: str, code: int) -> NoReturn:
+        typer.echo(f"error: {why}: {written} of {docs} documents acknowledged (a batch in flight may or may "
+                   f"not have been written; re-running with --start {start} overwrites)", err=True)
+        raise typer.Exit(code)
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with Progress(transient=not sys.stderr.isatty()) as bar:
+            task = bar.add_task("load", total=docs)
+            for lo in range(start, start + docs, batch):
+                hi = min(lo + batch, start + docs)
+                body = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
+                res = _request("POST", f"{base}/docs/_bulk", json.dumps(body).encode())
+                written += int(res["written"])
+                bar.update(task, advance=hi - lo)
+    except KeyboardInterrupt:
+        stopped("interrupted (SIGINT)", 130)
+    except _Terminated:
+        stopped("terminated (SIGTERM)", 143)
+    except _RequestFailed as e:
+        stopped(str(e), 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     typer.echo(f"wrote {written} documents")
 
 
