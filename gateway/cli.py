@@ -152,14 +152,19 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 def _kafka_client(bootstrap: str) -> dict[str, Any]:
     """A Kafka client configuration for ``bootstrap`` whose librdkafka log lines are rate-limited; exits in
-    one line when Kafka does not answer within 10 s."""
+    one line when Kafka does not answer within ``DCPGW_KAFKA_CONNECT_TIMEOUT_S`` (10 s)."""
     from gateway.client_log import ClientLog, with_client_log
     from gateway.exceptions import BrokerError
     from gateway.resume import wait_for_kafka
 
     conf = {"bootstrap.servers": bootstrap}
+    raw = os.environ.get("DCPGW_KAFKA_CONNECT_TIMEOUT_S", "10")
     try:
-        wait_for_kafka(conf, 10.0, setting=None)
+        timeout = float(raw)
+    except ValueError:
+        _fail(f"DCPGW_KAFKA_CONNECT_TIMEOUT_S={raw!r} is not a number of seconds")
+    try:
+        wait_for_kafka(conf, timeout, setting="DCPGW_KAFKA_CONNECT_TIMEOUT_S")
     except BrokerError as e:
         _fail(str(e))
     return with_client_log(conf, ClientLog())

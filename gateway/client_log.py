@@ -30,8 +30,11 @@ _MAX_KEYS = 1024
 _TIMING = re.compile(r"\s*\((?:after \d+ms in state \w+)?(?:, )?(?:\d+ identical error\(s\) suppressed)?\)")
 
 
+_BROKERS_DOWN = re.compile(r"\d+/\d+ brokers are down")
+
+
 def _normalise(message: str) -> str:
-    return _TIMING.sub("", message).strip()
+    return _BROKERS_DOWN.sub("N/M brokers are down", _TIMING.sub("", message)).strip()
 
 
 class ClientLog:
@@ -67,8 +70,9 @@ class ClientLog:
     def error_cb(self, err: Any) -> None:
         """confluent-kafka ``error_cb``: client-level errors (transport failures, all brokers down)."""
         text = err.str() if hasattr(err, "str") else str(err)
-        with self._lock:
-            self.last_error = _normalise(text)
+        if not _BROKERS_DOWN.search(text):  # keep the error that names an address
+            with self._lock:
+                self.last_error = _TIMING.sub("", text).strip()
         fatal = bool(getattr(err, "fatal", lambda: False)())
         self._emit(logging.ERROR if fatal else logging.WARNING, f"kafka client error: {text}")
 
