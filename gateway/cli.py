@@ -561,6 +561,8 @@ def replicate(
                                          help="Stop once every partition is consumed to its end."),
 ) -> None:
     """Keep the SQLite table `docs` of DB equal to the bucket streamed into TOPIC (rollback-aware)."""
+    import sqlite3
+
     from connectors.exceptions import ConnectorError
     from connectors.replicate import Replicator
 
@@ -580,6 +582,8 @@ def replicate(
                                    "changes": rep.changes, "rollbacks": len(rep.rollbacks)}))
     except ConnectorError as e:
         _fail(str(e))
+    except (sqlite3.Error, OSError) as e:
+        _fail(f"replica database {db}: {e}")
 
 
 # ---------------------------------------------------------------------- tail
