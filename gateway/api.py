@@ -27,6 +27,7 @@ import base64
 import json
 import logging
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -240,8 +241,23 @@ def _cas_header(request: web.Request) -> int:
     return cas
 
 
+_DOCS_PATH = "/docs/"
+
+
 def _key(request: web.Request) -> bytes:
-    key = request.match_info["key"].encode()
+    """The document key of ``/docs/{key}``: the *raw* path segment percent-decoded to bytes, which must be
+    UTF-8 (docs/gateway.md, "Keys"). aiohttp's ``match_info`` cannot be used: it leaves an undecodable
+    sequence such as ``%FF`` as the literal text ``%FF``, which would alias the key ``%FF`` (``/docs/%25FF``)."""
+    raw = request.rel_url.raw_path
+    if raw.startswith(_DOCS_PATH):
+        key = urllib.parse.unquote_to_bytes(raw[len(_DOCS_PATH):])
+    else:
+        key = request.match_info["key"].encode()
+    try:
+        key.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, "invalid_argument", f"key is not UTF-8 after percent-decoding (byte "
+                       f"0x{key[e.start]:02x} at offset {e.start}): keys are UTF-8 strings of 1..250 bytes") from None
     if not key or len(key) > 250:
         raise ApiError(400, "invalid_argument", f"key length {len(key)} out of range 1..250")
     return key

@@ -315,7 +315,8 @@ class EmbeddedTansuBroker(Broker):
         self._cleanup(keep_logs=True)
         raise BrokerStartError(
             f"embedded Tansu broker ({binary}) did not get ready within {self.start_timeout:g}s: {last_error}"
-            f"\n--- {log_path} (tail) ---\n{_tail(log_path)}"
+            f"\n--- {log_path} (tail) ---\n{_tail(log_path)}",
+            log_path=log_path,
         )
 
     def stop(self) -> None:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -67,7 +68,8 @@ def broker(
     try:
         embedded.start()
     except BrokerStartError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        where = f" (broker log: {exc.log_path})" if exc.log_path else ""
+        typer.echo(f"error: {_one_line(exc)}{where}", err=True)
         raise typer.Exit(1) from exc
     # SIGTERM (docker stop, kill) stops the broker in order, like Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -116,7 +118,11 @@ def _url(url: str | None, data_dir: Path) -> str:
     return str(st.get("http_url") or "http://127.0.0.1:8080")
 
 
-def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
+class _RequestFailed(Exception):
+    """An HTTP request to the gateway failed; the message is one line."""
+
+
+def _request(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
     req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -127,9 +133,44 @@ def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.
             msg = f"{err.get('error')}: {err.get('message')}"
         except ValueError:
             msg = str(e)
-        _fail(f"{method} {url} -> HTTP {e.code}: {msg}")
+        raise _RequestFailed(f"{method} {url} -> HTTP {e.code}: {msg}") from e
     except (urllib.error.URLError, OSError) as e:
-        _fail(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)")
+        raise _RequestFailed(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)") from e
+
+
+def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
+    try:
+        return _request(method, url, body, timeout)
+    except _RequestFailed as e:
+        _fail(str(e))
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt for SIGINT."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated
+
+
+def _kafka_client(bootstrap: str) -> dict[str, Any]:
+    """A Kafka client configuration for ``bootstrap`` whose librdkafka log lines are rate-limited; exits in
+    one line when Kafka does not answer within ``DCPGW_KAFKA_CONNECT_TIMEOUT_S`` (10 s)."""
+    from gateway.client_log import ClientLog, with_client_log
+    from gateway.exceptions import BrokerError
+    from gateway.resume import wait_for_kafka
+
+    conf = {"bootstrap.servers": bootstrap}
+    raw = os.environ.get("DCPGW_KAFKA_CONNECT_TIMEOUT_S", "10")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        _fail(f"DCPGW_KAFKA_CONNECT_TIMEOUT_S={raw!r} is not a number of seconds")
+    try:
+        wait_for_kafka(conf, timeout, setting="DCPGW_KAFKA_CONNECT_TIMEOUT_S")
+    except BrokerError as e:
+        _fail(str(e))
+    return with_client_log(conf, ClientLog())
 
 
 def _readiness(base: str) -> dict[str, Any]:
@@ -167,9 +208,10 @@ def up(
 ) -> None:
     """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
     Ctrl-C / SIGTERM."""
+    from engine.exceptions import DcpGatewayError
     from gateway.broker import select_broker
     from gateway.config import load_settings
-    from gateway.exceptions import ConfigError
+    from gateway.exceptions import BrokerError, ConfigError
 
     overrides = {k: v for k, v in {
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
@@ -178,7 +220,10 @@ def up(
     try:
         settings = load_settings(config, **overrides)
     except ConfigError as e:
-        _fail(str(e))
+        _fail(_one_line(e))
+    # Local problems first, in one line each, before a broker is started (docs/reliability.md).
+    _check_data_dir(settings.data_dir)
+    _check_port(settings.http_host, settings.http_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.data_dir import DataDirLock, check_layout
     from engine.exceptions import EngineError
@@ -192,19 +237,62 @@ def up(
     except (EngineError, OSError) as e:
         lock.release()
         _fail(str(e))
+    brk = None
     try:
         brk = select_broker() if settings.kafka.bootstrap_servers is None else None
         if brk is not None:
             brk.start()
-    except BrokerStartError as e:
-        _fail(str(e))
+    except BrokerError as e:
+        where = getattr(e, "log_path", None)
+        _fail(_one_line(e) + (f" (broker log: {where})" if where else ""))
     bootstrap = settings.kafka.bootstrap_servers or (brk.bootstrap_servers if brk else "")
     try:
         asyncio.run(_serve(settings, bootstrap, progress, lock))
+    except (DcpGatewayError, OSError) as e:
+        _fail(_one_line(e))
     finally:
         if brk is not None:
             brk.stop()
         lock.release()
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line (a multi-line message's lines joined with '; ')."""
+    lines = [line.strip() for line in str(e).split("\n--- ", 1)[0].splitlines() if line.strip()]
+    out = ""
+    for line in lines:
+        out += line if not out else (f" {line}" if out.endswith(":") else f"; {line}")
+    return out or type(e).__name__
+
+
+def _check_data_dir(path: Path) -> None:
+    """The data directory exists (created if missing) and a file can be written in it; else a one-line exit."""
+    probe = path / f".dcpgw-write-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        _fail(f"data directory {path} is not writable: {e.strerror or e}"
+              + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""))
+
+
+def _check_port(host: str, port: int) -> None:
+    """The HTTP port can be bound (as aiohttp binds it, SO_REUSEADDR); else a one-line exit. Port 0 always can."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        _fail(f"cannot listen on {host}:{port} (http_host): {e.strerror or e}")
+    for family, kind, proto, _canon, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                why = os.strerror(e.errno) if e.errno else str(e)
+                _fail(f"cannot listen on {host}:{port} (http_port): {why}")
 
 
 async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLock | None = None) -> None:
@@ -215,9 +303,15 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, svc.request_stop)
-    await svc.start()
+    try:
+        await svc.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await svc.stop()  # close what start() opened (engine files, Kafka clients)
+        raise
     http_url = f"http://{settings.http_host}:{svc.http_port}"
-    state = {"bootstrap_servers": bootstrap, "http_url": http_url, "topic": svc.topic, "pid": os.getpid()}
+    state = {"bootstrap_servers": bootstrap, "http_url": http_url, "topic": svc.topic, "pid": os.getpid(),
+             "num_vbuckets": settings.num_vbuckets}
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(settings.data_dir / STATE_FILE, json.dumps(state).encode())
     typer.echo(f"dcpgw up: topic {svc.topic} on {bootstrap}; HTTP API {http_url}", err=True)
@@ -281,14 +375,30 @@ def load(
     base = _url(url, data_dir)
     pad = "x" * max(0, size - 48)
     written = 0
-    with Progress(transient=not sys.stderr.isatty()) as bar:
-        task = bar.add_task("load", total=docs)
-        for lo in range(start, start + docs, batch):
-            hi = min(lo + batch, start + docs)
-            body = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
-            res = _http("POST", f"{base}/docs/_bulk", json.dumps(body).encode())
-            written += int(res["written"])
-            bar.update(task, advance=hi - lo)
+
+    def stopped(why: str, code: int) -> NoReturn:
+        typer.echo(f"error: {why}: {written} of {docs} documents acknowledged (a batch in flight may or may "
+                   f"not have been written; re-running with --start {start} overwrites)", err=True)
+        raise typer.Exit(code)
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with Progress(transient=not sys.stderr.isatty()) as bar:
+            task = bar.add_task("load", total=docs)
+            for lo in range(start, start + docs, batch):
+                hi = min(lo + batch, start + docs)
+                body = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
+                res = _request("POST", f"{base}/docs/_bulk", json.dumps(body).encode())
+                written += int(res["written"])
+                bar.update(task, advance=hi - lo)
+    except KeyboardInterrupt:
+        stopped("interrupted (SIGINT)", 130)
+    except _Terminated:
+        stopped("terminated (SIGTERM)", 143)
+    except _RequestFailed as e:
+        stopped(str(e), 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     typer.echo(f"wrote {written} documents")
 
 
@@ -492,6 +602,8 @@ def replicate(
                                          help="Stop once every partition is consumed to its end."),
 ) -> None:
     """Keep the SQLite table `docs` of DB equal to the bucket streamed into TOPIC (rollback-aware)."""
+    import sqlite3
+
     from connectors.exceptions import ConnectorError
     from connectors.replicate import Replicator
 
@@ -500,9 +612,10 @@ def replicate(
     topic = topic or st.get("topic")
     if not bootstrap or not topic:
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
+    kafka = _kafka_client(bootstrap)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        with Replicator(bootstrap, topic, db, group_id=group_id) as rep:
+        with Replicator(kafka, topic, db, group_id=group_id) as rep:
             with contextlib.suppress(KeyboardInterrupt):
                 rep.run(until_caught_up=until_caught_up)
             n = rep.conn.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
@@ -511,12 +624,14 @@ def replicate(
                                    "oversize": len(rep.oversize)}))
     except ConnectorError as e:
         _fail(str(e))
+    except (sqlite3.Error, OSError) as e:
+        _fail(f"replica database {db}: {e}")
 
 
 # ---------------------------------------------------------------------- tail
 @app.command()
 def tail(
-    vbucket: int = typer.Argument(..., min=0, help="The vbucket whose records to print."),
+    vbucket: int = typer.Argument(..., help="The vbucket whose records to print."),
     topic: str | None = typer.Option(None, help="Topic (default: the running gateway's)."),
     bootstrap: str | None = typer.Option(None, envvar="KAFKA_BOOTSTRAP_SERVERS",
                                          help="Kafka bootstrap servers (default: the running gateway's)."),
@@ -525,7 +640,7 @@ def tail(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new records."),
 ) -> None:
     """Print the decoded records of VBUCKET's partition, from the beginning."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
     from gateway.exceptions import RecordFormatError
     from gateway.records import decode, partition_for
@@ -535,13 +650,24 @@ def tail(
     topic = topic or st.get("topic")
     if not bootstrap or not topic:
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dcpgw-tail-{os.getpid()}",
+    if vbucket < 0:
+        _fail(f"vbucket {vbucket} is negative")
+    c = Consumer({**_kafka_client(bootstrap), "group.id": f"dcpgw-tail-{os.getpid()}",
                   "enable.auto.commit": False, "enable.partition.eof": True})
     try:
-        md = c.list_topics(topic, timeout=10)
+        try:
+            md = c.list_topics(topic, timeout=10)
+        except KafkaException as e:
+            _fail(f"cannot read topic {topic!r} on {bootstrap}: {e.args[0].str() if e.args else e}")
         t = md.topics.get(topic)
         if t is None or t.error is not None or not t.partitions:
             _fail(f"topic {topic!r} not found on {bootstrap}")
+        # The bucket's vbucket count when this is the running gateway's topic, else the partition count
+        # (a vbucket v is in partition v mod partitions; records name their vbucket).
+        nvb = int(st["num_vbuckets"]) if topic == st.get("topic") and "num_vbuckets" in st else len(t.partitions)
+        if vbucket >= nvb:
+            what = "vbuckets" if nvb != len(t.partitions) or "num_vbuckets" in st else "partitions"
+            _fail(f"vbucket {vbucket} does not exist: topic {topic!r} has {nvb} {what} (0..{nvb - 1})")
         part = partition_for(vbucket, len(t.partitions))
         c.assign([TopicPartition(topic, part, 0)])
         n = 0

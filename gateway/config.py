@@ -509,6 +509,8 @@ class GatewaySettings(BaseSettings):
     http_port: int = Field(default=8080, ge=0, le=65535)
     # Kafka
     kafka: KafkaConnection = Field(default_factory=_default_kafka)
+    #: `dcpgw up` fails (one line naming the address) when Kafka answers no metadata request within this
+    kafka_connect_timeout_s: PositiveSeconds = 10.0
 
     def __init__(self, *args: Any, **values: Any) -> None:
         path = _config_file_path()

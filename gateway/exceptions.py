@@ -33,6 +33,11 @@ class BrokerError(GatewayError):
 class BrokerStartError(BrokerError):
     """A broker this process manages (embedded Tansu, testcontainers Kafka) did not start or get ready."""
 
+    def __init__(self, message: str, log_path: object = None) -> None:
+        super().__init__(message)
+        #: the broker's log file, when there is one (its tail is also in the message)
+        self.log_path = log_path
+
 
 class RecordFormatError(GatewayError):
     """A Kafka record does not follow the record format (docs/record-format.md): a missing or non-decimal

@@ -18,6 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
+from gateway.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
 from gateway.position import PublishPosition
 from gateway.records import decode, partition_for
@@ -28,6 +29,32 @@ log = logging.getLogger(__name__)
 def checkpoint_topic_name(topic: str) -> str:
     """The compacted topic holding acknowledged positions of ``topic`` (internal; key = vbucket)."""
     return f"_dcpgw-checkpoints.{topic}"
+
+
+def wait_for_kafka(client_config: dict[str, Any], timeout: float, *,
+                   setting: str | None = "kafka_connect_timeout_s") -> None:
+    """Return once the cluster in ``client_config`` answers a metadata request; :class:`BrokerError` naming
+    the bootstrap address and librdkafka's last connection error when it does not within ``timeout`` seconds
+    (setting ``kafka_connect_timeout_s``). Its own log lines are only collected, not logged: the error says it.
+    """
+    servers = client_config.get("bootstrap.servers", "?")
+    probe_log = ClientLog(quiet=True)
+    conf = {k: v for k, v in client_config.items() if k not in ("logger", "error_cb")}
+    admin = AdminClient(with_client_log(conf, probe_log))
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            admin.list_topics(timeout=max(0.05, min(1.0, remaining)))
+            return
+        except KafkaException as e:
+            last = str(e.args[0].str() if e.args and hasattr(e.args[0], "str") else e)
+        admin.poll(0)  # serves the error callbacks: the per-broker connection errors
+        if time.monotonic() >= deadline:
+            why = probe_log.last_error or last
+            within = f"{timeout:g}s" + (f" ({setting})" if setting else "")
+            raise BrokerError(f"Kafka at {servers} is unreachable: no answer within {within}; last error: {why}")
 
 
 def ensure_topics(

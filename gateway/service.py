@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import time
 from typing import Any
 
@@ -23,13 +24,20 @@ from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster import Cluster, FailoverReport
 from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
+from gateway.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
-from gateway.exceptions import Backpressure
+from gateway.exceptions import Backpressure, GatewayError
 from gateway.health import Readiness, UnackedWrites
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
 from gateway.records import RecordEncoder, ValueFormat, topic_name
-from gateway.resume import CheckpointWriter, ensure_topics, recover_positions, topic_record_limit
+from gateway.resume import (
+    CheckpointWriter,
+    ensure_topics,
+    recover_positions,
+    topic_record_limit,
+    wait_for_kafka,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +80,24 @@ class GatewayService:
         #: write backpressure and readiness (docs/reliability.md "Stalled broker and health")
         self.unacked = UnackedWrites(settings.max_unacked_bytes)
         self.readiness = Readiness(settings.health_delivery_stall_s, settings.health_vbucket_stall_s)
+        #: librdkafka's log lines and errors of every client of this process, rate-limited
+        self.client_log = ClientLog()
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
         conf = dict(self.settings.admin_config())
         conf["bootstrap.servers"] = self.bootstrap_servers
-        return conf
+        return with_client_log(conf, self.client_log)
 
     def _producer_config(self) -> dict[str, Any]:
         conf = dict(self.settings.producer_config())
         conf["bootstrap.servers"] = self.bootstrap_servers
-        return conf
+        return with_client_log(conf, self.client_log)
+
+    def _on_kafka_error(self, err: Any) -> None:
+        """The publisher's producer's ``error_cb``: logged (rate-limited) and seen by readiness."""
+        self.client_log.error_cb(err)
+        self.readiness.on_kafka_error(err)
 
     # ------------------------------------------------------------------ lifecycle
     def open_data_dir(self) -> Layout:
@@ -101,13 +116,16 @@ class GatewayService:
         except BaseException:
             self._release_data_dir()
             raise
+        client = self._client_config()
+        loop = asyncio.get_running_loop()
+        # Unreachable Kafka: one BrokerError naming the address within kafka_connect_timeout_s, before
+        # anything else waits on it (docs/reliability.md).
+        await loop.run_in_executor(None, wait_for_kafka, client, s.kafka_connect_timeout_s)
         if s.cluster_nodes > 1:
             self.cluster = self._open_cluster()
         else:
             self.bucket = Bucket(s.engine_config())
         nparts = s.create_topic_partitions or s.num_vbuckets
-        client = self._client_config()
-        loop = asyncio.get_running_loop()
         needed = s.max_record_bytes()
         partitions = await loop.run_in_executor(
             None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor, 30.0, needed)
@@ -120,7 +138,7 @@ class GatewayService:
         origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
         assert origin is not None
         self.publisher = Publisher(
-            origin, {**self._producer_config(), "error_cb": self.readiness.on_kafka_error}, self.topic, partitions,
+            origin, {**self._producer_config(), "error_cb": self._on_kafka_error}, self.topic, partitions,
             RecordEncoder(ValueFormat(s.value_format)), positions,
             stream_from=s.stream_from,
             key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
@@ -138,7 +156,11 @@ class GatewayService:
         self.runner = JsonAppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, s.http_host, s.http_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise GatewayError(f"cannot listen on {s.http_host}:{s.http_port} (http_port): "
+                               f"{os.strerror(e.errno) if e.errno else e}") from e
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:
             self.http_port = server.sockets[0].getsockname()[1]
