@@ -51,6 +51,8 @@ class GatewayService:
         self._wake = asyncio.Event()
         self.started_at = 0.0
         self.recovered_records = 0
+        #: the error of the last publishing round while rounds fail (e.g. storage full), else None
+        self.pump_error: str | None = None
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
@@ -175,12 +177,28 @@ class GatewayService:
         # publishing waits for); without it the flush task does it every flush_interval_s.
         flush = self.settings.rollback_mitigation
         idle = 0
+        failures = 0
         while not self._stopping.is_set():
-            n = pub.pump()
-            if cluster is not None:
-                n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
-                if cluster.rebalance_running is not None:
-                    n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
+            try:
+                n = pub.pump()
+                if cluster is not None:
+                    n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
+                    if cluster.rebalance_running is not None:
+                        n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
+            except Exception as e:
+                # A failed round -- a full disk failing the flush (the engine keeps the items queued and
+                # restores its cursors) -- is retried with a backoff; it never ends the loop that publishes
+                # (docs/reliability.md "Fault campaign"). Logged once per failure spell.
+                if self.pump_error is None:
+                    log.error("publishing round failed (retrying until it succeeds): %s: %s", type(e).__name__, e)
+                self.pump_error = f"{type(e).__name__}: {e}"
+                failures += 1
+                await asyncio.sleep(min(1.0, 0.01 * 2 ** min(failures, 7)))
+                continue
+            if self.pump_error is not None:
+                log.warning("publishing round succeeded again after %d failed rounds", failures)
+                self.pump_error = None
+                failures = 0
             if n:
                 idle = 0
                 await asyncio.sleep(0)
