@@ -396,7 +396,8 @@ def load(
     except _Terminated:
         stopped("terminated (SIGTERM)", 143)
     except _RequestFailed as e:
-        stopped(str(e), 1)
+        # nothing acknowledged: the gateway could not be used at all (exit 2, as for every start-up error)
+        stopped(str(e), 1 if written else 2)
     finally:
         signal.signal(signal.SIGTERM, previous)
     typer.echo(f"wrote {written} documents")
