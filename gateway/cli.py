@@ -710,5 +710,39 @@ def _describe(offset: int, r: Any) -> str:
     return head
 
 
+# ---------------------------------------------------------------------- entry point
+def main(args: list[str] | None = None) -> NoReturn:
+    """The ``dcpgw`` console script (pyproject.toml): ``app`` with command-line usage errors (a bad option
+    value, an unknown option or command, a missing argument) as **one** ``error:`` line on stderr and exit
+    status 2 instead of click's / rich's multi-line box (docs/reliability.md "Start-up failures and
+    command-line errors"). ``dcpgw`` without arguments and ``--help`` still print the help."""
+    try:  # typer >= 0.2x carries its own copy of click
+        from typer._click import exceptions as click_errors
+    except ImportError:  # pragma: no cover - older typer on click
+        from click import exceptions as click_errors  # type: ignore[no-redef]
+
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=args, prog_name="dcpgw", standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:
+        text = e.format_message()  # rich printed the help already (text is then empty)
+        if text.strip():
+            typer.echo(text)
+        sys.exit(e.exit_code)
+    except click_errors.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "dcpgw"
+        message = " ".join(e.format_message().split())
+        typer.echo(f"error: {where}: {message} (see `{where} --help`)", err=True)
+        sys.exit(2)
+    except click_errors.ClickException as e:
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        sys.exit(1)
+    # standalone_mode=False: typer.Exit(code) comes back as its code, a command's normal end as None
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
 if __name__ == "__main__":
-    app()
+    main()
