@@ -5,6 +5,8 @@ as ``python -m gateway.cli`` and through the console script's entry point named 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -12,6 +14,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gateway.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 _ENV = {k: v for k, v in os.environ.items()
@@ -85,3 +91,42 @@ def test_command_errors_keep_their_exit_status(tmp_path: Path) -> None:
     res = run(MODULE, "status", "--url", "http://127.0.0.1:1")
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "cannot reach the gateway" in lines[0], res
+
+
+# ------------------------------------------------------------------ property, in process (fast)
+_bad_count = st.one_of(st.integers(max_value=0).map(str),
+                       st.text(alphabet="abcxyz.-+ é", min_size=1, max_size=8).filter(
+                           lambda t: not t.strip().lstrip("+").isdigit()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(command=st.sampled_from([["load", "--docs"], ["load", "--batch"], ["load", "--size"], ["status", "--top"],
+                                ["up", "--nodes"], ["load", "--max-wait"]]),
+       value=_bad_count)
+def test_any_bad_option_value_is_one_line(command: list[str], value: str) -> None:
+    if command[-1] == "--top" and value.lstrip("-").isdigit():
+        value = "-1" if value == "0" else value  # --top 0 is valid
+    if command[-1] == "--max-wait" and value.lstrip("-").isdigit():
+        value = "-1" if value == "0" else value  # --max-wait 0 is valid
+    if command[-1] == "--size" and value.lstrip("-").isdigit():
+        value = str(min(int(value), 15))  # below the 16-byte minimum
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+            pytest.raises(SystemExit) as ex:
+        main([*command, value])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert ex.value.code == 2, err.getvalue()
+    assert len(lines) == 1 and lines[0].startswith("error: dcpgw "), err.getvalue()
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12))
+def test_any_unknown_option_is_one_line(name: str) -> None:
+    known = {"docs", "size", "batch", "prefix", "start", "url", "data-dir", "max-wait", "help"}
+    assume(name not in known and not name.startswith("-"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+            pytest.raises(SystemExit) as ex:
+        main(["load", f"--{name}"])
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    assert ex.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: dcpgw load: "), err.getvalue()
