@@ -122,6 +122,32 @@ class _RequestFailed(Exception):
     """An HTTP request to the gateway failed; the message is one line."""
 
 
+class _RetryLater(_RequestFailed):
+    """The gateway answered 503 with ``Retry-After`` (write backpressure): nothing of the request was written;
+    the same request may be sent again after :attr:`retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    import email.utils
+
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
 def _request(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
     req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
     try:
@@ -133,6 +159,9 @@ def _request(method: str, url: str, body: bytes | None = None, timeout: float = 
             msg = f"{err.get('error')}: {err.get('message')}"
         except ValueError:
             msg = str(e)
+        wait = _retry_after(e.headers.get("Retry-After")) if e.code == 503 and e.headers else None
+        if wait is not None:
+            raise _RetryLater(f"{method} {url} -> HTTP {e.code}: {msg}", wait) from e
         raise _RequestFailed(f"{method} {url} -> HTTP {e.code}: {msg}") from e
     except (urllib.error.URLError, OSError) as e:
         raise _RequestFailed(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)") from e
@@ -368,8 +397,14 @@ def load(
     start: int = typer.Option(0, min=0, help="First document number (re-running overwrites)."),
     url: str | None = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`)."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    max_wait: float = typer.Option(300.0, "--max-wait", min=0.0,
+                                   help="Seconds one batch may keep being refused with 503 backpressure "
+                                        "(retried after each Retry-After) before load gives up."),
 ) -> None:
-    """Write DOCS JSON documents through the HTTP API, with a progress bar."""
+    """Write DOCS JSON documents through the HTTP API, with a progress bar.
+
+    A batch the gateway refuses with 503 and Retry-After (write backpressure: Kafka is behind) is sent again
+    after the delay, until --max-wait seconds have passed for that batch."""
     from rich.progress import Progress
 
     base = _url(url, data_dir)
@@ -387,10 +422,11 @@ def load(
             task = bar.add_task("load", total=docs)
             for lo in range(start, start + docs, batch):
                 hi = min(lo + batch, start + docs)
-                body = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
-                res = _request("POST", f"{base}/docs/_bulk", json.dumps(body).encode())
+                body = json.dumps([{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}}
+                                   for i in range(lo, hi)]).encode()
+                res = _post_with_backpressure(f"{base}/docs/_bulk", body, max_wait, bar, task)
                 written += int(res["written"])
-                bar.update(task, advance=hi - lo)
+                bar.update(task, advance=hi - lo, description="load")
     except KeyboardInterrupt:
         stopped("interrupted (SIGINT)", 130)
     except _Terminated:
@@ -401,6 +437,27 @@ def load(
     finally:
         signal.signal(signal.SIGTERM, previous)
     typer.echo(f"wrote {written} documents")
+
+
+def _post_with_backpressure(url: str, body: bytes, max_wait: float, bar: Any, task: Any) -> Any:
+    """POST ``body``; while the gateway answers 503 with ``Retry-After`` (nothing written), send it again
+    after the delay. :class:`_RequestFailed` (one line) once ``max_wait`` seconds have passed since the
+    first refusal, or on any other failure."""
+    first: float | None = None
+    while True:
+        try:
+            return _request("POST", url, body)
+        except _RetryLater as e:
+            now = time.monotonic()
+            if first is None:
+                first = now
+            left = first + max_wait - now
+            if left <= 0:
+                raise _RequestFailed(f"gave up after {max_wait:g}s of 503 backpressure answers "
+                                     f"(--max-wait); last: {e}") from e
+            delay = min(max(e.retry_after, 0.05), left)
+            bar.update(task, description=f"load (backpressure: retrying in {delay:g}s)")
+            time.sleep(delay)
 
 
 # ---------------------------------------------------------------------- status
@@ -711,5 +768,39 @@ def _describe(offset: int, r: Any) -> str:
     return head
 
 
+# ---------------------------------------------------------------------- entry point
+def main(args: list[str] | None = None) -> NoReturn:
+    """The ``dcpgw`` console script (pyproject.toml): ``app`` with command-line usage errors (a bad option
+    value, an unknown option or command, a missing argument) as **one** ``error:`` line on stderr and exit
+    status 2 instead of click's / rich's multi-line box (docs/reliability.md "Start-up failures and
+    command-line errors"). ``dcpgw`` without arguments and ``--help`` still print the help."""
+    try:  # typer >= 0.2x carries its own copy of click
+        from typer._click import exceptions as click_errors
+    except ImportError:  # pragma: no cover - older typer on click
+        from click import exceptions as click_errors  # type: ignore[no-redef]
+
+    command = typer.main.get_command(app)
+    try:
+        rv = command.main(args=args, prog_name="dcpgw", standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:
+        text = e.format_message()  # rich printed the help already (text is then empty)
+        if text.strip():
+            typer.echo(text)
+        sys.exit(e.exit_code)
+    except click_errors.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "dcpgw"
+        message = " ".join(e.format_message().split())
+        typer.echo(f"error: {where}: {message} (see `{where} --help`)", err=True)
+        sys.exit(2)
+    except click_errors.ClickException as e:
+        typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("error: aborted", err=True)
+        sys.exit(1)
+    # standalone_mode=False: typer.Exit(code) comes back as its code, a command's normal end as None
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -51,7 +51,7 @@ class ClientLog:
         #: collect only (errors kept for :attr:`last_error`, nothing logged): a connection probe
         self.quiet = quiet
         self._lock = threading.Lock()
-        #: normalised message -> [window start, repeats in this window]
+        #: normalised message -> [window start, repeats in this window, level of the last repeat]
         self._seen: dict[str, list[float]] = {}
         #: the newest client error (librdkafka's text, timing details removed); None before any
         self.last_error: str | None = None
@@ -84,10 +84,11 @@ class ClientLog:
             if entry is None:
                 if len(self._seen) >= _MAX_KEYS:
                     self._seen.pop(next(iter(self._seen)))
-                self._seen[key] = [now, 0]
+                self._seen[key] = [now, 0, level]
                 line = message
             else:
                 entry[1] += 1
+                entry[2] = level
                 if now - entry[0] < self.interval_s:
                     self.suppressed += 1
                     return
@@ -96,6 +97,33 @@ class ClientLog:
             self.emitted += 1
         if not self.quiet:
             self.logger.log(level, "%s", line)
+
+
+    def flush_due(self) -> int:
+        """Log the count of every message whose window has ended with repeats not yet logged (call it
+        periodically: without it a count is only logged when the message occurs again after the window).
+        Returns the lines logged."""
+        return self._flush(due_only=True)
+
+    def flush(self) -> int:
+        """Log every pending repeat count now, whatever its window (when the client or service stops)."""
+        return self._flush(due_only=False)
+
+    def _flush(self, *, due_only: bool) -> int:
+        now = self._clock()
+        lines: list[tuple[int, str]] = []
+        with self._lock:
+            for key, entry in self._seen.items():
+                if entry[1] <= 0 or (due_only and now - entry[0] < self.interval_s):
+                    continue
+                lines.append((int(entry[2]), f"{key} (repeated {int(entry[1])} times in the last "
+                                             f"{max(0.0, now - entry[0]):.0f}s)"))
+                entry[0], entry[1] = now, 0
+            self.emitted += len(lines)
+        if not self.quiet:
+            for level, line in lines:
+                self.logger.log(level, "%s", line)
+        return len(lines)
 
 
 def with_client_log(config: Mapping[str, Any], client_log: ClientLog) -> dict[str, Any]:

@@ -337,6 +337,8 @@ class GatewayService:
                 return
             self.readiness.observe(pub)
             self.unacked.release(pub)
+            # librdkafka's repeat counts whose window ended (else logged only when the message recurs)
+            self.client_log.flush_due()
             if self.readiness.broker_error is not None:
                 kafka = pub.kafka
                 try:
@@ -425,6 +427,7 @@ class GatewayService:
         # Drop the Kafka clients now (librdkafka handles are destroyed with their last reference).
         self.publisher = None
         self.checkpoints = None
+        self.client_log.flush()  # the last repeat counts of librdkafka's messages
         self._release_data_dir()
 
     def _release_data_dir(self) -> None:
