@@ -61,8 +61,11 @@ class Cluster(ClusterManager):
     """The cluster manager (ns_server's role) over in-process nodes; the failover, observe and
     partition-state rules are :class:`engine.manager.ClusterManager`'s."""
 
-    def __init__(self, base_dir: Path, nodes: dict[str, Node], vbmap: VBucketMap) -> None:
-        super().__init__(vbmap)
+    def __init__(
+        self, base_dir: Path, nodes: dict[str, Node], vbmap: VBucketMap, *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(vbmap, monotonic=monotonic)
         self.base_dir = base_dir
         self.nodes = nodes
         self._conns: dict[tuple[str, str], DcpConsumer] = {}

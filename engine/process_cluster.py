@@ -147,8 +147,11 @@ class NodeProcess:
 class ProcessCluster(ClusterManager):
     """The cluster manager over node processes."""
 
-    def __init__(self, base_dir: Path, nodes: dict[str, NodeProcess], vbmap: VBucketMap) -> None:
-        super().__init__(vbmap)
+    def __init__(
+        self, base_dir: Path, nodes: dict[str, NodeProcess], vbmap: VBucketMap, *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(vbmap, monotonic=monotonic)
         self.base_dir = base_dir
         self.nodes = nodes
         #: nodes whose replication was paused by the test (their replica streams are not requested)
