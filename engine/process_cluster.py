@@ -391,12 +391,12 @@ class ProcessCluster(ClusterManager):
     def settle(self, timeout: float = 30.0) -> None:
         """Wait until every live replica holds its live active's high seqno in a complete snapshot and both
         persisted it (TemporaryFailure after ``timeout``)."""
-        deadline = time.monotonic() + timeout
+        deadline = self.monotonic_time() + timeout
         while True:
             if all(self._caught_up(vb) for vb in range(self._map.num_vbuckets)
                    if self._map.active(vb) is not None and self._is_up(self._map.active(vb) or "")):
                 return
-            if time.monotonic() > deadline:
+            if self.monotonic_time() > deadline:
                 raise TemporaryFailure("replication did not settle")
             time.sleep(0.02)
 
