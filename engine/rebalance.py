@@ -3,6 +3,11 @@ and EBucketMigrator; kv_engine takeover streams in engine/takeover.py).
 
 Pieces, named for the seed's nouns:
 
+* :class:`RebalanceCluster` -- everything the mover uses of the cluster manager (a Protocol that
+  :class:`~engine.manager.ClusterManager` implements with public methods; docs/rebalance.md "The cluster
+  interface").
+* :func:`plan_rebalance` -- the planner, pure: the current map and the node changes give a
+  :class:`RebalancePlan` (node set, target chains, the moves); no cluster, clock or RNG.
 * :func:`plan_chains` -- the new map over the new node set, moving as few copies as possible (ns_server's
   ``mb_map``: keep what can stay, balance actives and replicas to within one vbucket per node).
 * :class:`MigratorConnection` -- one **named connection** between the mover and both sides (seed 003 "Initial
@@ -21,7 +26,7 @@ Pieces, named for the seed's nouns:
   mismatch both are put back to their original states (old active, new replica) and the takeover is retried.
   No failover entry is created (kv_engine ``transfer``). Then the map gets the new chain (revision + 1), the old
   copies become dead and the new replicas replicate from the new active like any other.
-* :class:`Rebalance` -- the whole rebalance, driven step-wise by :meth:`Rebalance.step` (a few moves at a time
+* :class:`Rebalance` -- the mover: carries a plan out, driven step-wise by :meth:`Rebalance.step` (a few moves at a time
   while writes continue); :class:`RebalanceProgress` reports vbuckets moved / total and items left.
   :class:`ProcessRebalance` runs the same phases over node processes, where each node's replication link is
   the consumer side (DCP_ADD_STREAM with TAKEOVER, acks as DCP responses, ``stats dcp-vbtakeover``).
