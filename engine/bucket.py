@@ -42,11 +42,11 @@ from engine.vbucket import (
     VBucket,
     VBucketInfo,
     VBucketState,
+    hlc_source,
     vbucket_of,
 )
 
 CLEAN_SHUTDOWN = "clean_shutdown"
-_STATE_CAS_RNG = random.SystemRandom()
 _SET = StoreMode.SET
 
 #: cyclic-GC thresholds for a process that holds millions of long-lived, acyclic items (see tune_gc)
@@ -93,9 +93,18 @@ def _value(value: bytes | str) -> bytes:
 class Bucket:
     """An embedded DCP engine bucket backed by SQLite."""
 
-    def __init__(self, config: BucketConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, config: BucketConfig, *, clock: Callable[[], float] = time.time,
+        hlc_clock: Callable[[], int] | None = None, state_cas_rng: random.Random | None = None,
+    ) -> None:
+        # The edge where the real clocks and RNGs are chosen (docs/engine.md "Clocks and randomness"):
+        # ``clock`` (seconds) drives expiry, durability timeouts and -- through ``hlc_clock`` (ns, default
+        # derived from ``clock``) -- the CAS values; ``config.seed`` seeds the vbuuids; ``state_cas_rng`` draws
+        # the partition-state CASes (system randomness by default, see _new_state_cas).
         self.config = config
         self.clock = clock
+        self.hlc_clock = hlc_clock if hlc_clock is not None else hlc_source(clock)
+        self._state_cas_rng = state_cas_rng if state_cas_rng is not None else random.SystemRandom()
         self.closed = False
         self._rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self.counter = MemoryCounter()
@@ -124,17 +133,16 @@ class Bucket:
     def _new_vbucket(self, vbid: int, state: VBucketState, failover: FailoverLog, high: int) -> VBucket:
         c = self.config
         return VBucket(
-            vbid, state, failover, self.counter, self.clock, high_seqno=high,
+            vbid, state, failover, self.counter, self.clock, hlc_clock=self.hlc_clock, high_seqno=high,
             max_value_size=c.max_value_size, checkpoint_max_items=c.checkpoint_max_items,
             checkpoint_max_bytes=c.checkpoint_max_bytes, on_dirty=self._dirty.add,
         )
 
     def _failover_log(self, pairs: list[tuple[int, int]] | None = None) -> FailoverLog:
         m = self.config.failover_log_max_entries
-        rng = self._rng if isinstance(self._rng, random.Random) else None
         if pairs is None:
-            return FailoverLog.new(max_entries=m, rng=rng)
-        return FailoverLog.from_pairs(pairs, max_entries=m, rng=rng)
+            return FailoverLog.new(max_entries=m, rng=self._rng)
+        return FailoverLog.from_pairs(pairs, max_entries=m, rng=self._rng)
 
     def _warmup(self) -> None:
         records = self.storage.load_states()
@@ -184,7 +192,7 @@ class Bucket:
     def _new_state_cas(self) -> int:
         # System randomness even for seeded buckets: a restarted node must not hand out the CAS values of its
         # previous run (and the vbuuid sequence of a seeded bucket stays what it was).
-        return _STATE_CAS_RNG.getrandbits(48) or 1
+        return self._state_cas_rng.getrandbits(48) or 1
 
     def _record(self, vb: VBucket) -> VBucketRecord:
         return VBucketRecord(
@@ -628,7 +636,7 @@ class Bucket:
     # ------------------------------------------------------------------ replica side (engine/replication.py)
     def _replica(self, vbucket: int) -> VBucket:
         vb = self.vbucket(vbucket)
-        vb._check_replica()
+        vb.check_replica()
         return vb
 
     def replica_position(self, vbucket: int) -> tuple[int, int, int]:

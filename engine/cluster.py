@@ -61,8 +61,11 @@ class Cluster(ClusterManager):
     """The cluster manager (ns_server's role) over in-process nodes; the failover, observe and
     partition-state rules are :class:`engine.manager.ClusterManager`'s."""
 
-    def __init__(self, base_dir: Path, nodes: dict[str, Node], vbmap: VBucketMap) -> None:
-        super().__init__(vbmap)
+    def __init__(
+        self, base_dir: Path, nodes: dict[str, Node], vbmap: VBucketMap, *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(vbmap, monotonic=monotonic)
         self.base_dir = base_dir
         self.nodes = nodes
         self._conns: dict[tuple[str, str], DcpConsumer] = {}
@@ -75,10 +78,13 @@ class Cluster(ClusterManager):
     @classmethod
     def create(
         cls, base_dir: Path | str, nodes: int = 3, replicas: int = 1, num_vbuckets: int = 64, *,
-        seed: int | None = 0, clock: Callable[[], float] | None = None, **bucket_overrides: Any,
+        seed: int | None = 0, clock: Callable[[], float] | None = None,
+        monotonic: Callable[[], float] | None = None, **bucket_overrides: Any,
     ) -> Cluster:
         """Create ``nodes`` nodes under ``base_dir`` (one data directory each), a balanced map with
-        ``replicas`` replicas (0..3) and every node's vbucket states set from it."""
+        ``replicas`` replicas (0..3) and every node's vbucket states set from it. ``seed`` seeds every node's
+        vbuuids, ``clock`` (seconds, default the wall clock) drives the nodes' CAS values, expiry and
+        durability timeouts, ``monotonic`` the manager's timeouts (docs/engine.md "Clocks and randomness")."""
         base = Path(base_dir)
         if type(nodes) is not int or nodes < 1:
             raise InvalidArgument(f"nodes must be >= 1, got {nodes!r}")
@@ -90,7 +96,7 @@ class Cluster(ClusterManager):
             opts.update(bucket_overrides)
             cfg = BucketConfig(data_dir=base / name, num_vbuckets=num_vbuckets, **opts)
             members[name] = Node(name, cfg, Bucket(cfg, clock=clock or time.time))
-        cluster = cls(base, members, vbmap)
+        cluster = cls(base, members, vbmap, monotonic=monotonic or time.monotonic)
         cluster.clock = clock or time.time
         for name in names:
             cluster._apply_states(name)

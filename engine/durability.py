@@ -320,7 +320,7 @@ class ActiveDurabilityMonitor:
         now = vb.clock()
         item = Item(p.key, None, vb.id, vb.high_seqno + 1, p.rev_seqno, p.cas, 0, int(now), Datatype.RAW,
                     Op.ABORT, 0, 0, p.seqno)
-        vb._enqueue(item)
+        vb.enqueue(item)
         self.aborts += 1
         sw = self.waiters.pop(p.seqno, None)
         if sw is not None:
@@ -367,7 +367,7 @@ class ActiveDurabilityMonitor:
         from engine.vbucket import U32, StoreMode, absolute_expiry
 
         vb = self.vb
-        vb._check_active()
+        vb.check_active()
         if level is Level.NONE:
             raise InvalidArgument("a sync write needs a durability level above none")
         if key in vb.prepares:
@@ -410,10 +410,10 @@ class ActiveDurabilityMonitor:
             dt = detect_datatype(value) if datatype is None else datatype
         rev = old.rev_seqno + 1 if old is not None else vb.max_deleted_rev + 1
         seqno = vb.high_seqno + 1
-        item = Item(key, value, vb.id, seqno, rev, vb._next_cas(), flags, exp, dt, op, 0, int(level))
+        item = Item(key, value, vb.id, seqno, rev, vb.next_cas(), flags, exp, dt, op, 0, int(level))
         vb.prepares[key] = item
         vb.sync_seen = True
-        vb._enqueue(item)
+        vb.enqueue(item)
         deadline = None if timeout_ms is None else now + timeout_ms / 1000.0
         sw = SyncWrite(key, vb.id, vb.failover.latest.vbuuid, seqno, level, deadline)
         self.waiters[seqno] = sw
@@ -452,7 +452,7 @@ def commit_prepare(vb: VBucket, p: Item, seqno: int) -> MutationResult:
         vb.expiring.discard(item.key)
         if item.rev_seqno > vb.max_deleted_rev:
             vb.max_deleted_rev = item.rev_seqno
-    vb._queue(item)
+    vb.queue_item(item)
     return MutationResult(vb.id, vb.failover.latest.vbuuid, seqno, p.cas)
 
 
@@ -475,7 +475,7 @@ def passive_apply(vb: VBucket, item: Item, end: int) -> Item:
     if it.cas > vb.max_cas:
         vb.max_cas = it.cas
     vb.sync_seen = True
-    vb._enqueue(it)
+    vb.enqueue(it)
     if it.seqno == end:
         vb.snapshot_complete = end
     return it

@@ -94,8 +94,10 @@ def _sanitize(entries: Iterable[FailoverEntry]) -> list[FailoverEntry]:
 class FailoverLog:
     """A vbucket's failover table, newest entry first; never empty.
 
-    ``rng`` draws new vbuuids (a fresh ``random.Random()`` when omitted); pass a seeded one for
-    deterministic logs.
+    ``rng`` draws new vbuuids. There is no default RNG: whoever creates entries passes one (the bucket passes
+    its own, seeded from ``BucketConfig.seed`` or system randomness; docs/engine.md "Clocks and randomness").
+    A log loaded without one (a consumer's copy of a server's log, read for the rollback rule) cannot create
+    entries: :class:`InvalidArgument` when it would have to.
     """
 
     __slots__ = ("_entries", "_max_entries", "_rng")
@@ -115,7 +117,7 @@ class FailoverLog:
         ``sanitizeFailoverTable(highSeqno)``), so ``FailoverLog()`` is a new vbucket's log.
         """
         self._max_entries = _check_max_entries(max_entries)
-        self._rng = rng if rng is not None else random.Random()
+        self._rng = rng
         _check_u64("high_seqno", high_seqno)
         self._entries: list[FailoverEntry] = _sanitize(entries)[: self._max_entries]
         if not self._entries:
@@ -200,9 +202,13 @@ class FailoverLog:
     def _new_vbuuid(self) -> int:
         # kv_engine generateUuid: random >> 16, regenerated while 0 (uuid 0 marks damaged entries);
         # additionally never reuse a uuid already in this log, so a uuid names exactly one branch here.
+        rng = self._rng
+        if rng is None:
+            raise InvalidArgument("this failover log has no rng to draw a vbuuid from: pass rng= to create "
+                                  "entries")
         taken = {e.vbuuid for e in self._entries}
         while True:
-            u = self._rng.getrandbits(VBUUID_BITS)
+            u = rng.getrandbits(VBUUID_BITS)
             if u != 0 and u not in taken:
                 return u
 

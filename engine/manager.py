@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -101,8 +101,11 @@ def branch_end(entries: Sequence[FailoverEntry], vbuuid: int, high: int) -> int:
 class ClusterManager(ABC):
     """ns_server's rules over the nodes a subclass reaches (see the module docstring)."""
 
-    def __init__(self, vbmap: VBucketMap) -> None:
+    def __init__(self, vbmap: VBucketMap, *, monotonic: Callable[[], float]) -> None:
         self._map = vbmap
+        #: the monotonic clock (seconds) of the manager's timeouts, chosen by whoever builds the cluster
+        #: (docs/engine.md "Clocks and randomness")
+        self._monotonic = monotonic
         #: the partition-state CAS the manager last saw per (node, vbucket) (seed 001 step 4)
         self._state_cas: dict[tuple[str, int], int] = {}
         #: vbuckets whose front-end writes are stopped (graceful failover in progress)
@@ -169,6 +172,55 @@ class ClusterManager(ABC):
     def rebalance_running(self) -> Rebalance | None:
         """The rebalance in progress, if any."""
         return self._rebalance
+
+    # ------------------------------------------------------------------ the rebalance's cluster interface
+    # engine.rebalance.RebalanceCluster: all the mover uses of the manager (docs/rebalance.md).
+    def node_up(self, name: str) -> bool:
+        return self._is_up(name)
+
+    def node_control(self, name: str) -> NodeControl:
+        return self._control(name)
+
+    def set_vbucket_state(self, name: str, vbucket: int, state: VBucketState) -> None:
+        """Set ``vbucket``'s state on node ``name`` with the partition-state CAS (:meth:`_set_state`)."""
+        self._set_state(name, vbucket, state)
+
+    def refresh_state_cas(self, name: str, vbucket: int) -> None:
+        """Record the node's current partition-state CAS of ``vbucket`` (the node changed the state itself)."""
+        self._state_cas[(name, vbucket)] = self._control(name).state_cas(vbucket)
+
+    def commit_map(self, vbmap: VBucketMap) -> None:
+        self._set_map(vbmap)
+
+    def begin_move(self, vbucket: int, nodes: Iterable[str]) -> None:
+        self._moving[vbucket] = set(nodes)
+
+    def block_writes(self, vbucket: int) -> None:
+        self._blocked.add(vbucket)
+
+    def set_second_chain(self, vbucket: int, chain: Sequence[str | None]) -> None:
+        self._second_chains[vbucket] = list(chain)
+
+    def clear_second_chain(self, vbucket: int) -> None:
+        self._second_chains.pop(vbucket, None)
+
+    def end_move(self, vbucket: int) -> None:
+        self._moving.pop(vbucket, None)
+        self._blocked.discard(vbucket)
+        self._second_chains.pop(vbucket, None)
+
+    def rewire(self) -> None:
+        self._wire()
+
+    def eject_node(self, name: str) -> None:
+        self._eject(name)
+
+    def rebalance_ended(self, rebalance: Rebalance) -> None:
+        if self._rebalance is rebalance:
+            self._rebalance = None
+
+    def monotonic_time(self) -> float:
+        return self._monotonic()
 
     def _check_new_node(self, name: str) -> None:
         """``add_node``'s argument check: a valid node name (letters, digits, ``_.-``, at most 64) not in the

@@ -147,8 +147,11 @@ class NodeProcess:
 class ProcessCluster(ClusterManager):
     """The cluster manager over node processes."""
 
-    def __init__(self, base_dir: Path, nodes: dict[str, NodeProcess], vbmap: VBucketMap) -> None:
-        super().__init__(vbmap)
+    def __init__(
+        self, base_dir: Path, nodes: dict[str, NodeProcess], vbmap: VBucketMap, *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(vbmap, monotonic=monotonic)
         self.base_dir = base_dir
         self.nodes = nodes
         #: nodes whose replication was paused by the test (their replica streams are not requested)
@@ -388,12 +391,12 @@ class ProcessCluster(ClusterManager):
     def settle(self, timeout: float = 30.0) -> None:
         """Wait until every live replica holds its live active's high seqno in a complete snapshot and both
         persisted it (TemporaryFailure after ``timeout``)."""
-        deadline = time.monotonic() + timeout
+        deadline = self.monotonic_time() + timeout
         while True:
             if all(self._caught_up(vb) for vb in range(self._map.num_vbuckets)
                    if self._map.active(vb) is not None and self._is_up(self._map.active(vb) or "")):
                 return
-            if time.monotonic() > deadline:
+            if self.monotonic_time() > deadline:
                 raise TemporaryFailure("replication did not settle")
             time.sleep(0.02)
 

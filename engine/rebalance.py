@@ -3,6 +3,11 @@ and EBucketMigrator; kv_engine takeover streams in engine/takeover.py).
 
 Pieces, named for the seed's nouns:
 
+* :class:`RebalanceCluster` -- everything the mover uses of the cluster manager (a Protocol that
+  :class:`~engine.manager.ClusterManager` implements with public methods; docs/rebalance.md "The cluster
+  interface").
+* :func:`plan_rebalance` -- the planner, pure: the current map and the node changes give a
+  :class:`RebalancePlan` (node set, target chains, the moves); no cluster, clock or RNG.
 * :func:`plan_chains` -- the new map over the new node set, moving as few copies as possible (ns_server's
   ``mb_map``: keep what can stay, balance actives and replicas to within one vbucket per node).
 * :class:`MigratorConnection` -- one **named connection** between the mover and both sides (seed 003 "Initial
@@ -21,7 +26,7 @@ Pieces, named for the seed's nouns:
   mismatch both are put back to their original states (old active, new replica) and the takeover is retried.
   No failover entry is created (kv_engine ``transfer``). Then the map gets the new chain (revision + 1), the old
   copies become dead and the new replicas replicate from the new active like any other.
-* :class:`Rebalance` -- the whole rebalance, driven step-wise by :meth:`Rebalance.step` (a few moves at a time
+* :class:`Rebalance` -- the mover: carries a plan out, driven step-wise by :meth:`Rebalance.step` (a few moves at a time
   while writes continue); :class:`RebalanceProgress` reports vbuckets moved / total and items left.
   :class:`ProcessRebalance` runs the same phases over node processes, where each node's replication link is
   the consumer side (DCP_ADD_STREAM with TAKEOVER, acks as DCP responses, ``stats dcp-vbtakeover``).
@@ -33,15 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from engine.bucket import Bucket
 from engine.exceptions import EngineError, InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
+from engine.manager import NodeControl
 from engine.remote import RemoteNode
 from engine.replication import DcpConsumer, PassiveState
 from engine.stream import StreamEndReason
@@ -49,15 +54,110 @@ from engine.takeover import ALMOST_CAUGHT_UP_ITEMS
 from engine.vbucket import VBucketState
 from engine.vbucket_map import VBucketMap
 
-if TYPE_CHECKING:
-    from engine.manager import ClusterManager
-
 #: moves running at once (ns_server ``rebalance_moves_per_node`` defaults to 4)
 DEFAULT_CONCURRENT_MOVES: Final = 4
 #: DCP messages per mover connection per step (in process the mover shares the thread with the front end)
 DEFAULT_MESSAGES_PER_STEP: Final = 512
 #: a takeover whose states do not match afterwards is reverted and retried this many times
 MAX_TAKEOVER_ATTEMPTS: Final = 5
+
+
+# ---------------------------------------------------------------------- what the mover needs of the cluster
+class RebalanceCluster(Protocol):
+    """What the rebalance mover needs from the cluster manager, and all it uses of it
+    (:class:`~engine.manager.ClusterManager` implements it; docs/rebalance.md "The cluster interface")."""
+
+    def vbucket_map(self) -> VBucketMap:
+        """The current map."""
+        ...
+
+    def commit_map(self, vbmap: VBucketMap) -> None:
+        """Adopt and persist a new map revision (clients follow it on NOT_MY_VBUCKET)."""
+        ...
+
+    def node_up(self, name: str) -> bool: ...
+
+    def node_control(self, name: str) -> NodeControl:
+        """The node's state commands and ``vbucket_info`` (seqnos, persistence); TemporaryFailure when down.
+        The in-process mover needs a :class:`~engine.bucket.Bucket` here, the process mover a
+        :class:`~engine.remote.RemoteNode`."""
+        ...
+
+    def set_vbucket_state(self, name: str, vbucket: int, state: VBucketState) -> None:
+        """Set a vbucket's state on a node with the partition-state CAS (retried on a stale CAS)."""
+        ...
+
+    def refresh_state_cas(self, name: str, vbucket: int) -> None:
+        """The node changed the vbucket's state itself (a takeover): read its partition-state CAS afresh."""
+        ...
+
+    def begin_move(self, vbucket: int, nodes: Iterable[str]) -> None:
+        """The mover feeds ``vbucket``'s streams into ``nodes``: the map's replication leaves them alone."""
+        ...
+
+    def block_writes(self, vbucket: int) -> None:
+        """Front-end writes to ``vbucket`` answer TMPFAIL until :meth:`end_move`."""
+        ...
+
+    def set_second_chain(self, vbucket: int, chain: Sequence[str | None]) -> None:
+        """The active's second replication chain (the post-move chain) for sync writes."""
+        ...
+
+    def clear_second_chain(self, vbucket: int) -> None: ...
+
+    def end_move(self, vbucket: int) -> None:
+        """The move of ``vbucket`` is over (done or stopped): map replication again, writes allowed, no
+        second chain."""
+        ...
+
+    def rewire(self) -> None:
+        """Wire replication (and the topologies) from the current map and moves."""
+        ...
+
+    def eject_node(self, name: str) -> None:
+        """A node the rebalance removed: its vbuckets dead, the node stopped and forgotten."""
+        ...
+
+    def rebalance_ended(self, rebalance: Rebalance) -> None:
+        """``rebalance`` finished or stopped: the manager no longer drives it."""
+        ...
+
+    def monotonic_time(self) -> float:
+        """The manager's injected monotonic clock (seconds): takeover timeouts of the process mover."""
+        ...
+
+
+# ---------------------------------------------------------------------- the plan (pure)
+@dataclass(frozen=True)
+class PlannedMove:
+    """One vbucket whose chain changes: ``old`` (the map's) -> ``new``."""
+
+    vbucket: int
+    old: tuple[str | None, ...]
+    new: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class RebalancePlan:
+    """What a rebalance will do: the node set after it, the target chains, and the moves (vbucket order)."""
+
+    nodes: tuple[str, ...]
+    chains: tuple[tuple[str | None, ...], ...]
+    moves: tuple[PlannedMove, ...]
+
+
+def plan_rebalance(current: VBucketMap, add: Sequence[str] = (), remove: Sequence[str] = ()) -> RebalancePlan:
+    """The rebalance planner: a pure function of the current map and the node changes (no cluster, clock
+    or RNG; the same inputs give the same plan). The nodes after it are the map's nodes without ``remove``,
+    then ``add`` (those not in the map yet); the target chains are :func:`plan_chains` over them."""
+    removed = set(remove)
+    final = [n for n in current.nodes if n not in removed]
+    final += [n for n in add if n not in final]
+    target = plan_chains(current, final)
+    moves = tuple(
+        PlannedMove(vb, tuple(old), tuple(new))
+        for vb, (old, new) in enumerate(zip(current.chains, target, strict=True)) if list(old) != list(new))
+    return RebalancePlan(tuple(final), tuple(tuple(c) for c in target), moves)
 
 
 # ---------------------------------------------------------------------- the new map
@@ -360,7 +460,7 @@ class Rebalance:
     amount of work; the cluster's ``pump`` calls it. :class:`ProcessRebalance` is the node-process variant."""
 
     def __init__(
-        self, cluster: ClusterManager, add: Sequence[str], remove: Sequence[str], *,
+        self, cluster: RebalanceCluster, add: Sequence[str], remove: Sequence[str], *,
         concurrent_moves: int = DEFAULT_CONCURRENT_MOVES,
         progress: Callable[[RebalanceProgress], None] | None = None,
         messages_per_step: int = DEFAULT_MESSAGES_PER_STEP,
@@ -376,13 +476,10 @@ class Rebalance:
         self.remove = list(remove)
         self.concurrent_moves = concurrent_moves
         self.on_progress = progress
-        vbmap = cluster.vbucket_map()
-        self.final_nodes = [n for n in vbmap.nodes if n not in self.remove]
-        self.final_nodes += [n for n in self.add if n not in self.final_nodes]
-        target = plan_chains(vbmap, self.final_nodes)
-        self.queue: list[VBucketMove] = [
-            VBucketMove(vb, list(old), list(new)) for vb, (old, new) in enumerate(zip(vbmap.chains, target, strict=True))
-            if list(old) != list(new)]
+        #: the planner's answer (pure, :func:`plan_rebalance`); this object is the mover that carries it out
+        self.plan = plan_rebalance(cluster.vbucket_map(), self.add, self.remove)
+        self.final_nodes = list(self.plan.nodes)
+        self.queue: list[VBucketMove] = [VBucketMove(m.vbucket, list(m.old), list(m.new)) for m in self.plan.moves]
         self.total = len(self.queue)
         self.running: list[VBucketMove] = []
         self.moved = 0
@@ -401,7 +498,7 @@ class Rebalance:
         if conn is None or conn.closed or conn.consumer.closed:
             if conn is not None:
                 conn.close()
-            src_bucket, dst_bucket = self.cluster._control(src), self.cluster._control(dst)
+            src_bucket, dst_bucket = self.cluster.node_control(src), self.cluster.node_control(dst)
             if not isinstance(src_bucket, Bucket) or not isinstance(dst_bucket, Bucket):
                 raise InvalidArgument("the in-process mover needs in-process nodes")
             conn = MigratorConnection(name, src_bucket, dst_bucket, self._opaques, consumer_name=dst)
@@ -511,7 +608,7 @@ class Rebalance:
             return self.progress()
         self.rounds += 1
         c = self.cluster
-        down = [n for n in self._involved() if not c._is_up(n)]
+        down = [n for n in self._involved() if not c.node_up(n)]
         if down:
             self.abort(f"node(s) {', '.join(sorted(down))} down: rebalance stopped")
             return self.progress()
@@ -552,12 +649,12 @@ class Rebalance:
         if move.takeover and move.target not in fed:
             fed.append(move.target)  # an existing replica becomes the active: the takeover stream feeds it
         for n in fed:
-            info = c._control(n).vbucket_info(vb)
+            info = c.node_control(n).vbucket_info(vb)
             if info.state is not VBucketState.REPLICA:
-                c._set_state(n, vb, VBucketState.REPLICA)
+                c.set_vbucket_state(n, vb, VBucketState.REPLICA)
             move.fed[n] = None
-        c._moving[vb] = set(move.fed)  # the map's replication leaves these streams to the mover
-        c._wire()
+        c.begin_move(vb, move.fed)  # the map's replication leaves these streams to the mover
+        c.rewire()
         self._feed(move)
 
     def _advance(self, move: VBucketMove) -> None:
@@ -565,7 +662,7 @@ class Rebalance:
             return
         c = self.cluster
         vb = move.vbucket
-        src = c._control(move.source)
+        src = c.node_control(move.source)
         if move.phase is MovePhase.TAKEOVER:
             self._advance_takeover(move)
             return
@@ -584,9 +681,9 @@ class Rebalance:
             self._set_second_chain(move)
         if move.phase is MovePhase.PERSIST:
             # Seed 003 "Moving Data" 2: wait for persistence of the new copies up to that seqno.
-            if any(c._control(n).vbucket_info(vb).snapshot_persisted < move.persist_target for n in move.fed):
+            if any(c.node_control(n).vbucket_info(vb).snapshot_persisted < move.persist_target for n in move.fed):
                 return
-            c._blocked.add(vb)  # front-end writes answer TMPFAIL from here to the map change
+            c.block_writes(vb)  # front-end writes answer TMPFAIL from here to the map change
             move.phase = MovePhase.SETTLE
         if move.phase is MovePhase.SETTLE:
             # Every copy of the new chain holds the active's high seqno, complete and persisted: a write
@@ -597,7 +694,7 @@ class Rebalance:
             for n in move.new[1:] + ([move.target] if move.takeover else []):
                 if n is None or n == move.source:
                     continue
-                ri = c._control(n).vbucket_info(vb)
+                ri = c.node_control(n).vbucket_info(vb)
                 if ri.high_seqno != info.high_seqno or ri.snapshot_persisted < info.high_seqno:
                     return
             if not move.takeover:
@@ -615,12 +712,12 @@ class Rebalance:
             return
         # The stream ended (OK after the active message) or failed: seed 003 -- check the states of both
         # sides; anything but (dead, active) goes back to the original states.
-        old = c._control(move.source).vbucket_info(vb).state
-        new = c._control(move.target).vbucket_info(vb).state
+        old = c.node_control(move.source).vbucket_info(vb).state
+        new = c.node_control(move.target).vbucket_info(vb).state
         if ended_ok and old is VBucketState.DEAD and new is VBucketState.ACTIVE:
             # The nodes changed their own states: the manager's recorded state CASes are stale; read afresh.
-            c._state_cas[(move.source, vb)] = c._control(move.source).state_cas(vb)
-            c._state_cas[(move.target, vb)] = c._control(move.target).state_cas(vb)
+            c.refresh_state_cas(move.source, vb)
+            c.refresh_state_cas(move.target, vb)
             self._switch(move)
             return
         self._revert(move)
@@ -632,10 +729,10 @@ class Rebalance:
         self.reverts += 1
         move.reverts += 1
         self._cancel_takeover(move)
-        if c._control(move.source).vbucket_info(vb).state is not VBucketState.ACTIVE:
-            c._set_state(move.source, vb, VBucketState.ACTIVE)
-        if c._control(move.target).vbucket_info(vb).state is not VBucketState.REPLICA:
-            c._set_state(move.target, vb, VBucketState.REPLICA)
+        if c.node_control(move.source).vbucket_info(vb).state is not VBucketState.ACTIVE:
+            c.set_vbucket_state(move.source, vb, VBucketState.ACTIVE)
+        if c.node_control(move.target).vbucket_info(vb).state is not VBucketState.REPLICA:
+            c.set_vbucket_state(move.target, vb, VBucketState.REPLICA)
         if move.takeover_attempts >= MAX_TAKEOVER_ATTEMPTS:
             raise TemporaryFailure(f"vbucket {vb}: takeover failed {move.takeover_attempts} times")
         self._refeed_target(move)
@@ -648,31 +745,30 @@ class Rebalance:
         map changes (switch) or the move is stopped."""
         c = self.cluster
         if list(move.new) != list(move.old):
-            c._second_chains[move.vbucket] = list(move.new)
-            c._wire()
+            c.set_second_chain(move.vbucket, move.new)
+            c.rewire()
 
     def _switch(self, move: VBucketMove) -> None:
         """The map gets the new chain (revision + 1: clients follow), old copies become dead, the new copies
         replicate from the new active through the map's connections."""
         c = self.cluster
         vb = move.vbucket
-        c._second_chains.pop(vb, None)
+        c.clear_second_chain(vb)
         self._release(move)
         chains = [list(ch) for ch in c.vbucket_map().chains]
         chains[vb] = list(move.new)
-        c._set_map(c.vbucket_map().with_chains(chains))
+        c.commit_map(c.vbucket_map().with_chains(chains))
         for old in move.old:
-            if (old is not None and old not in move.new and c._is_up(old)
-                    and c._control(old).vbucket_info(vb).state is not VBucketState.DEAD):
-                c._set_state(old, vb, VBucketState.DEAD)
+            if (old is not None and old not in move.new and c.node_up(old)
+                    and c.node_control(old).vbucket_info(vb).state is not VBucketState.DEAD):
+                c.set_vbucket_state(old, vb, VBucketState.DEAD)
         for rep in move.new[1:]:
             # e.g. the old active kept as a replica: dead after its takeover, it replicates from the new one
-            if (rep is not None and c._is_up(rep)
-                    and c._control(rep).vbucket_info(vb).state is not VBucketState.REPLICA):
-                c._set_state(rep, vb, VBucketState.REPLICA)
-        c._moving.pop(vb, None)
-        c._blocked.discard(vb)
-        c._wire()
+            if (rep is not None and c.node_up(rep)
+                    and c.node_control(rep).vbucket_info(vb).state is not VBucketState.REPLICA):
+                c.set_vbucket_state(rep, vb, VBucketState.REPLICA)
+        c.end_move(vb)
+        c.rewire()
         move.items_left = 0
         move.phase = MovePhase.DONE
 
@@ -680,12 +776,12 @@ class Rebalance:
         c = self.cluster
         self._close_connections()
         vbmap = c.vbucket_map()
-        c._set_map(vbmap.with_chains(vbmap.chains, self.final_nodes))
+        c.commit_map(vbmap.with_chains(vbmap.chains, self.final_nodes))
         for name in self.remove:
-            c._eject(name)
+            c.eject_node(name)
         self.status = "done"
-        c._rebalance = None
-        c._wire()
+        c.rebalance_ended(self)
+        c.rewire()
 
     def abort(self, reason: str) -> None:
         """Stop: every move in flight goes back to its original states (takeovers reverted, copies built
@@ -697,26 +793,24 @@ class Rebalance:
             vb = move.vbucket
             chain = c.vbucket_map().chains[vb]
             with contextlib.suppress(EngineError):
-                if (move.phase is MovePhase.TAKEOVER and c._is_up(move.source)
-                        and c._control(move.source).vbucket_info(vb).state is not VBucketState.ACTIVE):
-                    c._set_state(move.source, vb, VBucketState.ACTIVE)
+                if (move.phase is MovePhase.TAKEOVER and c.node_up(move.source)
+                        and c.node_control(move.source).vbucket_info(vb).state is not VBucketState.ACTIVE):
+                    c.set_vbucket_state(move.source, vb, VBucketState.ACTIVE)
             for n in move.fed:
-                if not c._is_up(n):
+                if not c.node_up(n):
                     continue
                 with contextlib.suppress(EngineError):
                     want = VBucketState.REPLICA if n in chain else VBucketState.DEAD
-                    if c._control(n).vbucket_info(vb).state is not want:
-                        c._set_state(n, vb, want)
-            c._moving.pop(vb, None)
-            c._blocked.discard(vb)
-            c._second_chains.pop(vb, None)
+                    if c.node_control(n).vbucket_info(vb).state is not want:
+                        c.set_vbucket_state(n, vb, want)
+            c.end_move(vb)
         self.running.clear()
         self.queue.clear()
         self.status = "failed"
         self.error = reason
-        c._rebalance = None
+        c.rebalance_ended(self)
         with contextlib.suppress(EngineError):
-            c._wire()
+            c.rewire()
 
 
 class ProcessRebalance(Rebalance):
@@ -731,7 +825,7 @@ class ProcessRebalance(Rebalance):
     takeover_timeout = 30.0
 
     def _client(self, name: str) -> RemoteNode:
-        node = self.cluster._control(name)
+        node = self.cluster.node_control(name)
         if not isinstance(node, RemoteNode):
             raise InvalidArgument("the process mover needs node processes")
         return node
@@ -755,16 +849,16 @@ class ProcessRebalance(Rebalance):
         return out
 
     def _begin_takeover(self, move: VBucketMove) -> None:
-        move.takeover_deadline = time.monotonic() + self.takeover_timeout
+        move.takeover_deadline = self.cluster.monotonic_time() + self.takeover_timeout
         self._client(move.target).add_stream_takeover(move.source, move.vbucket)
 
     def _takeover_result(self, move: VBucketMove) -> bool | None:
         c = self.cluster
-        old = c._control(move.source).vbucket_info(move.vbucket).state
-        new = c._control(move.target).vbucket_info(move.vbucket).state
+        old = c.node_control(move.source).vbucket_info(move.vbucket).state
+        new = c.node_control(move.target).vbucket_info(move.vbucket).state
         if old is VBucketState.DEAD and new is VBucketState.ACTIVE:
             return True
-        if time.monotonic() > move.takeover_deadline:
+        if self.cluster.monotonic_time() > move.takeover_deadline:
             return False
         return None
 
@@ -782,6 +876,6 @@ class ProcessRebalance(Rebalance):
 
 
 __all__ = [
-    "AddStreamResult", "MigratorConnection", "MovePhase", "ProcessRebalance", "Rebalance", "RebalanceProgress",
-    "VBucketMove", "plan_chains",
+    "AddStreamResult", "MigratorConnection", "MovePhase", "PlannedMove", "ProcessRebalance", "Rebalance",
+    "RebalanceCluster", "RebalancePlan", "RebalanceProgress", "VBucketMove", "plan_chains", "plan_rebalance",
 ]

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -716,7 +717,7 @@ async def serve(args: argparse.Namespace) -> None:
     # One process per node directory (a node of an earlier cluster manager still exiting must not share it):
     # held until this process exits (docs/reliability.md "Data directory").
     lock = DataDirLock.acquire(cfg.data_dir)
-    bucket = Bucket(cfg)
+    bucket = Bucket(cfg, clock=time.time)  # the node process is an edge: the real clock (docs/engine.md)
     server = NodeServer(bucket, args.name, host=args.host, port=args.port,
                         flush_interval=args.flush_interval_ms / 1000.0, parent_pid=args.parent_pid,
                         replication_buffer=args.replication_buffer_bytes)

@@ -6,12 +6,12 @@ key, ``(crc >> 16) & 0x7fff``, modulo the number of vbuckets.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
-from time import time_ns
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from engine.checkpoint import CheckpointManager, MemoryCounter
@@ -130,6 +130,16 @@ def absolute_expiry(expiry: int, now: float) -> int:
     return expiry
 
 
+def hlc_source(clock: Callable[[], float]) -> Callable[[], int]:
+    """The hybrid logical clock's time source (ns) for a bucket whose clock is ``clock`` (seconds): the wall
+    clock's own nanoseconds for :func:`time.time`, else ``clock`` scaled -- a fake clock (``ManualClock``)
+    then drives the CAS values as it drives expiry and durability timeouts (docs/engine.md "Clocks and
+    randomness")."""
+    if clock is time.time:
+        return time.time_ns
+    return lambda: int(clock() * 1_000_000_000)
+
+
 class VBucket:
     """One vbucket. Driven synchronously by its bucket."""
 
@@ -141,6 +151,7 @@ class VBucket:
         counter: MemoryCounter,
         clock: Callable[[], float],
         *,
+        hlc_clock: Callable[[], int],
         high_seqno: int = 0,
         max_value_size: int = 20 * 1024 * 1024,
         checkpoint_max_items: int = 10_000,
@@ -151,6 +162,9 @@ class VBucket:
         self.state = state
         self.failover = failover
         self.clock = clock
+        #: the hybrid logical clock's time source in ns (kv_engine ``HLC`` reads a clock source); the bucket
+        #: derives it from its injected clock (:func:`hlc_source`), see docs/engine.md "Clocks and randomness"
+        self.hlc_clock = hlc_clock
         self.ht: dict[bytes, Item] = {}
         self.high_seqno = high_seqno
         self.persisted_seqno = high_seqno
@@ -190,15 +204,17 @@ class VBucket:
     def __repr__(self) -> str:
         return f"VBucket({self.id} {self.state.value} high={self.high_seqno} persisted={self.persisted_seqno})"
 
-    def _next_cas(self) -> int:
-        # Hybrid logical clock as kv_engine's HLC: wall time in ns with the low 16 bits free for a counter,
-        # never going backwards.
-        now = time_ns() & ~0xFFFF
+    def next_cas(self) -> int:
+        """The CAS of the next item this vbucket writes (kv_engine ``HLC::nextHLC``): the hybrid logical
+        clock's time in ns (from the injected ``hlc_clock``) with the low 16 bits free for a counter, never
+        going backwards. Used by the durability monitor for prepares (engine/durability.py)."""
+        now = self.hlc_clock() & ~0xFFFF
         cas = self.max_cas + 1 if now <= self.max_cas else now
         self.max_cas = cas
         return cas
 
-    def _check_active(self) -> None:
+    def check_active(self) -> None:
+        """NotMyVBucket unless this vbucket is active (front-end writes and sync writes)."""
         if self.state is not VBucketState.ACTIVE:
             raise NotMyVBucket(f"vbucket {self.id} is {self.state.value}, not active")
 
@@ -212,11 +228,13 @@ class VBucket:
             return None
         return it
 
-    def _queue(self, item: Item) -> None:
+    def queue_item(self, item: Item) -> None:
+        """Make ``item`` the key's current item (hash table) and queue it in the checkpoint (a commit of a
+        prepare goes here, engine/durability.py ``commit_prepare``)."""
         self.ht[item.key] = item
-        self._enqueue(item)
+        self.enqueue(item)
 
-    def _enqueue(self, item: Item) -> None:
+    def enqueue(self, item: Item) -> None:
         """Queue ``item`` in the checkpoint without touching the hash table (prepares and aborts live
         outside it)."""
         self.ckpt.queue(item)
@@ -238,7 +256,7 @@ class VBucket:
             self.id,
             self.high_seqno + 1,
             it.rev_seqno + 1,
-            self._next_cas(),
+            self.next_cas(),
             it.flags,
             int(now),
             Datatype.RAW,
@@ -248,12 +266,12 @@ class VBucket:
         self.num_items -= 1
         self.expiring.discard(it.key)
         self.expirations += 1
-        self._queue(exp)
+        self.queue_item(exp)
         return exp
 
     # ------------------------------------------------------------------ KV operations
     def get(self, key: bytes) -> GetResult:
-        self._check_active()
+        self.check_active()
         it = self._live(key, self.clock())
         if it is None:
             raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
@@ -273,7 +291,7 @@ class VBucket:
         datatype: int | None,
     ) -> MutationResult:
         if self.state is not _ACTIVE:
-            self._check_active()
+            self.check_active()
         if len(value) > self.max_value_size:
             raise ValueTooLarge(f"value of {len(value)} bytes exceeds the maximum of {self.max_value_size}")
         if flags and (flags < 0 or flags > U32):
@@ -308,8 +326,8 @@ class VBucket:
         if datatype is None:
             datatype = detect_datatype(value)
         seqno = self.high_seqno + 1
-        # HLC CAS (see _next_cas), inlined on the ingest path.
-        new_cas = time_ns() & ~0xFFFF
+        # HLC CAS (see next_cas), inlined on the ingest path.
+        new_cas = self.hlc_clock() & ~0xFFFF
         if new_cas <= self.max_cas:
             new_cas = self.max_cas + 1
         self.max_cas = new_cas
@@ -320,7 +338,7 @@ class VBucket:
             self.expiring.add(key)
         elif live is not None and live.expiry:
             self.expiring.discard(key)
-        # _queue(item), inlined on the ingest path.
+        # queue_item(item), inlined on the ingest path.
         ht[key] = item
         self.ckpt.queue(item)
         self.high_seqno = seqno
@@ -341,7 +359,7 @@ class VBucket:
         raise SyncWriteInProgress(f"key {key!r} has a sync write in progress")
 
     def delete(self, key: bytes, cas: int = 0) -> MutationResult:
-        self._check_active()
+        self.check_active()
         if key in self.prepares:
             self._sync_write_in_progress(key)
         now = self.clock()
@@ -351,18 +369,18 @@ class VBucket:
         if cas and live.cas != cas:
             raise KeyExists(f"cas mismatch for key {key!r}")
         seqno = self.high_seqno + 1
-        new_cas = self._next_cas()
+        new_cas = self.next_cas()
         item = Item(
             key, None, self.id, seqno, live.rev_seqno + 1, new_cas, live.flags, int(now), Datatype.RAW,
             Op.DELETION, live.seqno,
         )
         self.num_items -= 1
         self.expiring.discard(key)
-        self._queue(item)
+        self.queue_item(item)
         return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
     def touch(self, key: bytes, expiry: int) -> MutationResult:
-        self._check_active()
+        self.check_active()
         if key in self.prepares:
             self._sync_write_in_progress(key)
         now = self.clock()
@@ -371,7 +389,7 @@ class VBucket:
         if live is None:
             raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
         seqno = self.high_seqno + 1
-        new_cas = self._next_cas()
+        new_cas = self.next_cas()
         item = Item(
             key, live.value, self.id, seqno, live.rev_seqno + 1, new_cas, live.flags, exp, live.datatype,
             Op.MUTATION, live.seqno,
@@ -380,7 +398,7 @@ class VBucket:
             self.expiring.add(key)
         else:
             self.expiring.discard(key)
-        self._queue(item)
+        self.queue_item(item)
         return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
     def expire_items(self, now: float) -> int:
@@ -420,8 +438,9 @@ class VBucket:
             self.max_cas = item.cas
 
     # ------------------------------------------------------------------ replica side
-    def _check_replica(self) -> None:
-        # kv_engine PassiveStream: only a replica (or pending) vbucket accepts DCP data from a producer.
+    def check_replica(self) -> None:
+        """kv_engine PassiveStream: only a replica (or pending) vbucket accepts DCP data from a producer
+        (NotMyVBucket otherwise)."""
         if self.state is not VBucketState.REPLICA and self.state is not VBucketState.PENDING:
             raise NotMyVBucket(f"vbucket {self.id} is {self.state.value}, not replica: cannot apply DCP data")
 
@@ -433,7 +452,7 @@ class VBucket:
         marker arriving while the previous snapshot is incomplete (the stream was re-requested from inside it)
         supersedes it: the new first marker starts at or below the old start (``min(snap_start, start)``).
         """
-        self._check_replica()
+        self.check_replica()
         if type(start) is not int or type(end) is not int or not 0 <= start <= end:
             raise InvalidArgument(f"vbucket {self.id}: bad snapshot marker [{start!r}, {end!r}]")
         if end <= self.high_seqno:
@@ -450,7 +469,7 @@ class VBucket:
         """Apply a mutation / deletion / expiration from the active with its seqno, rev seqno, CAS, flags and
         expiry (kv_engine ``setWithMeta`` / ``deleteWithMeta`` on a replica: no seqno or CAS is generated;
         ``max_cas`` follows the producer). Returns the replica's own copy of the item."""
-        self._check_replica()
+        self.check_replica()
         snaps = self.replica_snaps
         if not snaps or snaps[-1][2] <= self.high_seqno:
             raise InvalidArgument(f"vbucket {self.id}: {item!r} outside any open snapshot")
@@ -499,7 +518,7 @@ class VBucket:
                 self.max_deleted_rev = it.rev_seqno
         if it.cas > self.max_cas:
             self.max_cas = it.cas
-        self._queue(it)
+        self.queue_item(it)
         if it.seqno == end:
             self.snapshot_complete = end
         return it
