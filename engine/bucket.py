@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, overload
 from zlib import crc32
 
-from engine.checkpoint import PERSISTENCE_CURSOR, MemoryCounter
 from engine.config import BucketConfig
-from engine.durability import Durability, SyncWrite, monitor, replica_ack_seqno
+from engine.dcp.producer import DcpProducer
+from engine.dcp.stream import SnapshotMarker, StreamEndReason, item_from_row
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -30,11 +30,11 @@ from engine.exceptions import (
     TemporaryFailure,
 )
 from engine.failover_log import FailoverEntry, FailoverLog
-from engine.item import Item, Op
-from engine.producer import DcpProducer
-from engine.storage import Row, Storage, VBucketRecord
-from engine.stream import SnapshotMarker, StreamEndReason, item_from_row
-from engine.vbucket import (
+from engine.kv.checkpoint import PERSISTENCE_CURSOR, MemoryCounter
+from engine.kv.durability import Durability, SyncWrite, monitor, replica_ack_seqno
+from engine.kv.item import Item, Op
+from engine.kv.storage import Row, Storage, VBucketRecord
+from engine.kv.vbucket import (
     MAX_KEY_LEN,
     GetResult,
     MutationResult,

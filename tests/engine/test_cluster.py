@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine import KeyNotFound, NotMyVBucket, Status, TemporaryFailure, VBucketState
-from engine.cluster import MAP_FILE, Cluster
+from engine.cluster.local import MAP_FILE, Cluster
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, StateCasMismatch
-from engine.vbucket_map import VBucketMap
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 

@@ -11,16 +11,8 @@ from typing import Any
 import pytest
 
 from engine import Bucket, BucketConfig
-from engine.durability import (
-    Durability,
-    Level,
-    ManualClock,
-    SyncWrite,
-    SyncWriteState,
-    durability_possible,
-    majority,
-    parse_level,
-)
+from engine.dcp.replication import DcpConsumer
+from engine.dcp.stream import SnapshotMarker
 from engine.exceptions import (
     DurabilityImpossible,
     DurabilityInvalidLevel,
@@ -32,10 +24,18 @@ from engine.exceptions import (
     TemporaryFailure,
     error_for_status,
 )
-from engine.item import Item, Op
-from engine.replication import DcpConsumer
-from engine.stream import SnapshotMarker
-from engine.vbucket import VBucketState
+from engine.kv.durability import (
+    Durability,
+    Level,
+    ManualClock,
+    SyncWrite,
+    SyncWriteState,
+    durability_possible,
+    majority,
+    parse_level,
+)
+from engine.kv.item import Item, Op
+from engine.kv.vbucket import VBucketState
 
 NVB = 4
 MAJ = Durability(Level.MAJORITY)

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.cluster import MAP_FILE, Cluster
+from engine.cluster.local import MAP_FILE, Cluster
+from engine.cluster.map_recovery import CopyState, read_node_states, rebuild_map, salvage_revision
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, KeyNotFound
-from engine.map_recovery import CopyState, read_node_states, rebuild_map, salvage_revision
-from engine.vbucket_map import VBucketMap
 
 NVB = 16
 

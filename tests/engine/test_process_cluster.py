@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import KeyNotFound, MutationToken, NotMyVBucket, TemporaryFailure, VBucketState
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument
-from engine.process_cluster import MAP_FILE, ProcessCluster
-from engine.vbucket_map import VBucketMap
+from engine.network.process_cluster import MAP_FILE, ProcessCluster
 from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
 
 NVB = 8

@@ -24,7 +24,7 @@ from engine import (
     TemporaryFailure,
 )
 from engine.exceptions import InvalidArgument, UnknownCommand
-from engine.protocol import (
+from engine.network.protocol import (
     HEADER_LEN,
     MAX_BODY,
     REQ_MAGIC,

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.durability import Durability, Level
 from engine.exceptions import DurabilityInvalidLevel, Status, error_for_status
-from engine.item import Item, Op
-from engine.protocol import (
+from engine.kv.durability import Durability, Level
+from engine.kv.item import Item, Op
+from engine.network.protocol import (
     ALT_REQ_MAGIC,
     Frame,
     FrameBuffer,

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.exceptions import EngineError, Status
-from engine.process_cluster import NodeProcess
-from engine.protocol import (
+from engine.network.process_cluster import NodeProcess
+from engine.network.protocol import (
     ALT_REQ_MAGIC,
     HEADER,
     HEADER_LEN,

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine import NotMyVBucket, TemporaryFailure, VBucketState
-from engine.cluster import Cluster
-from engine.exceptions import InvalidArgument
-from engine.rebalance import (
+from engine.cluster.local import Cluster
+from engine.cluster.rebalance import (
     MigratorConnection,
     MovePhase,
     Rebalance,
@@ -21,7 +20,8 @@ from engine.rebalance import (
     VBucketMove,
     plan_chains,
 )
-from engine.vbucket_map import VBucketMap
+from engine.cluster.vbucket_map import VBucketMap
+from engine.exceptions import InvalidArgument
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 

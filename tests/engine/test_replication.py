@@ -20,8 +20,8 @@ from engine import (
     SnapshotMarker,
     VBucketState,
 )
-from engine.replication import DcpConsumer, PassiveState
-from engine.stream import StreamEndReason
+from engine.dcp.replication import DcpConsumer, PassiveState
+from engine.dcp.stream import StreamEndReason
 from tests.engine.cluster_model import vb_image
 
 NVB = 4

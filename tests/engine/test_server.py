@@ -30,9 +30,9 @@ from engine import (
     vbucket_of,
 )
 from engine.exceptions import InvalidArgument, UnknownCommand
-from engine.process_cluster import NodeProcess
-from engine.protocol import HEADER_LEN, Opcode, decode_frame, request
-from engine.remote import NodeUnavailable, RemoteDcpProducer
+from engine.network.process_cluster import NodeProcess
+from engine.network.protocol import HEADER_LEN, Opcode, decode_frame, request
+from engine.network.remote import NodeUnavailable, RemoteDcpProducer
 from tests.engine.dcp_model import SnapshotConsumer
 
 NVB = 4

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from engine import KeyNotFound, NotMyVBucket, TemporaryFailure
-from engine.process_cluster import ProcessCluster
+from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
 from gateway.publisher import Publisher
 from gateway.records import DecodedRecord, RecordEncoder, RecordType, ValueFormat

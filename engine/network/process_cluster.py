@@ -29,15 +29,15 @@ from typing import Any
 import orjson
 
 import engine
-from engine.data_dir import MAP_FILE
-from engine.durable_file import write_atomically
+from engine.cluster.manager import ClusterManager, NodeControl
+from engine.cluster.rebalance import ProcessRebalance, RebalanceProgress
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
-from engine.manager import ClusterManager, NodeControl
-from engine.rebalance import ProcessRebalance, RebalanceProgress
-from engine.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
-from engine.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
-from engine.vbucket_map import VBucketMap
+from engine.kv.data_dir import MAP_FILE
+from engine.kv.durable_file import write_atomically
+from engine.kv.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
+from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
 
 _ROOT = Path(engine.__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ class NodeProcess:
         if self.up:
             raise InvalidArgument(f"node {self.name} is already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "engine.server", "--data-dir", str(self.data_dir), "--port", "0",
+        cmd = [sys.executable, "-m", "engine.network.server", "--data-dir", str(self.data_dir), "--port", "0",
                "--host", self.host, "--num-vbuckets", str(self.num_vbuckets), "--name", self.name,
                "--flush-interval-ms", str(self.flush_interval_ms), "--parent-pid", str(os.getpid())]
         if self.config:

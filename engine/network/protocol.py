@@ -24,7 +24,14 @@ from typing import Final
 
 import orjson
 
-from engine.durability import Durability, Level, parse_level
+from engine.dcp.stream import (
+    Message,
+    SetVBucketStateMessage,
+    SnapshotFlags,
+    SnapshotMarker,
+    StreamEnd,
+    StreamEndReason,
+)
 from engine.exceptions import (
     DurabilityInvalidLevel,
     EngineError,
@@ -34,16 +41,9 @@ from engine.exceptions import (
     error_for_status,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item, Op
-from engine.stream import (
-    Message,
-    SetVBucketStateMessage,
-    SnapshotFlags,
-    SnapshotMarker,
-    StreamEnd,
-    StreamEndReason,
-)
-from engine.vbucket import VBucketState
+from engine.kv.durability import Durability, Level, parse_level
+from engine.kv.item import Item, Op
+from engine.kv.vbucket import VBucketState
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24

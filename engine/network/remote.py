@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from engine.durability import Durability
+from engine.dcp.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -35,8 +35,10 @@ from engine.exceptions import (
     TemporaryFailure,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.protocol import (
+from engine.kv.durability import Durability
+from engine.kv.item import Item
+from engine.kv.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
+from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
     GET_EXTRAS,
@@ -60,8 +62,6 @@ from engine.protocol import (
     request,
     response,
 )
-from engine.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
-from engine.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
 
 _RECV = 1 << 20
 

@@ -29,11 +29,8 @@ from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from engine.bucket import Bucket
-from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
-from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.producer import DcpProducer
-from engine.stream import (
+from engine.dcp.producer import DcpProducer
+from engine.dcp.stream import (
     MAX_SEQNO,
     Message,
     SetVBucketStateMessage,
@@ -43,7 +40,10 @@ from engine.stream import (
     StreamEndReason,
     StreamFlags,
 )
-from engine.vbucket import VBucketState
+from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
+from engine.failover_log import FailoverEntry
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
 
 #: a stream request that keeps being answered ROLLBACK this many times is an engine bug, not a history
 MAX_ROLLBACKS_PER_REQUEST = 64

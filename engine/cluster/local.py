@@ -19,22 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from engine.bucket import Bucket
+from engine.cluster.manager import ClusterManager, FailoverReport, ObserveResult
+from engine.cluster.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
+from engine.cluster.rebalance import Rebalance, RebalanceProgress
+from engine.cluster.vbucket_map import VBucketMap
 from engine.config import BucketConfig
-from engine.data_dir import MAP_FILE
-from engine.durability import Durability, ManualClock, SyncWrite
-from engine.durable_file import write_atomically
+from engine.dcp.producer import DcpProducer
+from engine.dcp.replication import DcpConsumer
 from engine.exceptions import (
     InvalidArgument,
     NotMyVBucket,
     TemporaryFailure,
 )
-from engine.manager import ClusterManager, FailoverReport, ObserveResult
-from engine.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
-from engine.producer import DcpProducer
-from engine.rebalance import Rebalance, RebalanceProgress
-from engine.replication import DcpConsumer
-from engine.vbucket import GetResult, MutationResult, vbucket_of
-from engine.vbucket_map import VBucketMap
+from engine.kv.data_dir import MAP_FILE
+from engine.kv.durability import Durability, ManualClock, SyncWrite
+from engine.kv.durable_file import write_atomically
+from engine.kv.vbucket import GetResult, MutationResult, vbucket_of
 
 log = logging.getLogger(__name__)
 

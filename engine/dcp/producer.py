@@ -12,6 +12,16 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.dcp.stream import (
+    MAX_SEQNO,
+    ActiveStream,
+    Message,
+    StreamEnd,
+    StreamEndReason,
+    StreamFlags,
+    StreamState,
+)
+from engine.dcp.takeover import TakeoverStream
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -21,18 +31,8 @@ from engine.exceptions import (
     RollbackRequired,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.stream import (
-    MAX_SEQNO,
-    ActiveStream,
-    Message,
-    StreamEnd,
-    StreamEndReason,
-    StreamFlags,
-    StreamState,
-)
-from engine.takeover import TakeoverStream
-from engine.vbucket import VBucketState
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
 
 if TYPE_CHECKING:
     from engine.bucket import Bucket

@@ -33,9 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.data_dir import STORE_SUFFIX, cluster_node_dirs
-from engine.storage import Storage
-from engine.vbucket_map import MAX_REPLICAS, VBucketMap
+from engine.cluster.vbucket_map import MAX_REPLICAS, VBucketMap
+from engine.kv.data_dir import STORE_SUFFIX, cluster_node_dirs
+from engine.kv.storage import Storage
 
 __all__ = ["CopyState", "MapRebuild", "node_order", "read_node_states", "rebuild_map", "salvage_revision"]
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum, IntFlag
 from typing import TYPE_CHECKING, Final
 
-from engine.checkpoint import Cursor
-from engine.item import Item, Op
+from engine.kv.checkpoint import Cursor
+from engine.kv.item import Item, Op
 
 if TYPE_CHECKING:
-    from engine.producer import DcpProducer
-    from engine.storage import Storage
-    from engine.vbucket import VBucket, VBucketState
+    from engine.dcp.producer import DcpProducer
+    from engine.kv.storage import Storage
+    from engine.kv.vbucket import VBucket, VBucketState
 
 
 class SnapshotFlags(IntFlag):

@@ -32,9 +32,11 @@ from typing import Any, TypeVar
 import orjson
 
 from engine.bucket import Bucket
+from engine.cluster.manager import branch_end
 from engine.config import BucketConfig
-from engine.data_dir import DataDirLock, DataDirLocked
-from engine.durability import SyncWrite
+from engine.dcp.producer import DcpProducer
+from engine.dcp.replication import MAX_ROLLBACKS_PER_REQUEST, DcpConsumer
+from engine.dcp.stream import SnapshotMarker, StreamFlags
 from engine.exceptions import (
     EngineError,
     InvalidArgument,
@@ -47,10 +49,11 @@ from engine.exceptions import (
     UnknownCommand,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.manager import branch_end
-from engine.producer import DcpProducer
-from engine.protocol import (
+from engine.kv.data_dir import DataDirLock, DataDirLocked
+from engine.kv.durability import SyncWrite
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
+from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
     GET_EXTRAS,
@@ -76,10 +79,7 @@ from engine.protocol import (
     parse_header,
     response,
 )
-from engine.remote import RemoteDcpProducer
-from engine.replication import MAX_ROLLBACKS_PER_REQUEST, DcpConsumer
-from engine.stream import SnapshotMarker, StreamFlags
-from engine.vbucket import VBucketState
+from engine.network.remote import RemoteDcpProducer
 
 log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)
