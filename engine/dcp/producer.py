@@ -278,8 +278,7 @@ class DcpProducer:
             s.queued = False
         self._ready.clear()
         self.closed = True
-        if self.bucket.producers.get(self.name) is self:
-            del self.bucket.producers[self.name]  # kv_engine: a disconnected connection leaves the bucket
+        self.bucket.connections.disconnected(self)  # kv_engine: a disconnected connection leaves the bucket
 
 
 __all__ = ["DcpProducer", "StreamEnd"]
