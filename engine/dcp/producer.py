@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.dcp.backfill import BackfillManager
 from engine.dcp.stream import (
     MAX_SEQNO,
     ActiveStream,
@@ -51,6 +52,8 @@ class DcpProducer:
         self.buffer_size = buffer_size
         self.unacked_bytes = 0
         self.streams: dict[int, ActiveStream] = {}
+        #: the disk backfills of this connection's streams (engine/dcp/backfill.py)
+        self.backfills = BackfillManager(bucket.storage, bucket.config.backfill_chunk_items)
         self._ready: deque[ActiveStream] = deque()
         self.closed = False
         self.paused = False
@@ -134,9 +137,8 @@ class DcpProducer:
             end_seqno = MAX_SEQNO
         cls = TakeoverStream if flags & StreamFlags.TAKEOVER else ActiveStream
         stream = cls(
-            self, vb, self.bucket.storage, opaque=opaque, flags=flags, start=start_seqno, end=end_seqno,
-            vbuuid=vbuuid, snap_start=snap_start, snap_end=snap_end,
-            backfill_chunk=self.bucket.config.backfill_chunk_items)
+            self, vb, self.backfills, opaque=opaque, flags=flags, start=start_seqno, end=end_seqno,
+            vbuuid=vbuuid, snap_start=snap_start, snap_end=snap_end)
         self.streams[vbucket] = stream
         self.notify(stream)
         return list(vb.failover.entries)
