@@ -6,18 +6,13 @@ existing name replaces it); a connection that closes leaves the map.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from engine.dcp.producer import DcpProducer
-
-if TYPE_CHECKING:
-    from engine.bucket import Bucket
+from engine.dcp.producer import DcpProducer, ProducerBucket
 
 
 class DcpConnMap:
     """The DCP producer connections of ``bucket``, by name."""
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: ProducerBucket) -> None:
         self.bucket = bucket
         self.producers: dict[str, DcpProducer] = {}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.dcp.backfill import BackfillManager
 from engine.dcp.stream import (
@@ -36,13 +36,36 @@ from engine.kv.item import Item
 from engine.kv.vbucket import VBucketState
 
 if TYPE_CHECKING:
-    from engine.bucket import Bucket
+    from engine.config import BucketConfig
+    from engine.dcp.conn_map import DcpConnMap
+    from engine.kv.storage import Storage
+    from engine.kv.vbucket import VBucket
+
+
+class ProducerBucket(Protocol):
+    """What a producer connection needs of its bucket (an :class:`~engine.bucket.Bucket`; kv_engine's
+    ``DcpProducer`` holds its ``EventuallyPersistentEngine``)."""
+
+    @property
+    def config(self) -> BucketConfig: ...
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def connections(self) -> DcpConnMap: ...
+
+    def vbucket(self, vbid: int) -> VBucket: ...
+
+    def seqno_acknowledged(self, vbucket: int, node: str, seqno: int) -> int: ...
+
+    def set_vbucket_state(self, vbucket: int, state: VBucketState, *, cas: int | None = None) -> int: ...
 
 
 class DcpProducer:
     """A named DCP connection to one bucket."""
 
-    def __init__(self, bucket: Bucket, name: str, *, buffer_size: int = 0) -> None:
+    def __init__(self, bucket: ProducerBucket, name: str, *, buffer_size: int = 0) -> None:
         if not name:
             raise InvalidArgument("a DCP connection needs a name")
         if buffer_size < 0:
@@ -283,4 +306,4 @@ class DcpProducer:
         self.bucket.connections.disconnected(self)  # kv_engine: a disconnected connection leaves the bucket
 
 
-__all__ = ["DcpProducer", "StreamEnd"]
+__all__ = ["DcpProducer", "ProducerBucket", "StreamEnd"]

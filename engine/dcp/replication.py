@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from engine.bucket import Bucket
 from engine.dcp.producer import DcpProducer
 from engine.dcp.stream import (
     MAX_SEQNO,
@@ -91,7 +90,7 @@ class ProducerConnection(Protocol):
 
 
 class ReplicaTarget(Protocol):
-    """What a consumer needs of the bucket holding the replica vbuckets (a :class:`Bucket`, or the node
+    """What a consumer needs of the bucket holding the replica vbuckets (a :class:`~engine.bucket.Bucket`, or the node
     server's proxy that runs each call on the bucket's own thread)."""
 
     @property
@@ -136,7 +135,7 @@ class DcpConsumer:
     """
 
     def __init__(
-        self, name: str, replica: Bucket | ReplicaTarget, producer: DcpProducer | ProducerConnection, *,
+        self, name: str, replica: ReplicaTarget, producer: DcpProducer | ProducerConnection, *,
         use_client_log: bool = True, consumer_name: str | None = None,
     ) -> None:
         if not name:
