@@ -226,7 +226,7 @@ class Bucket:
         """Upsert (with ``cas``: only if the document's CAS still matches).
 
         With ``durability`` (level above none) it is a sync write (seed 004): the prepare is queued and the
-        pending :class:`~engine.durability.SyncWrite` handle returned (engine/durability.py)."""
+        pending :class:`~engine.kv.durability.SyncWrite` handle returned (engine/kv/durability.py)."""
         if durability is not None:
             return self._sync_store(key, value, _SET, cas, flags, expiry, datatype, vbucket, durability)
         # The ingest hot path: _store's checks inlined for the common case (bytes key and value, no CAS,
@@ -326,7 +326,7 @@ class Bucket:
         return monitor(vb).seqno_ack(node, seqno)
 
     def durability_ack_seqno(self, vbucket: int) -> int:
-        """What this replica vbucket seqno-acks now (engine.durability.replica_ack_seqno)."""
+        """What this replica vbucket seqno-acks now (engine.kv.durability.replica_ack_seqno)."""
         return replica_ack_seqno(self._replica(vbucket))
 
     def process_durability_timeouts(self) -> int:
@@ -465,7 +465,7 @@ class Bucket:
         self.storage.save_states([vbucket_record(vb)])
         return entry
 
-    # ------------------------------------------------------------------ replica side (engine/replication.py)
+    # ------------------------------------------------------------------ replica side (engine/dcp/replication.py)
     def _replica(self, vbucket: int) -> VBucket:
         vb = self.vbucket(vbucket)
         vb._check_replica()
@@ -479,7 +479,7 @@ class Bucket:
         """Apply one DCP message from the active to a replica vbucket (kv_engine ``PassiveStream``).
 
         Prepares, commits (a mutation / deletion with ``prepared``) and aborts are applied too (seed 004,
-        engine/durability.py).
+        engine/kv/durability.py).
 
         A snapshot marker opens the replica's snapshot range; a mutation / deletion / expiration is stored
         with the producer's seqno, rev seqno, CAS, flags and expiry (set-with-meta; no seqno or CAS is

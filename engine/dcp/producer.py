@@ -180,7 +180,7 @@ class DcpProducer:
         if old is not None:
             old.ready.clear()
 
-    # ------------------------------------------------------------------ takeover (engine/takeover.py)
+    # ------------------------------------------------------------------ takeover (engine/dcp/takeover.py)
     def _takeover_stream(self, vbucket: int) -> TakeoverStream:
         s = self.streams.get(vbucket)
         if not isinstance(s, TakeoverStream) or s.state is StreamState.DEAD:

@@ -66,8 +66,8 @@ class PassiveStream:
 
 
 class ProducerConnection(Protocol):
-    """What a consumer needs of its producer connection: :class:`~engine.producer.DcpProducer` in process,
-    :class:`engine.remote.RemoteDcpProducer` over the network."""
+    """What a consumer needs of its producer connection: :class:`~engine.dcp.producer.DcpProducer` in process,
+    :class:`engine.network.remote.RemoteDcpProducer` over the network."""
 
     @property
     def closed(self) -> bool: ...
@@ -110,7 +110,7 @@ class ReplicaTarget(Protocol):
 @runtime_checkable
 class TakeoverAcks(Protocol):
     """The producer side of a takeover stream: the consumer's responses to markers sent with ACK and to
-    SET_VBUCKET_STATE (engine/takeover.py)."""
+    SET_VBUCKET_STATE (engine/dcp/takeover.py)."""
 
     def snapshot_marker_ack(self, vbucket: int) -> None: ...
 
@@ -213,7 +213,7 @@ class DcpConsumer:
         """One stream request from the replica's own position (seed 003 "Initial Stream Handshake" step 3):
         the producer's failover log on OK (replaced into the replica, step 6), ``None`` after a ROLLBACK the
         replica executed (step 5: request again). ``takeover`` sets the TAKEOVER flag (seed 003 "VBucket
-        Takeover"). The rebalance mover (engine/rebalance.py) drives the loop itself so its add-stream
+        Takeover"). The rebalance mover (engine/cluster/rebalance.py) drives the loop itself so its add-stream
         requests complete out of order."""
         if self.is_open(vbucket):
             raise InvalidArgument(f"{self.name}: a stream for vbucket {vbucket} is already open")

@@ -114,7 +114,7 @@ SET_VBUCKET_STATE_SIZE: Final = 24 + 1
 
 @dataclass(frozen=True, slots=True)
 class SetVBucketStateMessage:
-    """DCP ``SET_VBUCKET_STATE`` sent by a takeover stream, pending then active (engine/takeover.py)."""
+    """DCP ``SET_VBUCKET_STATE`` sent by a takeover stream, pending then active (engine/dcp/takeover.py)."""
 
     vbucket: int
     state: VBucketState

@@ -12,7 +12,7 @@ new failover entry (dcp-reference.md "Takeover"; seed 003 "VBucket Takeover"):
    takeover-send to **drain the rest**;
 4. caught up again -> ``SET_VBUCKET_STATE(active)`` -> takeover-wait; on that ack the stream ends **OK**.
 
-The consumer (engine/replication.py) sets its vbucket pending on the first message and active with
+The consumer (engine/dcp/replication.py) sets its vbucket pending on the first message and active with
 ``transfer`` (``promote(takeover=True)``: no failover entry) on the second.
 """
 

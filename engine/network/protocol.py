@@ -384,7 +384,7 @@ def _encode_sync_message(m: Item, opaque: int) -> bytes:
 def decode_dcp_message(f: Frame) -> Message:
     """The engine message of a pushed DCP frame; :class:`ProtocolError` when the extras do not fit. A
     DCP_COMMIT becomes a MUTATION item without value whose ``prepared`` names the prepare (the replica makes
-    its prepare visible, engine/vbucket.py ``replica_apply``); DCP_ABORT an ABORT item."""
+    its prepare visible, engine/kv/vbucket.py ``replica_apply``); DCP_ABORT an ABORT item."""
     op = f.opcode
     try:
         if op == Opcode.DCP_PREPARE:

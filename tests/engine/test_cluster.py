@@ -1,4 +1,4 @@
-"""The in-process cluster (engine/cluster.py): routing, replication, hard and graceful failover, observe,
+"""The in-process cluster (engine/cluster/local.py): routing, replication, hard and graceful failover, observe,
 partition-state CAS. Real SQLite storage on every node."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The data directory (engine/data_dir.py, engine/durable_file.py): one process per directory (a flock held by a
+"""The data directory (engine/kv/data_dir.py, engine/kv/durable_file.py): one process per directory (a flock held by a
 real other process, released by kill -9), single-bucket vs cluster layout, and state files that a crash at any
 instant leaves old or new -- never empty (issue 16 items 4 and 8; docs/reliability.md "Data directory")."""
 

@@ -1,4 +1,4 @@
-"""A damaged vbucket map is rebuilt from the nodes' persisted vbucket states (engine/map_recovery.py): after
+"""A damaged vbucket map is rebuilt from the nodes' persisted vbucket states (engine/cluster/map_recovery.py): after
 writes, a rebalance and a hard failover (so the actives are not the initial layout) the map file is emptied /
 overwritten with garbage / removed and the cluster reopened: same actives, every document reads back (issue 16
 item 8). The hypothesis property: over random failover / rebalance histories the rebuilt map equals the saved

@@ -1,4 +1,4 @@
-"""The cluster of engine node processes (engine/process_cluster.py): SIGKILL, hard and graceful failover, a DCP
+"""The cluster of engine node processes (engine/network/process_cluster.py): SIGKILL, hard and graceful failover, a DCP
 client over TCP following the map, and a hypothesis campaign over random crash / failover schedules."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The memcached binary protocol subset (engine/protocol.py): round trips (hypothesis) and malformed frames."""
+"""The memcached binary protocol subset (engine/network/protocol.py): round trips (hypothesis) and malformed frames."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fuzz of the memcached binary protocol (engine/protocol.py) and of a running node process (engine/server.py):
+"""Fuzz of the memcached binary protocol (engine/network/protocol.py) and of a running node process (engine/network/server.py):
 random, truncated and garbage frames give a typed engine error (a protocol error status on the wire) or a clean
 close -- never another exception, never a crash, never a hang; the node keeps answering other connections.
 Bounded for CI (example counts, socket timeouts)."""

@@ -1,4 +1,4 @@
-"""Rebalance (engine/rebalance.py; seed 003): the planner, named connections with pipelined add-streams
+"""Rebalance (engine/cluster/rebalance.py; seed 003): the planner, named connections with pipelined add-streams
 answered out of order, the stream request / rollback loop, takeover moves with the state check and revert, and
 whole rebalances in and out of the in-process cluster under writes."""
 

@@ -1,4 +1,4 @@
-"""A real node process (engine/server.py) driven over TCP (engine/remote.py)."""
+"""A real node process (engine/network/server.py) driven over TCP (engine/network/remote.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""DCP takeover streams (engine/takeover.py, kv_engine takeover-send / takeover-wait; seed 003 "VBucket
+"""DCP takeover streams (engine/dcp/takeover.py, kv_engine takeover-send / takeover-wait; seed 003 "VBucket
 Takeover"): markers with ACK, SET_VBUCKET_STATE pending -> old vbucket dead and drained -> active -> stream end
-OK; no failover entry; the consumer side (engine/replication.py)."""
+OK; no failover entry; the consumer side (engine/dcp/replication.py)."""
 
 from __future__ import annotations
 
