@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import figure
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
 from gateway.broker import select_broker
 from gateway.config import load_settings
 from gateway.position import PublishPosition

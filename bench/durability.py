@@ -34,9 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.report import figure
-from engine.cluster import Cluster
-from engine.durability import Durability, Level, SyncWrite, majority
-from engine.vbucket import MutationToken
+from engine.cluster.local import Cluster
+from engine.kv.durability import Durability, Level, SyncWrite, majority
+from engine.kv.vbucket import MutationToken
 
 #: targets (sync / observe-based, same percentile), set after measuring: both modes are durable after one pump
 #: round, but a sync write is two items (prepare + commit) replicated and flushed on each node, plus the

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.report import figure
 from engine import NotMyVBucket, TemporaryFailure
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
 
 
 def _load(c: Cluster, docs: int) -> None:

@@ -13,6 +13,16 @@ Quick use::
 
 from engine.bucket import Bucket, open_bucket
 from engine.config import BucketConfig
+from engine.dcp.producer import DcpProducer
+from engine.dcp.stream import (
+    MAX_SEQNO,
+    Message,
+    SnapshotFlags,
+    SnapshotMarker,
+    StreamEnd,
+    StreamEndReason,
+    StreamFlags,
+)
 from engine.exceptions import (
     DcpGatewayError,
     EngineError,
@@ -29,18 +39,8 @@ from engine.exceptions import (
     ValueTooLarge,
 )
 from engine.failover_log import FailoverEntry, FailoverLog
-from engine.item import Datatype, Item, Op
-from engine.producer import DcpProducer
-from engine.stream import (
-    MAX_SEQNO,
-    Message,
-    SnapshotFlags,
-    SnapshotMarker,
-    StreamEnd,
-    StreamEndReason,
-    StreamFlags,
-)
-from engine.vbucket import GetResult, MutationResult, MutationToken, VBucketState, vbucket_of
+from engine.kv.item import Datatype, Item, Op
+from engine.kv.vbucket import GetResult, MutationResult, MutationToken, VBucketState, vbucket_of
 
 __all__ = [
     "MAX_SEQNO",

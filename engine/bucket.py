@@ -1,12 +1,12 @@
 """The bucket: the engine's entry point (kv_engine ``EventuallyPersistentEngine`` + ``KVBucket``).
 
-Owns the vbuckets, the storage, the flusher, the expiry pager, compaction, checkpoint memory recovery and the
-DCP connections. Synchronous and single-threaded: whoever embeds it (the gateway's event loop, a test) calls
-:meth:`Bucket.flush`, :meth:`Bucket.run_expiry_pager` and :meth:`Bucket.compact` when it wants them to run.
-
-Warmup and the failover log (dcp-reference.md "Failover table"): a new vbucket gets an entry at 0; opening
-after an **unclean** shutdown (no clean-shutdown marker) adds an entry to every active vbucket at the last
-persisted snapshot end if the persisted high seqno equals it, else at its start. A clean close adds none.
+The front end (KV operations, sync writes, vbucket state changes, the replica side's calls) lives here; the
+bucket owns the vbuckets, the storage and its background tasks, each a component of its own as in kv_engine:
+warmup (engine/kv/warmup.py), the flusher (engine/kv/flusher.py), the expiry pager (engine/kv/pagers.py),
+checkpoint memory recovery (engine/kv/memory_recovery.py), compaction (engine/kv/compaction.py) and the DCP
+connections (engine/dcp/conn_map.py). Synchronous and single-threaded: whoever embeds it (the gateway's event
+loop, a test) calls :meth:`Bucket.flush`, :meth:`Bucket.run_expiry_pager` and :meth:`Bucket.compact` when it
+wants them to run.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, overload
 from zlib import crc32
 
-from engine.checkpoint import PERSISTENCE_CURSOR, MemoryCounter
 from engine.config import BucketConfig
-from engine.durability import Durability, SyncWrite, monitor, replica_ack_seqno
+from engine.dcp.conn_map import DcpConnMap
+from engine.dcp.producer import DcpProducer
+from engine.dcp.stream import SnapshotMarker, StreamEndReason
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -29,12 +30,16 @@ from engine.exceptions import (
     StateCasMismatch,
     TemporaryFailure,
 )
-from engine.failover_log import FailoverEntry, FailoverLog
-from engine.item import Item, Op
-from engine.producer import DcpProducer
-from engine.storage import Row, Storage, VBucketRecord
-from engine.stream import SnapshotMarker, StreamEndReason, item_from_row
-from engine.vbucket import (
+from engine.failover_log import FailoverEntry
+from engine.kv.checkpoint import MemoryCounter
+from engine.kv.compaction import Compactor
+from engine.kv.durability import Durability, SyncWrite, monitor, replica_ack_seqno
+from engine.kv.flusher import Flusher
+from engine.kv.item import Item, Op
+from engine.kv.memory_recovery import CheckpointMemRecovery
+from engine.kv.pagers import ExpiryPager
+from engine.kv.storage import Storage, VBucketRecord, item_from_row, vbucket_record
+from engine.kv.vbucket import (
     MAX_KEY_LEN,
     GetResult,
     MutationResult,
@@ -45,8 +50,8 @@ from engine.vbucket import (
     hlc_source,
     vbucket_of,
 )
+from engine.kv.warmup import CLEAN_SHUTDOWN, Warmup
 
-CLEAN_SHUTDOWN = "clean_shutdown"
 _SET = StoreMode.SET
 
 #: cyclic-GC thresholds for a process that holds millions of long-lived, acyclic items (see tune_gc)
@@ -108,97 +113,52 @@ class Bucket:
         self.closed = False
         self._rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self.counter = MemoryCounter()
-        self._dirty: set[int] = set()
-        self.producers: dict[str, DcpProducer] = {}
-        self.cursors_dropped = 0
-        self.items_flushed = 0
         self.replica_rollbacks = 0
         self.replica_rebuilds = 0
         data_dir = Path(config.data_dir)
         self.storage = Storage(data_dir / f"{config.name}.sqlite3", synchronous=config.sqlite_synchronous)
-        self.was_clean = self.storage.get_meta(CLEAN_SHUTDOWN) == "1"
-        self.first_open = self.storage.get_meta("created") is None
         self._vbs: list[VBucket] = []
         self._nvb = config.num_vbuckets
         self._quota = config.checkpoint_quota_bytes
+        #: the background tasks (kv_engine runs them on its executor pools; here the embedder calls them)
+        self.flusher = Flusher(self.storage, self._vbs, config.flush_batch_items)
+        self.expiry_pager = ExpiryPager(self._vbs, clock)
+        self.memory_recovery = CheckpointMemRecovery(self._vbs, self.counter, config.checkpoint_quota_bytes)
+        self.compactor = Compactor(
+            self.storage, history_seqnos=config.history_seqnos,
+            tombstone_purge_age_s=config.tombstone_purge_age_s, clock=clock)
+        self.connections = DcpConnMap(self)
+        self._dirty = self.flusher.dirty
+        warmup = Warmup(
+            self.storage, config, counter=self.counter, clock=clock, hlc_clock=self.hlc_clock, rng=self._rng,
+            on_dirty=self._dirty.add, new_state_cas=self._new_state_cas)
+        self.was_clean = warmup.was_clean
+        self.first_open = warmup.first_open
         if config.tune_gc:
             tune_gc()
-        self._warmup()
+        self._vbs.extend(warmup.run())
         if config.tune_gc:
             gc.freeze()  # the warmed-up items are permanent residents: exclude them from cyclic GC scans
         # From now until a clean close, a crash counts as unclean.
         self.storage.set_meta(CLEAN_SHUTDOWN, "0")
 
-    # ------------------------------------------------------------------ warmup
-    def _new_vbucket(self, vbid: int, state: VBucketState, failover: FailoverLog, high: int) -> VBucket:
-        c = self.config
-        return VBucket(
-            vbid, state, failover, self.counter, self.clock, hlc_clock=self.hlc_clock, high_seqno=high,
-            max_value_size=c.max_value_size, checkpoint_max_items=c.checkpoint_max_items,
-            checkpoint_max_bytes=c.checkpoint_max_bytes, on_dirty=self._dirty.add,
-        )
+    @property
+    def producers(self) -> dict[str, DcpProducer]:
+        """The open DCP producer connections by name (the connection map's)."""
+        return self.connections.producers
 
-    def _failover_log(self, pairs: list[tuple[int, int]] | None = None) -> FailoverLog:
-        m = self.config.failover_log_max_entries
-        if pairs is None:
-            return FailoverLog.new(max_entries=m, rng=self._rng)
-        return FailoverLog.from_pairs(pairs, max_entries=m, rng=self._rng)
+    @property
+    def items_flushed(self) -> int:
+        return self.flusher.items_flushed
 
-    def _warmup(self) -> None:
-        records = self.storage.load_states()
-        new_records: list[VBucketRecord] = []
-        for vbid in range(self.config.num_vbuckets):
-            rec = records.get(vbid)
-            if rec is None:
-                vb = self._new_vbucket(vbid, VBucketState.ACTIVE, self._failover_log(), 0)
-                new_records.append(self._record(vb))
-            else:
-                fo = self._failover_log(rec.failover)
-                vb = self._new_vbucket(vbid, VBucketState(rec.state), fo, rec.high_seqno)
-                vb.purge_seqno = rec.purge_seqno
-                vb.history_start = rec.history_start
-                vb.max_cas = rec.max_cas
-                vb.persisted_snap = (rec.snap_start, rec.snap_end)
-                if vb.state is not VBucketState.ACTIVE:
-                    # Replica warmup: the last complete snapshot persisted, and a partial one to resume inside.
-                    b = self.storage.snapshot_boundary(vbid, rec.high_seqno)
-                    if rec.snap_start <= rec.high_seqno < rec.snap_end:
-                        vb.replica_snaps.append([rec.high_seqno, rec.snap_start, rec.snap_end])
-                    else:
-                        # The persisted state ends at a snapshot end: complete there. (A copy that was active
-                        # before -- a rebalance keeps the old active as a replica -- has no boundary rows for what
-                        # it wrote as the active; kv_engine: a replica's last complete snapshot is its high seqno
-                        # when no snapshot is partially received.)
-                        b = max(b, rec.high_seqno)
-                    vb.snapshot_complete = vb.snapshot_persisted = b
-                if not self.was_clean and vb.state is VBucketState.ACTIVE:
-                    # kv_engine warmup: entry at the last snapshot end if the high seqno equals it, else start.
-                    at = rec.snap_end if rec.high_seqno == rec.snap_end else rec.snap_start
-                    fo.create_entry(at)
-                    new_records.append(self._record(vb))
-            # Seed 001 partition-state CAS, step 1: generated afresh on every startup.
-            vb.state_cas = self._new_state_cas()
-            self._vbs.append(vb)
-        for row in self.storage.current_all():
-            self._vbs[row[0]].load(item_from_row(row))
-        if len(records) > self.config.num_vbuckets:
-            raise InvalidArgument(
-                f"storage holds {len(records)} vbuckets but num_vbuckets is {self.config.num_vbuckets}")
-        if new_records:
-            self.storage.save_states(new_records)
-        if self.first_open:
-            self.storage.set_meta("created", str(int(self.clock())))
+    @property
+    def cursors_dropped(self) -> int:
+        return self.memory_recovery.cursors_dropped
 
     def _new_state_cas(self) -> int:
         # System randomness even for seeded buckets: a restarted node must not hand out the CAS values of its
         # previous run (and the vbuuid sequence of a seeded bucket stays what it was).
         return self._state_cas_rng.getrandbits(48) or 1
-
-    def _record(self, vb: VBucket) -> VBucketRecord:
-        return VBucketRecord(
-            vb.id, vb.state.value, vb.failover.to_pairs(), vb.persisted_seqno, vb.persisted_snap[0],
-            vb.persisted_snap[1], vb.purge_seqno, vb.max_cas, vb.history_start,
-        )
 
     # ------------------------------------------------------------------ access
     def _check_open(self) -> None:
@@ -275,7 +235,7 @@ class Bucket:
         """Upsert (with ``cas``: only if the document's CAS still matches).
 
         With ``durability`` (level above none) it is a sync write (seed 004): the prepare is queued and the
-        pending :class:`~engine.durability.SyncWrite` handle returned (engine/durability.py)."""
+        pending :class:`~engine.kv.durability.SyncWrite` handle returned (engine/kv/durability.py)."""
         if durability is not None:
             return self._sync_store(key, value, _SET, cas, flags, expiry, datatype, vbucket, durability)
         # The ingest hot path: _store's checks inlined for the common case (bytes key and value, no CAS,
@@ -375,7 +335,7 @@ class Bucket:
         return monitor(vb).seqno_ack(node, seqno)
 
     def durability_ack_seqno(self, vbucket: int) -> int:
-        """What this replica vbucket seqno-acks now (engine.durability.replica_ack_seqno)."""
+        """What this replica vbucket seqno-acks now (engine.kv.durability.replica_ack_seqno)."""
         return replica_ack_seqno(self._replica(vbucket))
 
     def process_durability_timeouts(self) -> int:
@@ -399,77 +359,15 @@ class Bucket:
         k = _key(key)
         return self._vb_for(k, vbucket).touch(k, expiry)
 
-    # ------------------------------------------------------------------ flusher
+    # ------------------------------------------------------------------ background tasks
     def flush(self, max_items: int | None = None) -> int:
-        """Persist queued items from each dirty vbucket's persistence cursor (one transaction).
+        """Persist queued items from each dirty vbucket's persistence cursor (one transaction; the flusher,
+        engine/kv/flusher.py).
 
         Returns the number of items persisted. On a storage error nothing is lost: cursors are restored.
         """
         self._check_open()
-        limit = max_items or self.config.flush_batch_items
-        rows: list[Row] = []
-        superseded: list[tuple[int, int, int]] = []
-        touched: list[tuple[VBucket, Any, int, int, int]] = []
-        dirty = self._dirty
-        while dirty and len(rows) < limit:
-            vbid = dirty.pop()
-            vb = self._vbs[vbid]
-            vb.dirty = False
-            ck = vb.ckpt
-            cur = ck.cursors[PERSISTENCE_CURSOR]
-            saved = (cur.ckpt, cur.pos, cur.last_read)
-            segments = ck.read(cur, limit - len(rows))
-            first = None
-            for seg in segments:
-                for it in seg.items:
-                    v = it.value
-                    rows.append((vbid, it.seqno, it.key, v, it.flags, it.expiry, it.cas, it.rev_seqno,
-                                 it.datatype, it.op.value | it.level << 4))
-                    if it.prev_seqno:
-                        superseded.append((it.seqno, vbid, it.prev_seqno))
-                    if it.prepared:  # a commit / abort supersedes its prepare on disk (seed 004)
-                        superseded.append((it.seqno, vbid, it.prepared))
-                if first is None and seg.items:
-                    first = seg.start
-            if first is None:
-                continue
-            touched.append((vb, saved, vb.persisted_seqno, first, cur.last_read))
-            if ck.has_items_for(cur):
-                vb.dirty = True
-                dirty.add(vbid)
-        if not touched:
-            return 0
-        records = []
-        boundaries: list[tuple[int, int]] = []
-        for vb, _saved, _old, first, last in touched:
-            vb.persisted_seqno = last
-            if vb.replica_snaps:
-                # A replica records the producer's marker range (possibly partial) and the complete
-                # snapshots' ends (seed 001: "the replica persists the mutation in sequence order").
-                snap, ends = vb.replica_persisted(last)
-                vb.persisted_snap = snap
-                boundaries.extend((vb.id, e) for e in ends)
-            else:
-                vb.persisted_snap = (first, last)
-            records.append(self._record(vb))
-        try:
-            self.storage.flush(rows, superseded, records, boundaries)
-        except Exception:
-            for vb, saved, old, _first, _last in touched:
-                cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]
-                cur.ckpt, cur.pos, cur.last_read = saved
-                vb.persisted_seqno = old
-                vb.dirty = True
-                dirty.add(vb.id)
-            raise
-        for vb, _saved, _old, _first, last in touched:
-            if vb.replica_snaps:
-                vb.replica_flushed(last)
-            vb.ckpt.remove_unreferenced()
-            if vb.prepares and vb.durability is not None:
-                vb.durability.check()  # persist levels: the active's own ack moved (seed 004)
-        self.items_flushed += len(rows)
-        return len(rows)
+        return self.flusher.flush(max_items)
 
     def flush_all(self) -> int:
         n = 0
@@ -481,85 +379,28 @@ class Bucket:
     def dirty_vbuckets(self) -> int:
         return len(self._dirty)
 
-    # ------------------------------------------------------------------ memory recovery
     def recover_memory(self) -> int:
-        """Checkpoint memory recovery (kv_engine): above 90 % of the quota, free down to 60 %.
+        """Checkpoint memory recovery: above 90 % of the quota, free down to 60 % (engine/kv/memory_recovery.py).
 
         First close open checkpoints and free the ones every cursor passed, then drop the DCP cursors
         holding the oldest checkpoints; their streams go back to backfilling. Returns cursors dropped.
         """
-        quota = self.config.checkpoint_quota_bytes
-        if self.counter.used <= 0.9 * quota:
-            return 0
-        low = 0.6 * quota
-        for vb in self._vbs:
-            if vb.ckpt.mem:
-                vb.ckpt.create_checkpoint()
-                vb.ckpt.remove_unreferenced()
-        if self.counter.used <= low:
-            return 0
-        candidates: list[tuple[int, int, int, str]] = []
-        for vb in self._vbs:
-            ck = vb.ckpt
-            for cur in ck.cursors.values():
-                if cur.droppable:
-                    # Slowest first: cursors furthest behind their vbucket's open checkpoint, then the
-                    # vbuckets holding the most checkpoint memory.
-                    candidates.append((ck.open.id - cur.ckpt.id, ck.mem, vb.id, cur.name))
-        candidates.sort(reverse=True)
-        dropped = 0
-        for _pos, _mem, vbid, name in candidates:
-            if self.counter.used <= low:
-                break
-            ck = self._vbs[vbid].ckpt
-            if ck.drop_cursor(name):
-                dropped += 1
-                ck.remove_unreferenced()
-                for s in self._vbs[vbid].streams:
-                    if s.cursor_name == name:
-                        s.notify()
-        self.cursors_dropped += dropped
-        return dropped
+        return self.memory_recovery.run()
 
-    # ------------------------------------------------------------------ expiry / compaction
     def run_expiry_pager(self) -> int:
-        """Turn every expired item into an expiration. Returns how many expired."""
+        """Turn every expired item into an expiration (engine/kv/pagers.py). Returns how many expired."""
         self._check_open()
-        now = self.clock()
-        return sum(vb.expire_items(now) for vb in self._vbs)
+        return self.expiry_pager.run()
 
     def compact(self, vbucket: int | None = None) -> None:
-        """Purge history older than the history window and tombstones older than the purge age.
+        """Purge history older than the history window and tombstones older than the purge age
+        (engine/kv/compaction.py).
 
         The highest seqno of a vbucket is never purged (a disk snapshot always ends on a present item), and
         nothing a running backfill may still read is purged.
         """
         self._check_open()
-        vbs = self._vbs if vbucket is None else [self.vbucket(vbucket)]
-        cutoff = self.clock() - self.config.tombstone_purge_age_s
-        records = []
-        for vb in vbs:
-            pin = vb.persisted_seqno
-            for s in vb.streams:
-                if s.state.value == "backfilling":
-                    pin = min(pin, s.last_read)
-            history_upto = min(vb.persisted_seqno - self.config.history_seqnos, pin)
-            tomb_upto = min(vb.persisted_seqno - 1, pin)
-            hmax, tmax = self.storage.compact(vb.id, history_upto, tomb_upto, int(cutoff))
-            changed = False
-            if hmax > vb.history_start:
-                vb.history_start = hmax
-                changed = True
-            if tmax > vb.purge_seqno:
-                vb.purge_seqno = tmax
-                changed = True
-                for key, it in list(vb.ht.items()):
-                    if it.op is not Op.MUTATION and it.seqno <= tmax and it.expiry < cutoff:
-                        del vb.ht[key]
-            if changed:
-                records.append(self._record(vb))
-        if records:
-            self.storage.save_states(records)
+        self.compactor.compact(self._vbs if vbucket is None else [self.vbucket(vbucket)])
 
     # ------------------------------------------------------------------ vbucket state
     def state_cas(self, vbucket: int) -> int:
@@ -600,7 +441,7 @@ class Bucket:
             # No partial snapshot (an active's history is complete at every seqno it wrote).
             vb.snapshot_complete = vb.high_seqno
             vb.snapshot_persisted = vb.persisted_seqno
-        self.storage.save_states([self._record(vb)])
+        self.storage.save_states([vbucket_record(vb)])
         return vb.state_cas
 
     def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None:
@@ -630,10 +471,10 @@ class Bucket:
         m.second_chain = None
         vb.state = VBucketState.ACTIVE
         vb.state_cas = self._new_state_cas()
-        self.storage.save_states([self._record(vb)])
+        self.storage.save_states([vbucket_record(vb)])
         return entry
 
-    # ------------------------------------------------------------------ replica side (engine/replication.py)
+    # ------------------------------------------------------------------ replica side (engine/dcp/replication.py)
     def _replica(self, vbucket: int) -> VBucket:
         vb = self.vbucket(vbucket)
         vb.check_replica()
@@ -647,7 +488,7 @@ class Bucket:
         """Apply one DCP message from the active to a replica vbucket (kv_engine ``PassiveStream``).
 
         Prepares, commits (a mutation / deletion with ``prepared``) and aborts are applied too (seed 004,
-        engine/durability.py).
+        engine/kv/durability.py).
 
         A snapshot marker opens the replica's snapshot range; a mutation / deletion / expiration is stored
         with the producer's seqno, rev seqno, CAS, flags and expiry (set-with-meta; no seqno or CAS is
@@ -668,7 +509,7 @@ class Bucket:
         (kv_engine ``replaceFailoverLog``)."""
         vb = self._replica(vbucket)
         vb.failover.replace(entries)
-        self.storage.save_states([self._record(vb)])
+        self.storage.save_states([vbucket_record(vb)])
 
     def rollback_vbucket(self, vbucket: int, seqno: int) -> int:
         """Roll a replica vbucket back to its newest complete-snapshot boundary <= ``seqno``; returns the
@@ -703,7 +544,7 @@ class Bucket:
         self._dirty.discard(vbucket)
         vb.dirty = False
         self.replica_rollbacks += 1
-        self.storage.save_states([self._record(vb)])
+        self.storage.save_states([vbucket_record(vb)])
         return target
 
     def failover_log(self, vbucket: int) -> list[FailoverEntry]:
@@ -713,17 +554,10 @@ class Bucket:
     def dcp_producer(self, name: str, *, buffer_size: int = 0) -> DcpProducer:
         """Open a named DCP producer connection; an existing connection of that name is closed first."""
         self._check_open()
-        old = self.producers.pop(name, None)
-        if old is not None:
-            old.close()
-        p = DcpProducer(self, name, buffer_size=buffer_size)
-        self.producers[name] = p
-        return p
+        return self.connections.new_producer(name, buffer_size=buffer_size)
 
     def close_producer(self, name: str) -> None:
-        p = self.producers.pop(name, None)
-        if p is not None:
-            p.close()
+        self.connections.close(name)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int | str]:
@@ -767,12 +601,10 @@ class Bucket:
         """Close the bucket. A clean close flushes everything and writes the clean-shutdown marker."""
         if self.closed:
             return
-        for p in list(self.producers.values()):
-            p.close()
-        self.producers.clear()
+        self.connections.close_all()
         if clean:
             self.flush_all()
-            self.storage.save_states([self._record(vb) for vb in self._vbs])
+            self.storage.save_states([vbucket_record(vb) for vb in self._vbs])
             self.storage.set_meta(CLEAN_SHUTDOWN, "1")
         self.storage.close()
         self.closed = True

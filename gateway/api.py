@@ -37,8 +37,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from engine import Bucket, Datatype
-from engine.cluster import Cluster, FailoverReport
-from engine.durability import Durability, Level, SyncWrite, parse_level
+from engine.cluster.local import Cluster, FailoverReport
 from engine.exceptions import (
     DurabilityImpossible,
     DurabilityInvalidLevel,
@@ -53,6 +52,7 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
+from engine.kv.durability import Durability, Level, SyncWrite, parse_level
 from gateway.exceptions import Backpressure
 from gateway.source import cluster_summary
 

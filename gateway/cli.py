@@ -35,7 +35,7 @@ from gateway.broker import EmbeddedTansuBroker
 from gateway.exceptions import BrokerStartError
 
 if TYPE_CHECKING:
-    from engine.data_dir import DataDirLock
+    from engine.kv.data_dir import DataDirLock
 
 app = typer.Typer(
     name="dcpgw",
@@ -254,8 +254,8 @@ def up(
     _check_data_dir(settings.data_dir)
     _check_port(settings.http_host, settings.http_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.data_dir import DataDirLock, check_layout
     from engine.exceptions import EngineError
+    from engine.kv.data_dir import DataDirLock, check_layout
 
     # One process per data directory, taken before anything (the broker included) is started; held until exit
     # (docs/reliability.md "Data directory").
@@ -325,7 +325,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLock | None = None) -> None:
-    from engine.durable_file import write_atomically
+    from engine.kv.durable_file import write_atomically
     from gateway.service import GatewayService
 
     svc = GatewayService(settings, bootstrap, data_dir_lock=lock)

@@ -59,11 +59,11 @@ from engine import (
     StreamFlags,
     TemporaryFailure,
 )
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
+from engine.dcp.stream import Message as DcpStreamMessage
+from engine.dcp.stream import StreamState
 from engine.failover_log import FailoverEntry
-from engine.process_cluster import ProcessCluster
-from engine.stream import Message as DcpStreamMessage
-from engine.stream import StreamState
+from engine.network.process_cluster import ProcessCluster
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
 from gateway.position import PublishPosition

@@ -32,10 +32,10 @@ from typing import Any, Final, TypeVar, cast, overload
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
+from engine.dcp.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
 from engine.exceptions import InvalidArgument
 from engine.failover_log import FailoverEntry
-from engine.item import Item, Op
-from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
+from engine.kv.item import Item, Op
 from gateway.exceptions import GatewayError, RecordFormatError, UnknownSchemaError
 from gateway.paths import schemas_dir
 

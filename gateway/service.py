@@ -21,9 +21,9 @@ from typing import Any
 from aiohttp import web
 
 from engine import Bucket, InvalidArgument, TemporaryFailure
-from engine.cluster import Cluster, FailoverReport
-from engine.data_dir import DataDirLock, Layout, check_layout
-from engine.rebalance import Rebalance
+from engine.cluster.local import Cluster, FailoverReport
+from engine.cluster.rebalance import Rebalance
+from engine.kv.data_dir import DataDirLock, Layout, check_layout
 from gateway.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError

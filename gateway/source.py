@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine import Bucket, DcpProducer, FailoverEntry, NotMyVBucket, TemporaryFailure
-from engine.cluster import Cluster
-from engine.manager import ClusterManager
-from engine.process_cluster import ProcessCluster
-from engine.remote import RemoteDcpProducer
-from engine.vbucket import VBucketState
+from engine.cluster.local import Cluster
+from engine.cluster.manager import ClusterManager
+from engine.kv.vbucket import VBucketState
+from engine.network.process_cluster import ProcessCluster
+from engine.network.remote import RemoteDcpProducer
 
 __all__ = ["BucketSource", "ClusterSource", "DcpConnection", "DcpSource", "ProcessClusterSource", "cluster_summary", "make_source"]
 

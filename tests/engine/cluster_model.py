@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 
 from engine import DcpProducer, NotMyVBucket, RollbackRequired, StreamEnd, StreamEndReason, TemporaryFailure
-from engine.cluster import Cluster
-from engine.vbucket import VBucket, VBucketState
+from engine.cluster.local import Cluster
+from engine.kv.vbucket import VBucket, VBucketState
 from tests.engine.dcp_model import SnapshotConsumer
 
 

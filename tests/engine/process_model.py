@@ -6,8 +6,8 @@ import contextlib
 import time
 
 from engine import NotMyVBucket, RollbackRequired, StreamEnd, StreamEndReason, TemporaryFailure
-from engine.process_cluster import ProcessCluster
-from engine.remote import RemoteDcpProducer
+from engine.network.process_cluster import ProcessCluster
+from engine.network.remote import RemoteDcpProducer
 from tests.engine.dcp_model import SnapshotConsumer
 
 

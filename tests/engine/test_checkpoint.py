@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.checkpoint import PERSISTENCE_CURSOR, CheckpointManager, MemoryCounter
-from engine.item import Item
+from engine.kv.checkpoint import PERSISTENCE_CURSOR, CheckpointManager, MemoryCounter
+from engine.kv.item import Item
 
 
 def _item(key: str, seqno: int) -> Item:

@@ -1,4 +1,4 @@
-"""The in-process cluster (engine/cluster.py): routing, replication, hard and graceful failover, observe,
+"""The in-process cluster (engine/cluster/local.py): routing, replication, hard and graceful failover, observe,
 partition-state CAS. Real SQLite storage on every node."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine import KeyNotFound, NotMyVBucket, Status, TemporaryFailure, VBucketState
-from engine.cluster import MAP_FILE, Cluster
+from engine.cluster.local import MAP_FILE, Cluster
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, StateCasMismatch
-from engine.vbucket_map import VBucketMap
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 

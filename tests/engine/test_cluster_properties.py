@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import KeyNotFound, MutationToken, NotMyVBucket, TemporaryFailure
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 KEYS = [f"k{i}" for i in range(16)]

@@ -1,4 +1,4 @@
-"""The data directory (engine/data_dir.py, engine/durable_file.py): one process per directory (a flock held by a
+"""The data directory (engine/kv/data_dir.py, engine/kv/durable_file.py): one process per directory (a flock held by a
 real other process, released by kill -9), single-bucket vs cluster layout, and state files that a crash at any
 instant leaves old or new -- never empty (issue 16 items 4 and 8; docs/reliability.md "Data directory")."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine import Bucket, BucketConfig
-from engine.cluster import Cluster
-from engine.data_dir import (
+from engine.cluster.local import Cluster
+from engine.kv.data_dir import (
     LOCK_FILE,
     DataDirLock,
     DataDirLocked,
@@ -25,7 +25,7 @@ from engine.data_dir import (
     check_layout,
     layout,
 )
-from engine.durable_file import write_atomically
+from engine.kv.durable_file import write_atomically
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def _child(code: str) -> subprocess.Popen[bytes]:
 def _hold_lock(d: Path) -> subprocess.Popen[bytes]:
     p = _child(f"""
         import sys, time
-        from engine.data_dir import DataDirLock
+        from engine.kv.data_dir import DataDirLock
         lock = DataDirLock.acquire({str(d)!r})
         print("locked", flush=True)
         time.sleep(600)
@@ -125,7 +125,7 @@ def test_write_atomically_killed_mid_write_leaves_the_old_content(tmp_path: Path
     new_size = 64 * 1024 * 1024
     for _attempt in range(3):
         child = _child(f"""
-            from engine.durable_file import write_atomically
+            from engine.kv.durable_file import write_atomically
             data = b"{{" + b"n" * ({new_size} - 2) + b"}}"
             print("go", flush=True)
             while True:
@@ -159,7 +159,7 @@ def test_write_atomically_failing_write_keeps_the_old_content(tmp_path: Path) ->
         import resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
-        from engine.durable_file import write_atomically
+        from engine.kv.durable_file import write_atomically
         try:
             write_atomically({str(p)!r}, b"x" * 100_000)
         except OSError as e:

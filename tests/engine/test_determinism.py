@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.bucket import Bucket
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
 from engine.config import BucketConfig
-from engine.durability import ManualClock
+from engine.kv.durability import ManualClock
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverLog
-from engine.manager import NodeControl
-from engine.rebalance import (
+from engine.cluster.manager import NodeControl
+from engine.cluster.rebalance import (
     MovePhase,
     ProcessRebalance,
     Rebalance,
@@ -30,8 +30,8 @@ from engine.rebalance import (
     plan_chains,
     plan_rebalance,
 )
-from engine.vbucket import VBucketInfo, VBucketState
-from engine.vbucket_map import VBucketMap
+from engine.kv.vbucket import VBucketInfo, VBucketState
+from engine.cluster.vbucket_map import VBucketMap
 
 
 # ---------------------------------------------------------------------- one bucket: CAS and vbuuids

@@ -1,4 +1,4 @@
-"""Synchronous replication rules (seed 004, engine/durability.py), one test per rule: majority math, every
+"""Synchronous replication rules (seed 004, engine/kv/durability.py), one test per rule: majority math, every
 error code, invisible until commit for GET and DCP, no de-duplication of prepares, replicas ack only complete
 snapshots (persist levels: persisted), timeout -> abort + ambiguous and the abort never visible, a write to a
 key with a prepare in flight, storage / warmup / rollback with prepares."""
@@ -11,16 +11,8 @@ from typing import Any
 import pytest
 
 from engine import Bucket, BucketConfig
-from engine.durability import (
-    Durability,
-    Level,
-    ManualClock,
-    SyncWrite,
-    SyncWriteState,
-    durability_possible,
-    majority,
-    parse_level,
-)
+from engine.dcp.replication import DcpConsumer
+from engine.dcp.stream import SnapshotMarker
 from engine.exceptions import (
     DurabilityImpossible,
     DurabilityInvalidLevel,
@@ -32,10 +24,18 @@ from engine.exceptions import (
     TemporaryFailure,
     error_for_status,
 )
-from engine.item import Item, Op
-from engine.replication import DcpConsumer
-from engine.stream import SnapshotMarker
-from engine.vbucket import VBucketState
+from engine.kv.durability import (
+    Durability,
+    Level,
+    ManualClock,
+    SyncWrite,
+    SyncWriteState,
+    durability_possible,
+    majority,
+    parse_level,
+)
+from engine.kv.item import Item, Op
+from engine.kv.vbucket import VBucketState
 
 NVB = 4
 MAJ = Durability(Level.MAJORITY)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cluster import Cluster
-from engine.durability import Durability, Level, ManualClock, SyncWriteState
+from engine.cluster.local import Cluster
 from engine.exceptions import DurabilityImpossible, KeyNotFound, SyncWriteAmbiguous, SyncWriteInProgress
+from engine.kv.durability import Durability, Level, ManualClock, SyncWriteState
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 NVB = 8

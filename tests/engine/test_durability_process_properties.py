@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.durability import Durability, Level
 from engine.exceptions import EngineError, KeyNotFound
-from engine.process_cluster import ProcessCluster
+from engine.kv.durability import Durability, Level
+from engine.network.process_cluster import ProcessCluster
 
 pytestmark = pytest.mark.slow
 

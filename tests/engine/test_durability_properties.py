@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import NotMyVBucket, TemporaryFailure
-from engine.cluster import Cluster
-from engine.durability import Durability, Level, ManualClock, SyncWrite, durability_possible
+from engine.cluster.local import Cluster
 from engine.exceptions import DurabilityImpossible, SyncWriteInProgress
+from engine.kv.durability import Durability, Level, ManualClock, SyncWrite, durability_possible
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 NVB = 8

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.bucket import Bucket
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
+from engine.cluster.rebalance import MovePhase, Rebalance, VBucketMove
 from engine.config import BucketConfig
-from engine.durability import Durability, Level, ManualClock, SyncWriteState, majority
 from engine.exceptions import (
     DurabilityImpossible,
     InvalidArgument,
@@ -34,11 +34,11 @@ from engine.exceptions import (
     SyncWriteInProgress,
     TemporaryFailure,
 )
-from engine.item import Item
-from engine.process_cluster import NodeProcess
-from engine.protocol import STATE_CODES, Opcode
-from engine.rebalance import MovePhase, Rebalance, VBucketMove
-from engine.vbucket import VBucketState
+from engine.kv.durability import Durability, Level, ManualClock, SyncWriteState, majority
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
+from engine.network.process_cluster import NodeProcess
+from engine.network.protocol import STATE_CODES, Opcode
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 from tests.engine.test_durability_properties import _BUILDERS as _DUR_BUILDERS
 from tests.engine.test_durability_properties import Harness
@@ -464,7 +464,7 @@ def test_process_rebalance_with_sync_writes_then_hard_failover_loses_no_acked_wr
     the mover's consumers; the second chain travels in SET_VBUCKET_STATE's topology): sync writes of every
     level while n3 is rebalanced in and n0 out, then n1 is SIGKILLed and hard failed over -- every acknowledged
     durable write is visible on the new actives, replicas equal actives."""
-    from engine.process_cluster import ProcessCluster
+    from engine.network.process_cluster import ProcessCluster
     from tests.engine.process_model import actives_state as process_actives_state
     from tests.engine.process_model import assert_replicas_equal_actives as process_replicas_equal
 
@@ -532,7 +532,7 @@ def test_process_rebalance_sync_write_schedules_lose_no_acknowledged_durable_wri
     while every chain is whole (a majority of each chain survives). Zero lost acknowledged durable writes
     (PERSIST_TO_MAJORITY always, the in-memory levels when no other node crashed after the ack)."""
     from engine.exceptions import EngineError
-    from engine.process_cluster import ProcessCluster
+    from engine.network.process_cluster import ProcessCluster
 
     base = tmp_path_factory.mktemp("pdurreb")
     acked: dict[str, tuple[bytes, int, int]] = {}

@@ -1,4 +1,4 @@
-"""A damaged vbucket map is rebuilt from the nodes' persisted vbucket states (engine/map_recovery.py): after
+"""A damaged vbucket map is rebuilt from the nodes' persisted vbucket states (engine/cluster/map_recovery.py): after
 writes, a rebalance and a hard failover (so the actives are not the initial layout) the map file is emptied /
 overwritten with garbage / removed and the cluster reopened: same actives, every document reads back (issue 16
 item 8). The hypothesis property: over random failover / rebalance histories the rebuilt map equals the saved
@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.cluster import MAP_FILE, Cluster
+from engine.cluster.local import MAP_FILE, Cluster
+from engine.cluster.map_recovery import CopyState, read_node_states, rebuild_map, salvage_revision
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, KeyNotFound
-from engine.map_recovery import CopyState, read_node_states, rebuild_map, salvage_revision
-from engine.vbucket_map import VBucketMap
 
 NVB = 16
 

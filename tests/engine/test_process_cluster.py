@@ -1,4 +1,4 @@
-"""The cluster of engine node processes (engine/process_cluster.py): SIGKILL, hard and graceful failover, a DCP
+"""The cluster of engine node processes (engine/network/process_cluster.py): SIGKILL, hard and graceful failover, a DCP
 client over TCP following the map, and a hypothesis campaign over random crash / failover schedules."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import KeyNotFound, MutationToken, NotMyVBucket, TemporaryFailure, VBucketState
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument
-from engine.process_cluster import MAP_FILE, ProcessCluster
-from engine.vbucket_map import VBucketMap
+from engine.network.process_cluster import MAP_FILE, ProcessCluster
 from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
 
 NVB = 8

@@ -1,4 +1,4 @@
-"""Rebalance of a cluster of node processes (engine/rebalance.py ProcessRebalance, seed 003): takeover streams
+"""Rebalance of a cluster of node processes (engine/cluster/rebalance.py ProcessRebalance, seed 003): takeover streams
 over TCP (markers with ACK, DCP_SET_VBUCKET_STATE and their acks as DCP responses), DCP_ADD_STREAM(TAKEOVER) on
 the destination, ``stats dcp-vbtakeover`` on the source; a node rebalanced in and another out while writes
 continue; a DCP client over TCP following the map never rolls back."""
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import NotMyVBucket, TemporaryFailure, VBucketState
+from engine.cluster.rebalance import RebalanceProgress
 from engine.exceptions import InvalidArgument
-from engine.process_cluster import ProcessCluster
-from engine.rebalance import RebalanceProgress
+from engine.network.process_cluster import ProcessCluster
 from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
 from tests.engine.test_process_cluster import _OPS as _PC_OPS
 from tests.engine.test_process_cluster import Campaign

@@ -1,4 +1,4 @@
-"""The memcached binary protocol subset (engine/protocol.py): round trips (hypothesis) and malformed frames."""
+"""The memcached binary protocol subset (engine/network/protocol.py): round trips (hypothesis) and malformed frames."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from engine import (
     TemporaryFailure,
 )
 from engine.exceptions import InvalidArgument, UnknownCommand
-from engine.protocol import (
+from engine.network.protocol import (
     HEADER_LEN,
     MAX_BODY,
     REQ_MAGIC,

@@ -1,4 +1,4 @@
-"""Seed 004 on the wire (engine/protocol.py): alt requests (magic 0x08) with the durability frame info, and
+"""Seed 004 on the wire (engine/network/protocol.py): alt requests (magic 0x08) with the durability frame info, and
 the DCP sync-replication messages (kv_engine opcodes 0x60-0x63): round trips (hypothesis) and bad input."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.durability import Durability, Level
 from engine.exceptions import DurabilityInvalidLevel, Status, error_for_status
-from engine.item import Item, Op
-from engine.protocol import (
+from engine.kv.durability import Durability, Level
+from engine.kv.item import Item, Op
+from engine.network.protocol import (
     ALT_REQ_MAGIC,
     Frame,
     FrameBuffer,

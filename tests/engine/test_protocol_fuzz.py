@@ -1,4 +1,4 @@
-"""Fuzz of the memcached binary protocol (engine/protocol.py) and of a running node process (engine/server.py):
+"""Fuzz of the memcached binary protocol (engine/network/protocol.py) and of a running node process (engine/network/server.py):
 random, truncated and garbage frames give a typed engine error (a protocol error status on the wire) or a clean
 close -- never another exception, never a crash, never a hang; the node keeps answering other connections.
 Bounded for CI (example counts, socket timeouts)."""
@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.exceptions import EngineError, Status
-from engine.process_cluster import NodeProcess
-from engine.protocol import (
+from engine.network.process_cluster import NodeProcess
+from engine.network.protocol import (
     ALT_REQ_MAGIC,
     HEADER,
     HEADER_LEN,

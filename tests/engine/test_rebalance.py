@@ -1,4 +1,4 @@
-"""Rebalance (engine/rebalance.py; seed 003): the planner, named connections with pipelined add-streams
+"""Rebalance (engine/cluster/rebalance.py; seed 003): the planner, named connections with pipelined add-streams
 answered out of order, the stream request / rollback loop, takeover moves with the state check and revert, and
 whole rebalances in and out of the in-process cluster under writes."""
 
@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine import NotMyVBucket, TemporaryFailure, VBucketState
-from engine.cluster import Cluster
-from engine.exceptions import InvalidArgument
-from engine.rebalance import (
+from engine.cluster.local import Cluster
+from engine.cluster.rebalance import (
     MigratorConnection,
     MovePhase,
     Rebalance,
@@ -21,7 +20,8 @@ from engine.rebalance import (
     VBucketMove,
     plan_chains,
 )
-from engine.vbucket_map import VBucketMap
+from engine.cluster.vbucket_map import VBucketMap
+from engine.exceptions import InvalidArgument
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
 

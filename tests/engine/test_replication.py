@@ -1,4 +1,4 @@
-"""The replica side of DCP (engine/replication.py): replicas equal their active, persist in seqno order, adopt
+"""The replica side of DCP (engine/dcp/replication.py): replicas equal their active, persist in seqno order, adopt
 the producer's failover log, roll back exactly (or rebuild from zero) and reject bad input with typed errors."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from engine import (
     SnapshotMarker,
     VBucketState,
 )
-from engine.replication import DcpConsumer, PassiveState
-from engine.stream import StreamEndReason
+from engine.dcp.replication import DcpConsumer, PassiveState
+from engine.dcp.stream import StreamEndReason
 from tests.engine.cluster_model import vb_image
 
 NVB = 4

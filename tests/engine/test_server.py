@@ -1,4 +1,4 @@
-"""A real node process (engine/server.py) driven over TCP (engine/remote.py)."""
+"""A real node process (engine/network/server.py) driven over TCP (engine/network/remote.py)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from engine import (
     vbucket_of,
 )
 from engine.exceptions import InvalidArgument, UnknownCommand
-from engine.process_cluster import NodeProcess
-from engine.protocol import HEADER_LEN, Opcode, decode_frame, request
-from engine.remote import NodeUnavailable, RemoteDcpProducer
+from engine.network.process_cluster import NodeProcess
+from engine.network.protocol import HEADER_LEN, Opcode, decode_frame, request
+from engine.network.remote import NodeUnavailable, RemoteDcpProducer
 from tests.engine.dcp_model import SnapshotConsumer
 
 NVB = 4

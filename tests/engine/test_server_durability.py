@@ -1,6 +1,6 @@
-"""Seed 004 over TCP: node processes (engine/server.py) take sync writes in the durability frame info
+"""Seed 004 over TCP: node processes (engine/network/server.py) take sync writes in the durability frame info
 (magic 0x08), answer them once committed, replicate prepares / commits to a replica process that seqno-acks
-over DCP, and answer the 0xa0-0xa3 errors as typed exceptions (engine/remote.py)."""
+over DCP, and answer the 0xa0-0xa3 errors as typed exceptions (engine/network/remote.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 
 from engine import Item, KeyNotFound, Op, VBucketState
-from engine.durability import Durability, Level
 from engine.exceptions import (
     DurabilityImpossible,
     DurabilityInvalidLevel,
     SyncWriteAmbiguous,
     SyncWriteInProgress,
 )
-from engine.process_cluster import NodeProcess
-from engine.protocol import Opcode
+from engine.kv.durability import Durability, Level
+from engine.network.process_cluster import NodeProcess
+from engine.network.protocol import Opcode
 from tests.engine.test_server import NVB, drain, keys_on, wait_for
 
 CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2, "seed": 11}
@@ -125,7 +125,7 @@ def test_replica_process_acks_and_sync_messages_flow_over_dcp(spawn) -> None:
 
 
 def test_process_cluster_acked_durable_writes_survive_sigkill_and_hard_failover(tmp_path: Path) -> None:
-    from engine.process_cluster import ProcessCluster
+    from engine.network.process_cluster import ProcessCluster
 
     with ProcessCluster.start(tmp_path / "pc", nodes=3, replicas=2, num_vbuckets=NVB, seed=3) as pc:
         acked: dict[str, bytes] = {}

@@ -6,7 +6,7 @@ import pytest
 
 from engine import InvalidArgument, KeyNotFound
 from engine.exceptions import StorageError
-from engine.storage import Storage, VBucketRecord
+from engine.kv.storage import Storage, VBucketRecord
 
 
 def _vb_of(b, key: str) -> int:

@@ -1,6 +1,6 @@
-"""DCP takeover streams (engine/takeover.py, kv_engine takeover-send / takeover-wait; seed 003 "VBucket
+"""DCP takeover streams (engine/dcp/takeover.py, kv_engine takeover-send / takeover-wait; seed 003 "VBucket
 Takeover"): markers with ACK, SET_VBUCKET_STATE pending -> old vbucket dead and drained -> active -> stream end
-OK; no failover entry; the consumer side (engine/replication.py)."""
+OK; no failover entry; the consumer side (engine/dcp/replication.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 
 from engine import Bucket, BucketConfig, NotMyVBucket, VBucketState
+from engine.dcp.replication import DcpConsumer
+from engine.dcp.stream import (
+    SetVBucketStateMessage,
+    SnapshotFlags,
+    SnapshotMarker,
+    StreamEnd,
+    StreamEndReason,
+)
+from engine.dcp.takeover import TakeoverPhase, TakeoverStream
 from engine.exceptions import InvalidArgument
-from engine.item import Item
-from engine.replication import DcpConsumer
-from engine.stream import SetVBucketStateMessage, SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
-from engine.takeover import TakeoverPhase, TakeoverStream
+from engine.kv.item import Item
 
 VB = 3
 
@@ -144,7 +150,7 @@ def test_bad_takeover_acks_are_refused(pair) -> None:
 @pytest.mark.parametrize("state", [VBucketState.PENDING, VBucketState.ACTIVE])
 def test_set_vbucket_state_message_on_the_wire(state: VBucketState) -> None:
     """DCP_SET_VBUCKET_STATE (0x5b): one byte of extras, the state code; bad extras are a ProtocolError."""
-    from engine.protocol import (
+    from engine.network.protocol import (
         HEADER_LEN,
         Opcode,
         ProtocolError,

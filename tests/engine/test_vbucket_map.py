@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from engine import InvalidArgument
-from engine.vbucket_map import VBucketMap
+from engine.cluster.vbucket_map import VBucketMap
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 3, 4, 5, 7])

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from engine import EngineError
-from engine.cluster import Cluster
+from engine.cluster.local import Cluster
 from gateway.broker import Broker
 from gateway.invariants import check_partition
 from gateway.publisher import Publisher

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cluster import MAP_FILE
+from engine.cluster.local import MAP_FILE
 from gateway.broker import Broker
 from tests.gateway.test_gateway_process import NVB, GatewayProc, docs
 
@@ -91,7 +91,7 @@ def test_cluster_up_on_single_bucket_data_and_the_reverse_refuse(kafka_broker: B
     assert code != 0 and len(lines) == 1 and "single-bucket data" in lines[0], err
     assert not (tmp_path / "single" / MAP_FILE).exists() and not (tmp_path / "single" / "n0").exists()
 
-    from engine.cluster import Cluster
+    from engine.cluster.local import Cluster
 
     Cluster.create(tmp_path / "cluster", nodes=3, replicas=1, num_vbuckets=NVB, name=bucket).close()
     clustered = GatewayProc(kafka_broker, tmp_path / "cluster", bucket)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.durability import Durability, Level, ManualClock, SyncWriteState
 from engine.exceptions import KeyNotFound
+from engine.kv.durability import Durability, Level, ManualClock, SyncWriteState
 from gateway.broker import Broker
 from gateway.records import RecordType
 from tests.gateway.test_cluster import NVB, ClusterHarness

@@ -32,7 +32,7 @@ from engine import (
     StreamEnd,
     StreamEndReason,
 )
-from engine.item import DATA_OPS
+from engine.kv.item import DATA_OPS
 from gateway.exceptions import InvariantViolation
 from gateway.invariants import check_partition, data_positions
 from gateway.records import DecodedRecord, KafkaRecord, RecordEncoder, RecordType, ValueFormat, decode

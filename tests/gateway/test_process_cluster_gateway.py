@@ -1,4 +1,4 @@
-"""The gateway following a cluster of engine node *processes* (engine/process_cluster.py): DCP over TCP, nodes
+"""The gateway following a cluster of engine node *processes* (engine/network/process_cluster.py): DCP over TCP, nodes
 killed with SIGKILL, hard and graceful failover, a real broker; read back by the rollback-aware Replicator
 (connectors/) and the reference TopicReplica; every partition keeps the record-format invariants (issue 5 proofs 1
 and 2 with separate processes; docs/gateway-cluster.md "Process clusters")."""
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from engine import KeyNotFound, NotMyVBucket, TemporaryFailure
-from engine.process_cluster import ProcessCluster
+from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
 from gateway.publisher import Publisher
 from gateway.records import DecodedRecord, RecordEncoder, RecordType, ValueFormat

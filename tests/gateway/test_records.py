@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import FailoverEntry, Item, Op, SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
-from engine.item import DATA_OPS
+from engine.kv.item import DATA_OPS
 from gateway.exceptions import GatewayError, RecordFormatError, UnknownSchemaError
 from gateway.paths import schemas_dir
 from gateway.records import (

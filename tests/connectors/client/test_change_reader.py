@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connectors.client.replay import Change
+from engine.dcp.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
 from engine.failover_log import FailoverEntry
-from engine.item import Item, Op
-from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
+from engine.kv.item import Item, Op
 from gateway.records import (
     CHANGE_EVENT_SCHEMA,
     CONTROL_EVENT_FINGERPRINT,

@@ -12,7 +12,7 @@ new failover entry (dcp-reference.md "Takeover"; seed 003 "VBucket Takeover"):
    takeover-send to **drain the rest**;
 4. caught up again -> ``SET_VBUCKET_STATE(active)`` -> takeover-wait; on that ack the stream ends **OK**.
 
-The consumer (engine/replication.py) sets its vbucket pending on the first message and active with
+The consumer (engine/dcp/replication.py) sets its vbucket pending on the first message and active with
 ``transfer`` (``promote(takeover=True)``: no failover entry) on the second.
 """
 
@@ -21,8 +21,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Final
 
-from engine.exceptions import InvalidArgument
-from engine.stream import (
+from engine.dcp.stream import (
     ActiveStream,
     SetVBucketStateMessage,
     SnapshotFlags,
@@ -30,7 +29,8 @@ from engine.stream import (
     StreamEndReason,
     StreamState,
 )
-from engine.vbucket import VBucketState
+from engine.exceptions import InvalidArgument
+from engine.kv.vbucket import VBucketState
 
 #: seed 003 "Moving Data": under this many items left the new vbucket is "almost up to date"
 ALMOST_CAUGHT_UP_ITEMS: Final = 1000

@@ -141,7 +141,7 @@ class Item:
         self.datatype = datatype
         self.op = op
         self.prev_seqno = prev_seqno
-        #: durability level of a prepare (engine.durability.Level), 0 otherwise
+        #: durability level of a prepare (engine.kv.durability.Level), 0 otherwise
         self.level = level
         #: for a commit (a MUTATION / DELETION) or an ABORT: the seqno of the prepare it completes, else 0
         self.prepared = prepared

@@ -10,8 +10,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from engine.dcp.backfill import BackfillManager
+from engine.dcp.stream import (
+    MAX_SEQNO,
+    ActiveStream,
+    Message,
+    StreamEnd,
+    StreamEndReason,
+    StreamFlags,
+    StreamState,
+)
+from engine.dcp.takeover import TakeoverStream
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -21,27 +32,40 @@ from engine.exceptions import (
     RollbackRequired,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.stream import (
-    MAX_SEQNO,
-    ActiveStream,
-    Message,
-    StreamEnd,
-    StreamEndReason,
-    StreamFlags,
-    StreamState,
-)
-from engine.takeover import TakeoverStream
-from engine.vbucket import VBucketState
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
 
 if TYPE_CHECKING:
-    from engine.bucket import Bucket
+    from engine.config import BucketConfig
+    from engine.dcp.conn_map import DcpConnMap
+    from engine.kv.storage import Storage
+    from engine.kv.vbucket import VBucket
+
+
+class ProducerBucket(Protocol):
+    """What a producer connection needs of its bucket (an :class:`~engine.bucket.Bucket`; kv_engine's
+    ``DcpProducer`` holds its ``EventuallyPersistentEngine``)."""
+
+    @property
+    def config(self) -> BucketConfig: ...
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def connections(self) -> DcpConnMap: ...
+
+    def vbucket(self, vbid: int) -> VBucket: ...
+
+    def seqno_acknowledged(self, vbucket: int, node: str, seqno: int) -> int: ...
+
+    def set_vbucket_state(self, vbucket: int, state: VBucketState, *, cas: int | None = None) -> int: ...
 
 
 class DcpProducer:
     """A named DCP connection to one bucket."""
 
-    def __init__(self, bucket: Bucket, name: str, *, buffer_size: int = 0) -> None:
+    def __init__(self, bucket: ProducerBucket, name: str, *, buffer_size: int = 0) -> None:
         if not name:
             raise InvalidArgument("a DCP connection needs a name")
         if buffer_size < 0:
@@ -51,6 +75,8 @@ class DcpProducer:
         self.buffer_size = buffer_size
         self.unacked_bytes = 0
         self.streams: dict[int, ActiveStream] = {}
+        #: the disk backfills of this connection's streams (engine/dcp/backfill.py)
+        self.backfills = BackfillManager(bucket.storage, bucket.config.backfill_chunk_items)
         self._ready: deque[ActiveStream] = deque()
         self.closed = False
         self.paused = False
@@ -134,9 +160,8 @@ class DcpProducer:
             end_seqno = MAX_SEQNO
         cls = TakeoverStream if flags & StreamFlags.TAKEOVER else ActiveStream
         stream = cls(
-            self, vb, self.bucket.storage, opaque=opaque, flags=flags, start=start_seqno, end=end_seqno,
-            vbuuid=vbuuid, snap_start=snap_start, snap_end=snap_end,
-            backfill_chunk=self.bucket.config.backfill_chunk_items)
+            self, vb, self.backfills, opaque=opaque, flags=flags, start=start_seqno, end=end_seqno,
+            vbuuid=vbuuid, snap_start=snap_start, snap_end=snap_end)
         self.streams[vbucket] = stream
         self.notify(stream)
         return list(vb.failover.entries)
@@ -155,7 +180,7 @@ class DcpProducer:
         if old is not None:
             old.ready.clear()
 
-    # ------------------------------------------------------------------ takeover (engine/takeover.py)
+    # ------------------------------------------------------------------ takeover (engine/dcp/takeover.py)
     def _takeover_stream(self, vbucket: int) -> TakeoverStream:
         s = self.streams.get(vbucket)
         if not isinstance(s, TakeoverStream) or s.state is StreamState.DEAD:
@@ -278,8 +303,7 @@ class DcpProducer:
             s.queued = False
         self._ready.clear()
         self.closed = True
-        if self.bucket.producers.get(self.name) is self:
-            del self.bucket.producers[self.name]  # kv_engine: a disconnected connection leaves the bucket
+        self.bucket.connections.disconnected(self)  # kv_engine: a disconnected connection leaves the bucket
 
 
-__all__ = ["DcpProducer", "StreamEnd"]
+__all__ = ["DcpProducer", "ProducerBucket", "StreamEnd"]

@@ -1,8 +1,9 @@
 """DCP active streams: snapshot markers, items, stream end (kv_engine ``dcp/active_stream.cc``).
 
-A stream moves through the kv_engine states: backfilling (disk snapshot, read in chunks from storage) ->
-in-memory (point-in-time snapshots read from its checkpoint cursor) -> dead. A stream whose cursor was dropped
-under memory pressure goes back to backfilling from ``last_read + 1``; it does not end.
+A stream moves through the kv_engine states: backfilling (disk snapshot, read in bounded chunks by its
+backfill, engine/dcp/backfill.py) -> in-memory (point-in-time snapshots read from its checkpoint cursor) ->
+dead. A stream whose cursor was dropped under memory pressure goes back to backfilling from ``last_read + 1``;
+it does not end.
 
 Snapshot rules (dcp-reference.md "Streams, checkpoints, snapshot markers"):
 
@@ -21,17 +22,18 @@ stays consistent even if the consumer pauses it through flow control mid-snapsho
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, IntEnum, IntFlag
 from typing import TYPE_CHECKING, Final
 
-from engine.checkpoint import Cursor
-from engine.item import Item, Op
+from engine.dcp.backfill import BackfillManager, DiskBackfill
+from engine.kv.checkpoint import Cursor
+from engine.kv.item import Item
 
 if TYPE_CHECKING:
-    from engine.producer import DcpProducer
-    from engine.storage import Storage
-    from engine.vbucket import VBucket, VBucketState
+    from engine.dcp.producer import DcpProducer
+    from engine.kv.vbucket import VBucket, VBucketState
 
 
 class SnapshotFlags(IntFlag):
@@ -112,7 +114,7 @@ SET_VBUCKET_STATE_SIZE: Final = 24 + 1
 
 @dataclass(frozen=True, slots=True)
 class SetVBucketStateMessage:
-    """DCP ``SET_VBUCKET_STATE`` sent by a takeover stream, pending then active (engine/takeover.py)."""
+    """DCP ``SET_VBUCKET_STATE`` sent by a takeover stream, pending then active (engine/dcp/takeover.py)."""
 
     vbucket: int
     state: VBucketState
@@ -127,25 +129,15 @@ class SetVBucketStateMessage:
 Message = SnapshotMarker | Item | StreamEnd | SetVBucketStateMessage
 
 
-_OPS: Final = tuple(Op)
-
-
-def item_from_row(row: tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]) -> Item:
-    vb, seqno, key, value, flags, expiry, cas, rev, datatype, op = row
-    if op < 3:
-        return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op])
-    # a prepare (its durability level in bits 4-5) or an abort (seed 004, engine/storage.py Row)
-    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op & 15], 0, op >> 4)
-
-
 class ActiveStream:
-    """One vbucket's stream on a producer connection."""
+    """One vbucket's stream on a producer connection; ``backfill_manager`` (the producer's) reads
+    what is no longer in memory from disk."""
 
     def __init__(
         self,
         producer: DcpProducer,
         vb: VBucket,
-        storage: Storage,
+        backfill_manager: BackfillManager,
         *,
         opaque: int,
         flags: StreamFlags,
@@ -154,12 +146,11 @@ class ActiveStream:
         vbuuid: int,
         snap_start: int,
         snap_end: int,
-        backfill_chunk: int = 2048,
     ) -> None:
         self.producer = producer
         self.vb = vb
         self.vbid = vb.id
-        self.storage = storage
+        self.backfill_manager = backfill_manager
         self.opaque = opaque
         self.flags = flags
         self.start = start
@@ -172,9 +163,8 @@ class ActiveStream:
         self.ready: deque[Message] = deque()
         self.cursor_name = f"dcp:{producer.name}:{vb.id}"
         self.state = StreamState.BACKFILLING
-        self.backfill_chunk = backfill_chunk
-        self._backfill_upto = 0
-        self._backfill_marker_pending = False
+        #: the running disk backfill (state backfilling), None otherwise
+        self.backfill: DiskBackfill | None = None
         self._first_marker = True
         self._next_chk = False
         self.backfills = 0
@@ -216,8 +206,7 @@ class ActiveStream:
         if not (self.flags & StreamFlags.DISK_ONLY):
             self.cursor = ck.register_cursor(self.cursor_name, upto)
         self.state = StreamState.BACKFILLING
-        self._backfill_upto = upto
-        self._backfill_marker_pending = True
+        self.backfill = self.backfill_manager.schedule(self, last_read, upto)
         self.backfills += 1
 
     def end_stream(self, reason: StreamEndReason | int) -> None:
@@ -229,6 +218,9 @@ class ActiveStream:
 
     def _queue_end(self, reason: StreamEndReason) -> None:
         self.state = StreamState.DEAD
+        if self.backfill is not None:
+            self.backfill_manager.cancel(self.backfill)
+            self.backfill = None
         self.vb.ckpt.remove_cursor(self.cursor_name)
         if self in self.vb.streams:
             self.vb.streams.remove(self)
@@ -264,41 +256,44 @@ class ActiveStream:
             self._fill_memory(max_items)
 
     def _fill_backfill(self) -> None:
-        upto = self._backfill_upto
-        rows = self.storage.scan(self.vbid, self.last_read, upto, self.backfill_chunk)
-        ready = self.ready
-        sync = self.producer.sync_writes
-        if self._backfill_marker_pending:
-            self._backfill_marker_pending = False
-            start = self.last_read + 1
-            end = upto
-            if not sync:
-                # seed 004 / kv_engine: a client without sync writes gets the disk snapshot up to its max
-                # visible seqno (prepares and aborts are not sent); none visible: no marker at all.
-                end = self.storage.max_visible_seqno(self.vbid, self.last_read, upto)
-            if end:
-                if self._first_marker:
-                    start = min(self.snap_start, start)
-                    self._first_marker = False
-                ready.append(SnapshotMarker(self.vbid, start, end, SnapshotFlags.DISK | SnapshotFlags.CHK))
-        if rows:
-            self.last_read = rows[-1][1]
-            ready.extend(map(item_from_row, rows if sync else [r for r in rows if r[9] < 3]))
-        if not rows or len(rows) < self.backfill_chunk or self.last_read >= upto:
-            # Backfill complete.
-            self.last_read = upto
-            self._next_chk = True
-            if upto >= self.end:
-                self._queue_end(StreamEndReason.OK)
-                return
-            if self.flags & StreamFlags.DISK_ONLY:
-                self._queue_end(StreamEndReason.OK)
-                return
-            cur = self.cursor
-            if cur is None or cur.dropped:
-                self._schedule(upto)
-            else:
-                self.state = StreamState.IN_MEMORY
+        backfill = self.backfill
+        assert backfill is not None
+        self.backfill_manager.run(backfill)
+
+    # ------------------------------------------------------------------ fed by the backfill
+    @property
+    def sync_writes(self) -> bool:
+        """Whether the connection enabled sync writes (prepares and aborts are sent)."""
+        return self.producer.sync_writes
+
+    def mark_disk_snapshot(self, start: int, end: int) -> None:
+        """The backfill's disk snapshot marker (kv_engine ``ActiveStream::markDiskSnapshot``)."""
+        if self._first_marker:
+            start = min(self.snap_start, start)
+            self._first_marker = False
+        self.ready.append(SnapshotMarker(self.vbid, start, end, SnapshotFlags.DISK | SnapshotFlags.CHK))
+
+    def backfill_received(self, items: Iterable[Item], last_seqno: int) -> None:
+        """A chunk of the disk snapshot read up to ``last_seqno`` (``backfillReceived``)."""
+        self.last_read = last_seqno
+        self.ready.extend(items)
+
+    def complete_backfill(self, upto: int) -> None:
+        """The disk snapshot was read up to ``upto`` (``completeBackfill``): end, or continue from memory."""
+        self.backfill = None
+        self.last_read = upto
+        self._next_chk = True
+        if upto >= self.end:
+            self._queue_end(StreamEndReason.OK)
+            return
+        if self.flags & StreamFlags.DISK_ONLY:
+            self._queue_end(StreamEndReason.OK)
+            return
+        cur = self.cursor
+        if cur is None or cur.dropped:
+            self._schedule(upto)
+        else:
+            self.state = StreamState.IN_MEMORY
 
     def _fill_memory(self, max_items: int) -> None:
         cur = self.cursor

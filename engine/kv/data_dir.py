@@ -1,7 +1,7 @@
 """One process per data directory, and what a data directory holds (docs/reliability.md "Data directory").
 
 :class:`DataDirLock` is an exclusive ``flock(2)`` on ``<data dir>/dcpgw.lock`` held for the life of the process
-that owns the directory (``dcpgw up``, an ``engine.server`` node process). The file holds the owner's pid, so a
+that owns the directory (``dcpgw up``, an ``engine.network.server`` node process). The file holds the owner's pid, so a
 second process names it when it is refused. The kernel drops the lock when the holder exits, however it exits
 (kill -9 included); the file itself stays (it is never the lock, only where the pid is written).
 
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 LOCK_FILE = "dcpgw.lock"
-#: the cluster's vbucket map under its base directory (engine/cluster.py)
+#: the cluster's vbucket map under its base directory (engine/cluster/local.py)
 MAP_FILE = "vbucket_map.json"
 #: a bucket's SQLite file is ``<bucket name>`` + this (engine/bucket.py)
 STORE_SUFFIX = ".sqlite3"

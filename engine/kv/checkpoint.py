@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
-from engine.item import ITEM_OVERHEAD, Item
+from engine.kv.item import ITEM_OVERHEAD, Item
 
 PERSISTENCE_CURSOR: Final = "persistence"
 

@@ -1,12 +1,12 @@
 """An engine node process: one :class:`~engine.bucket.Bucket` served over TCP (memcached binary protocol).
 
-``python -m engine.server --data-dir D --port P --num-vbuckets V [--name n0]`` prints ``READY port=<port>``
+``python -m engine.network.server --data-dir D --port P --num-vbuckets V [--name n0]`` prints ``READY port=<port>``
 once it listens. kv_engine counterparts: the memcached front end (GET / SET / DELETE / OBSERVE_SEQNO / STAT),
 ``SET_VBUCKET_STATE`` with the partition-state CAS of seed 001, DCP producer connections (``dcp/producer.cc``:
 stream request -> OK + failover log / ROLLBACK / errors, then pushed markers, mutations, deletions,
 expirations and stream ends, flow control by buffer acks), and the replica side: the node pulls its replica
-vbuckets from the active nodes with :class:`~engine.replication.DcpConsumer` over
-:class:`~engine.remote.RemoteDcpProducer` connections (one thread per source node).
+vbuckets from the active nodes with :class:`~engine.dcp.replication.DcpConsumer` over
+:class:`~engine.network.remote.RemoteDcpProducer` connections (one thread per source node).
 
 Single-threaded access to the bucket: everything touching it runs on the asyncio loop's thread; a replication
 thread reaches the bucket only through :class:`_LoopBucket`, which runs each call on the loop. A periodic
@@ -33,9 +33,11 @@ from typing import Any, TypeVar
 import orjson
 
 from engine.bucket import Bucket
+from engine.cluster.manager import branch_end
 from engine.config import BucketConfig
-from engine.data_dir import DataDirLock, DataDirLocked
-from engine.durability import SyncWrite
+from engine.dcp.producer import DcpProducer
+from engine.dcp.replication import MAX_ROLLBACKS_PER_REQUEST, DcpConsumer
+from engine.dcp.stream import SnapshotMarker, StreamFlags
 from engine.exceptions import (
     EngineError,
     InvalidArgument,
@@ -48,10 +50,11 @@ from engine.exceptions import (
     UnknownCommand,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.manager import branch_end
-from engine.producer import DcpProducer
-from engine.protocol import (
+from engine.kv.data_dir import DataDirLock, DataDirLocked
+from engine.kv.durability import SyncWrite
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
+from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
     GET_EXTRAS,
@@ -77,10 +80,7 @@ from engine.protocol import (
     parse_header,
     response,
 )
-from engine.remote import RemoteDcpProducer
-from engine.replication import MAX_ROLLBACKS_PER_REQUEST, DcpConsumer
-from engine.stream import SnapshotMarker, StreamFlags
-from engine.vbucket import VBucketState
+from engine.network.remote import RemoteDcpProducer
 
 log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)
@@ -129,7 +129,7 @@ class _LoopBucket:
     def apply_replica_message(self, message: SnapshotMarker | Item) -> None:
         self._run(self._server.bucket.apply_replica_message, message)
 
-    # A takeover stream's state messages (engine/takeover.py): pending, then active with transfer.
+    # A takeover stream's state messages (engine/dcp/takeover.py): pending, then active with transfer.
     def set_vbucket_state(self, vbucket: int, state: VBucketState, *, cas: int | None = None) -> int:
         return self._run(lambda: self._server.bucket.set_vbucket_state(vbucket, state, cas=cas))
 
@@ -733,8 +733,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: ``python -m engine.server --data-dir D --port P --num-vbuckets V``."""
-    ap = argparse.ArgumentParser(prog="python -m engine.server", description=__doc__.split("\n")[0])
+    """Entry point: ``python -m engine.network.server --data-dir D --port P --num-vbuckets V``."""
+    ap = argparse.ArgumentParser(prog="python -m engine.network.server", description=__doc__.split("\n")[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--port", type=int, default=0, help="0 = any free port (printed on the READY line)")
     ap.add_argument("--host", default="127.0.0.1")

@@ -1,11 +1,11 @@
-"""A cluster of engine node *processes* (engine/server.py) with a cluster manager in ns_server's role.
+"""A cluster of engine node *processes* (engine/network/server.py) with a cluster manager in ns_server's role.
 
-The fault-test counterpart of the in-process :class:`engine.cluster.Cluster`: every node is a separate
-``python -m engine.server`` process with its own data directory, killed with SIGKILL by :meth:`ProcessCluster.kill`.
-The manager owns the revisioned :class:`~engine.vbucket_map.VBucketMap`, sets vbucket states with the
+The fault-test counterpart of the in-process :class:`engine.cluster.local.Cluster`: every node is a separate
+``python -m engine.network.server`` process with its own data directory, killed with SIGKILL by :meth:`ProcessCluster.kill`.
+The manager owns the revisioned :class:`~engine.cluster.vbucket_map.VBucketMap`, sets vbucket states with the
 partition-state CAS, tells every node which replication streams to pull (SET_REPLICATION; the replica side pulls,
 as in kv_engine), and fails nodes over with the same rules as the in-process cluster -- the rules live in
-:class:`engine.manager.ClusterManager`, which both share. See docs/cluster.md "Node processes".
+:class:`engine.cluster.manager.ClusterManager`, which both share. See docs/cluster.md "Node processes".
 
 Unlike the in-process cluster this one is not deterministic: replication and the flusher run in the nodes on
 their own. Tests make replicas lag with :meth:`ProcessCluster.pause_replication` and keep items unpersisted with
@@ -29,22 +29,22 @@ from typing import Any
 import orjson
 
 import engine
-from engine.data_dir import MAP_FILE
-from engine.durable_file import write_atomically
+from engine.cluster.manager import ClusterManager, NodeControl
+from engine.cluster.rebalance import ProcessRebalance, RebalanceProgress
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
-from engine.manager import ClusterManager, NodeControl
-from engine.rebalance import ProcessRebalance, RebalanceProgress
-from engine.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
-from engine.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
-from engine.vbucket_map import VBucketMap
+from engine.kv.data_dir import MAP_FILE
+from engine.kv.durable_file import write_atomically
+from engine.kv.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
+from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
 
 _ROOT = Path(engine.__file__).resolve().parents[1]
 
 
 @dataclass
 class NodeProcess:
-    """One ``python -m engine.server`` child process and a client of it."""
+    """One ``python -m engine.network.server`` child process and a client of it."""
 
     name: str
     data_dir: Path
@@ -77,7 +77,7 @@ class NodeProcess:
         if self.up:
             raise InvalidArgument(f"node {self.name} is already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "engine.server", "--data-dir", str(self.data_dir), "--port", "0",
+        cmd = [sys.executable, "-m", "engine.network.server", "--data-dir", str(self.data_dir), "--port", "0",
                "--host", self.host, "--num-vbuckets", str(self.num_vbuckets), "--name", self.name,
                "--flush-interval-ms", str(self.flush_interval_ms), "--parent-pid", str(os.getpid())]
         if self.config:
@@ -212,7 +212,7 @@ class ProcessCluster(ClusterManager):
     def _rewire(self, exclude: str | None = None) -> None:
         """Send every live node the replication streams the map gives it (a replica pulls from its active)."""
         wanted = self.wanted_streams(exclude=exclude)
-        # The rebalance mover's streams (engine/rebalance.py ProcessRebalance): a copy being built or taken
+        # The rebalance mover's streams (engine/cluster/rebalance.py ProcessRebalance): a copy being built or taken
         # over pulls its vbucket from the current active on the same link.
         for vb, fed in sorted(self._moving.items()):
             src = self._map.active(vb)
@@ -268,7 +268,7 @@ class ProcessCluster(ClusterManager):
         self.ejected.append(name)
         self._rewire()
 
-    # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
+    # ------------------------------------------------------------------ rebalance (engine/cluster/rebalance.py)
     def add_node(self, name: str) -> NodeProcess:
         """Start a new node process ``name`` (data under ``base_dir/name``, the other nodes' settings), all
         its vbuckets dead until a rebalance moves some to it; a node ejected or failed over earlier can come
@@ -291,7 +291,7 @@ class ProcessCluster(ClusterManager):
         self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
         progress: Callable[[RebalanceProgress], None] | None = None, concurrent_moves: int = 1,
     ) -> ProcessRebalance:
-        """As :meth:`engine.cluster.Cluster.start_rebalance` over node processes; :meth:`rebalance` drives it
+        """As :meth:`engine.cluster.local.Cluster.start_rebalance` over node processes; :meth:`rebalance` drives it
         (the nodes replicate on their own; the manager polls). One move at a time by default: every move
         changes the replication links (SET_REPLICATION restarts a link whose vbucket set changed), which
         would cut another move's takeover stream on the same link."""

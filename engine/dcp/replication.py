@@ -28,12 +28,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from engine.bucket import Bucket
-from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
-from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.producer import DcpProducer
-from engine.stream import (
+from engine.dcp.producer import DcpProducer
+from engine.dcp.stream import (
     MAX_SEQNO,
     Message,
     SetVBucketStateMessage,
@@ -43,7 +39,10 @@ from engine.stream import (
     StreamEndReason,
     StreamFlags,
 )
-from engine.vbucket import VBucketState
+from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
+from engine.failover_log import FailoverEntry
+from engine.kv.item import Item
+from engine.kv.vbucket import VBucketState
 
 #: a stream request that keeps being answered ROLLBACK this many times is an engine bug, not a history
 MAX_ROLLBACKS_PER_REQUEST = 64
@@ -67,8 +66,8 @@ class PassiveStream:
 
 
 class ProducerConnection(Protocol):
-    """What a consumer needs of its producer connection: :class:`~engine.producer.DcpProducer` in process,
-    :class:`engine.remote.RemoteDcpProducer` over the network."""
+    """What a consumer needs of its producer connection: :class:`~engine.dcp.producer.DcpProducer` in process,
+    :class:`engine.network.remote.RemoteDcpProducer` over the network."""
 
     @property
     def closed(self) -> bool: ...
@@ -91,7 +90,7 @@ class ProducerConnection(Protocol):
 
 
 class ReplicaTarget(Protocol):
-    """What a consumer needs of the bucket holding the replica vbuckets (a :class:`Bucket`, or the node
+    """What a consumer needs of the bucket holding the replica vbuckets (a :class:`~engine.bucket.Bucket`, or the node
     server's proxy that runs each call on the bucket's own thread)."""
 
     @property
@@ -111,7 +110,7 @@ class ReplicaTarget(Protocol):
 @runtime_checkable
 class TakeoverAcks(Protocol):
     """The producer side of a takeover stream: the consumer's responses to markers sent with ACK and to
-    SET_VBUCKET_STATE (engine/takeover.py)."""
+    SET_VBUCKET_STATE (engine/dcp/takeover.py)."""
 
     def snapshot_marker_ack(self, vbucket: int) -> None: ...
 
@@ -136,7 +135,7 @@ class DcpConsumer:
     """
 
     def __init__(
-        self, name: str, replica: Bucket | ReplicaTarget, producer: DcpProducer | ProducerConnection, *,
+        self, name: str, replica: ReplicaTarget, producer: DcpProducer | ProducerConnection, *,
         use_client_log: bool = True, consumer_name: str | None = None,
     ) -> None:
         if not name:
@@ -214,7 +213,7 @@ class DcpConsumer:
         """One stream request from the replica's own position (seed 003 "Initial Stream Handshake" step 3):
         the producer's failover log on OK (replaced into the replica, step 6), ``None`` after a ROLLBACK the
         replica executed (step 5: request again). ``takeover`` sets the TAKEOVER flag (seed 003 "VBucket
-        Takeover"). The rebalance mover (engine/rebalance.py) drives the loop itself so its add-stream
+        Takeover"). The rebalance mover (engine/cluster/rebalance.py) drives the loop itself so its add-stream
         requests complete out of order."""
         if self.is_open(vbucket):
             raise InvalidArgument(f"{self.name}: a stream for vbucket {vbucket} is already open")

@@ -24,12 +24,16 @@ import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from engine.exceptions import StorageError
+from engine.kv.item import Item, Op
+
+if TYPE_CHECKING:
+    from engine.kv.vbucket import VBucket
 
 #: (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op); for a prepare ``op`` also carries its
-#: durability level in bits 4-5 (``op | level << 4``, engine/stream.py item_from_row)
+#: durability level in bits 4-5 (``op | level << 4``, :func:`item_from_row`)
 Row = tuple[int, int, bytes, bytes | None, int, int, int, int, int, int]
 
 _SCHEMA: Final = """
@@ -279,3 +283,23 @@ class Storage:
             self._db.close()
         except sqlite3.Error as e:  # pragma: no cover - close failure is unusual
             raise StorageError(f"close failed: {e}") from e
+
+
+_OPS: Final = tuple(Op)
+
+
+def item_from_row(row: Row) -> Item:
+    """The :class:`Item` a stored row holds (warmup, rollback and disk backfills read them)."""
+    vb, seqno, key, value, flags, expiry, cas, rev, datatype, op = row
+    if op < 3:
+        return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op])
+    # a prepare (its durability level in bits 4-5) or an abort (docs/durability.md, Row above)
+    return Item(key, value, vb, seqno, rev, cas, flags, expiry, datatype, _OPS[op & 15], 0, op >> 4)
+
+
+def vbucket_record(vb: VBucket) -> VBucketRecord:
+    """The state record the storage persists for ``vb`` (kv_engine ``vbucket_state``)."""
+    return VBucketRecord(
+        vb.id, vb.state.value, vb.failover.to_pairs(), vb.persisted_seqno, vb.persisted_snap[0],
+        vb.persisted_snap[1], vb.purge_seqno, vb.max_cas, vb.history_start,
+    )

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import (
     InvalidArgument,
     NotMyVBucket,
@@ -31,11 +32,10 @@ from engine.exceptions import (
     UnknownCommand,
 )
 from engine.failover_log import FailoverEntry
-from engine.vbucket import MutationToken, VBucketInfo, VBucketState
-from engine.vbucket_map import VBucketMap
+from engine.kv.vbucket import MutationToken, VBucketInfo, VBucketState
 
 if TYPE_CHECKING:
-    from engine.rebalance import Rebalance, RebalanceProgress
+    from engine.cluster.rebalance import Rebalance, RebalanceProgress
 
 
 class NodeControl(Protocol):

@@ -48,10 +48,10 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
-from engine.item import Datatype, Item, Op, detect_datatype
+from engine.kv.item import Datatype, Item, Op, detect_datatype
 
 if TYPE_CHECKING:
-    from engine.vbucket import MutationResult, StoreMode, VBucket
+    from engine.kv.vbucket import MutationResult, StoreMode, VBucket
 
 #: kv_engine ``cb::durability::Timeout``: 0 = the bucket default, 0xffff = infinity; the frame carries 16 bits
 BUCKET_DEFAULT_TIMEOUT: Final = 0
@@ -364,7 +364,7 @@ class ActiveDurabilityMonitor:
         """Queue the prepare of a durable set (``value`` bytes, ``mode``) or delete (``value`` None) and
         return its handle. Checks the vbucket is active, the key has no prepare in flight, durability is
         possible, then the same document rules as a plain write (CAS, add / replace, value size...)."""
-        from engine.vbucket import U32, StoreMode, absolute_expiry
+        from engine.kv.vbucket import U32, StoreMode, absolute_expiry
 
         vb = self.vb
         vb.check_active()
@@ -433,7 +433,7 @@ def commit_prepare(vb: VBucket, p: Item, seqno: int) -> MutationResult:
     """Make prepare ``p`` visible at ``seqno``: a MUTATION (or DELETION for a durable delete) with the
     prepare's value, rev seqno, CAS, flags and expiry, ``prepared`` = the prepare's seqno (kv_engine
     ``VBucket::commit``). Used by the active; a replica applies the active's commit item instead."""
-    from engine.vbucket import MutationResult
+    from engine.kv.vbucket import MutationResult
 
     del vb.prepares[p.key]
     old = vb.ht.get(p.key)

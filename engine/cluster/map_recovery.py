@@ -1,9 +1,9 @@
 """Rebuilding a lost or damaged vbucket map from the nodes' own persisted vbucket states.
 
-The map is written atomically (engine/durable_file.py), so a crash never leaves it empty; but a map damaged some
+The map is written atomically (engine/kv/durable_file.py), so a crash never leaves it empty; but a map damaged some
 other way (an older version's in-place rewrite, a disk error, an operator) must not make the cluster unusable
 while every node's data is intact. Every node persists, per vbucket, its state (active / replica / pending /
-dead), its failover log and its high seqno (engine/storage.py ``vbstate``) -- what ns_server would learn from
+dead), its failover log and its high seqno (engine/kv/storage.py ``vbstate``) -- what ns_server would learn from
 the nodes' ``vbucket-details`` stats. From those:
 
 * **active**: the copy a node holds active. Two nodes claiming one vbucket active (a node hard-failed-over while
@@ -17,7 +17,7 @@ the nodes' ``vbucket-details`` stats. From those:
 * **no active** (no node holds the vbucket active, e.g. a crash between a takeover's two state changes, or the
   active's node left out as failed over): the replica with the highest last complete snapshot is promoted, as
   a hard failover would
-  (:meth:`engine.manager.ClusterManager.failover`); ties go to the first node in name order.
+  (:meth:`engine.cluster.manager.ClusterManager.failover`); ties go to the first node in name order.
 * **replicas**: every other node holding the vbucket as a replica, in node-name order, padded with empty slots
   to the replica count (the largest number of replicas found, or the caller's hint).
 * **nodes**: every node holding at least one copy in the rebuilt chains, in natural name order (n2 < n10).
@@ -33,9 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.data_dir import STORE_SUFFIX, cluster_node_dirs
-from engine.storage import Storage
-from engine.vbucket_map import MAX_REPLICAS, VBucketMap
+from engine.cluster.vbucket_map import MAX_REPLICAS, VBucketMap
+from engine.kv.data_dir import STORE_SUFFIX, cluster_node_dirs
+from engine.kv.storage import Storage
 
 __all__ = ["CopyState", "MapRebuild", "node_order", "read_node_states", "rebuild_map", "salvage_revision"]
 

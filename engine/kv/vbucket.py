@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-from engine.checkpoint import CheckpointManager, MemoryCounter
 from engine.exceptions import (
     InvalidArgument,
     KeyExists,
@@ -24,11 +23,12 @@ from engine.exceptions import (
     ValueTooLarge,
 )
 from engine.failover_log import FailoverLog
-from engine.item import Datatype, Item, Op, detect_datatype
+from engine.kv.checkpoint import CheckpointManager, MemoryCounter
+from engine.kv.item import Datatype, Item, Op, detect_datatype
 
 if TYPE_CHECKING:
-    from engine.durability import ActiveDurabilityMonitor
-    from engine.stream import ActiveStream
+    from engine.dcp.stream import ActiveStream
+    from engine.kv.durability import ActiveDurabilityMonitor
 
 #: memcached: an expiry up to 30 days is relative to now, larger values are an absolute epoch time.
 RELATIVE_EXPIRY_LIMIT: Final = 30 * 24 * 3600
@@ -479,7 +479,7 @@ class VBucket:
                 f"vbucket {self.id}: {item!r} not in ({self.high_seqno}, {end}] of the open snapshot")
         key = item.key
         if item.op >= Op.PREPARE:  # a prepare or an abort (seed 004 synchronous replication)
-            from engine.durability import passive_apply
+            from engine.kv.durability import passive_apply
 
             return passive_apply(self, item, end)
         prepared = item.prepared

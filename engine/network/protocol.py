@@ -24,7 +24,14 @@ from typing import Final
 
 import orjson
 
-from engine.durability import Durability, Level, parse_level
+from engine.dcp.stream import (
+    Message,
+    SetVBucketStateMessage,
+    SnapshotFlags,
+    SnapshotMarker,
+    StreamEnd,
+    StreamEndReason,
+)
 from engine.exceptions import (
     DurabilityInvalidLevel,
     EngineError,
@@ -34,16 +41,9 @@ from engine.exceptions import (
     error_for_status,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item, Op
-from engine.stream import (
-    Message,
-    SetVBucketStateMessage,
-    SnapshotFlags,
-    SnapshotMarker,
-    StreamEnd,
-    StreamEndReason,
-)
-from engine.vbucket import VBucketState
+from engine.kv.durability import Durability, Level, parse_level
+from engine.kv.item import Item, Op
+from engine.kv.vbucket import VBucketState
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24
@@ -384,7 +384,7 @@ def _encode_sync_message(m: Item, opaque: int) -> bytes:
 def decode_dcp_message(f: Frame) -> Message:
     """The engine message of a pushed DCP frame; :class:`ProtocolError` when the extras do not fit. A
     DCP_COMMIT becomes a MUTATION item without value whose ``prepared`` names the prepare (the replica makes
-    its prepare visible, engine/vbucket.py ``replica_apply``); DCP_ABORT an ABORT item."""
+    its prepare visible, engine/kv/vbucket.py ``replica_apply``); DCP_ABORT an ABORT item."""
     op = f.opcode
     try:
         if op == Opcode.DCP_PREPARE:

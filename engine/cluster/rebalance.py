@@ -44,15 +44,15 @@ from enum import Enum
 from typing import Final, Protocol
 
 from engine.bucket import Bucket
+from engine.cluster.manager import NodeControl
+from engine.cluster.vbucket_map import VBucketMap
+from engine.dcp.replication import DcpConsumer, PassiveState
+from engine.dcp.stream import StreamEndReason
+from engine.dcp.takeover import ALMOST_CAUGHT_UP_ITEMS
 from engine.exceptions import EngineError, InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.failover_log import FailoverEntry
-from engine.manager import NodeControl
-from engine.remote import RemoteNode
-from engine.replication import DcpConsumer, PassiveState
-from engine.stream import StreamEndReason
-from engine.takeover import ALMOST_CAUGHT_UP_ITEMS
-from engine.vbucket import VBucketState
-from engine.vbucket_map import VBucketMap
+from engine.kv.vbucket import VBucketState
+from engine.network.remote import RemoteNode
 
 #: moves running at once (ns_server ``rebalance_moves_per_node`` defaults to 4)
 DEFAULT_CONCURRENT_MOVES: Final = 4

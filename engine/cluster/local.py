@@ -1,9 +1,9 @@
 """An in-process cluster of engine nodes with a cluster manager in ns_server's role.
 
 Each :class:`Node` owns a :class:`~engine.bucket.Bucket` with its own data directory. The :class:`Cluster`
-keeps the revisioned :class:`~engine.vbucket_map.VBucketMap`, sets every node's vbucket states from it (with
+keeps the revisioned :class:`~engine.cluster.vbucket_map.VBucketMap`, sets every node's vbucket states from it (with
 the partition-state CAS of seed 001), runs one replication connection per (active node -> replica node) pair
-(:class:`~engine.replication.DcpConsumer`), routes front-end requests through the map, and performs hard and
+(:class:`~engine.dcp.replication.DcpConsumer`), routes front-end requests through the map, and performs hard and
 graceful failover (seed 001 "How ns_server performs failover", dcp-reference.md "Failover table").
 
 Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is called. See docs/cluster.md.
@@ -19,22 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from engine.bucket import Bucket
+from engine.cluster.manager import ClusterManager, FailoverReport, ObserveResult
+from engine.cluster.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
+from engine.cluster.rebalance import Rebalance, RebalanceProgress
+from engine.cluster.vbucket_map import VBucketMap
 from engine.config import BucketConfig
-from engine.data_dir import MAP_FILE
-from engine.durability import Durability, ManualClock, SyncWrite
-from engine.durable_file import write_atomically
+from engine.dcp.producer import DcpProducer
+from engine.dcp.replication import DcpConsumer
 from engine.exceptions import (
     InvalidArgument,
     NotMyVBucket,
     TemporaryFailure,
 )
-from engine.manager import ClusterManager, FailoverReport, ObserveResult
-from engine.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
-from engine.producer import DcpProducer
-from engine.rebalance import Rebalance, RebalanceProgress
-from engine.replication import DcpConsumer
-from engine.vbucket import GetResult, MutationResult, vbucket_of
-from engine.vbucket_map import VBucketMap
+from engine.kv.data_dir import MAP_FILE
+from engine.kv.durability import Durability, ManualClock, SyncWrite
+from engine.kv.durable_file import write_atomically
+from engine.kv.vbucket import GetResult, MutationResult, vbucket_of
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Node:
 
 class Cluster(ClusterManager):
     """The cluster manager (ns_server's role) over in-process nodes; the failover, observe and
-    partition-state rules are :class:`engine.manager.ClusterManager`'s."""
+    partition-state rules are :class:`engine.cluster.manager.ClusterManager`'s."""
 
     def __init__(
         self, base_dir: Path, nodes: dict[str, Node], vbmap: VBucketMap, *,
@@ -110,7 +110,7 @@ class Cluster(ClusterManager):
         the states set from the map. Nodes failed over earlier stay out.
 
         A map file that is missing (with node data present), empty or unreadable is rebuilt from the nodes'
-        persisted vbucket states (engine/map_recovery.py; ``replicas``: the replica count when the copies show
+        persisted vbucket states (engine/cluster/map_recovery.py; ``replicas``: the replica count when the copies show
         fewer), logged as a warning and saved; :class:`InvalidArgument` when there is neither
         a map nor node data."""
         base = Path(base_dir)
@@ -345,7 +345,7 @@ class Cluster(ClusterManager):
         chosen = None if only is None else set(only)
         moved = 0
         if self._rebalance is not None and only is None:
-            self._rebalance.step()  # a bounded step of the rebalance in progress (engine/rebalance.py)
+            self._rebalance.step()  # a bounded step of the rebalance in progress (engine/cluster/rebalance.py)
         for _ in range(rounds):
             n = 0
             for key in sorted(self._conns):
@@ -407,7 +407,7 @@ class Cluster(ClusterManager):
         node.bucket = Bucket(node.config, clock=self.clock)
         self._apply_states(name)
 
-    # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
+    # ------------------------------------------------------------------ rebalance (engine/cluster/rebalance.py)
     def node_config(self, name: str) -> BucketConfig:
         """The bucket settings a new node ``name`` gets: the other nodes', data under ``base_dir/name``."""
         self._check_new_node(name)
@@ -446,7 +446,7 @@ class Cluster(ClusterManager):
         progress: Callable[[RebalanceProgress], None] | None = None, concurrent_moves: int = 4,
         buckets: dict[str, Bucket] | None = None,
     ) -> Rebalance:
-        """Start a rebalance (seed 003; engine/rebalance.py): nodes ``add`` in (started with :meth:`add_node`
+        """Start a rebalance (seed 003; engine/cluster/rebalance.py): nodes ``add`` in (started with :meth:`add_node`
         when new), ``remove`` out; a new map over the new node set moving as few copies as possible; every
         :meth:`pump` advances it while writes continue. With neither, the current nodes are rebalanced (empty
         slots left by failovers refilled). :class:`InvalidArgument` for unknown / duplicate nodes, removing

@@ -1,10 +1,10 @@
-"""Clients of an engine node process (engine/server.py) over the memcached binary protocol (engine/protocol.py).
+"""Clients of an engine node process (engine/network/server.py) over the memcached binary protocol (engine/network/protocol.py).
 
 * :class:`RemoteNode`: front-end GET / SET / DELETE, OBSERVE_SEQNO, vbucket state commands with the
   partition-state CAS, stats, and the node's private admin commands. One connection, blocking, thread-safe.
-* :class:`RemoteDcpProducer`: a DCP connection that duck-types :class:`engine.producer.DcpProducer`
+* :class:`RemoteDcpProducer`: a DCP connection that duck-types :class:`engine.dcp.producer.DcpProducer`
   (``stream_request``, ``step``, ``buffer_acknowledge``, ``close_stream``, ``get_failover_log``, ``close``), so
-  :class:`engine.replication.DcpConsumer` and DCP clients work over the network unchanged.
+  :class:`engine.dcp.replication.DcpConsumer` and DCP clients work over the network unchanged.
 
 Errors are the engine's typed exceptions (status code -> ``engine.exceptions``); a node that cannot be reached
 or drops the connection raises :class:`NodeUnavailable` (TMPFAIL, retriable -- what the in-process cluster
@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from engine.durability import Durability
+from engine.dcp.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
 from engine.exceptions import (
     EngineClosed,
     InvalidArgument,
@@ -35,8 +35,10 @@ from engine.exceptions import (
     TemporaryFailure,
 )
 from engine.failover_log import FailoverEntry
-from engine.item import Item
-from engine.protocol import (
+from engine.kv.durability import Durability
+from engine.kv.item import Item
+from engine.kv.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
+from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
     GET_EXTRAS,
@@ -60,8 +62,6 @@ from engine.protocol import (
     request,
     response,
 )
-from engine.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
-from engine.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
 
 _RECV = 1 << 20
 
@@ -337,7 +337,7 @@ class RemoteStream:
 
 
 class RemoteDcpProducer:
-    """A DCP producer connection on a node process, duck-typing :class:`engine.producer.DcpProducer`.
+    """A DCP producer connection on a node process, duck-typing :class:`engine.dcp.producer.DcpProducer`.
 
     ``step`` returns the messages that arrived (waiting up to ``poll_timeout`` for the first), decoded to the
     engine's :class:`SnapshotMarker` / :class:`Item` / :class:`StreamEnd`. With ``buffer_size`` the connection
@@ -491,7 +491,7 @@ class RemoteDcpProducer:
         f, _ = self._call(Opcode.DCP_GET_FAILOVER_LOG, vbucket=vbucket)
         return decode_failover_log(f.value)
 
-    # ------------------------------------------------------------------ takeover acks (engine/takeover.py)
+    # ------------------------------------------------------------------ takeover acks (engine/dcp/takeover.py)
     def _respond(self, opcode: int, vbucket: int) -> None:
         # kv_engine: the consumer answers a pushed marker with ACK / a SET_VBUCKET_STATE with a response
         # carrying the stream's opaque; the producer finds the stream by it (DcpProducer::handleResponse).
