@@ -28,7 +28,6 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
-from engine.failover_log import FailoverEntry, FailoverLog
 from engine.item import Datatype, Item, Op
 from engine.producer import DcpProducer
 from engine.stream import (
@@ -41,6 +40,7 @@ from engine.stream import (
     StreamFlags,
 )
 from engine.vbucket import GetResult, MutationResult, MutationToken, VBucketState, vbucket_of
+from schemas.failover_log import FailoverEntry, FailoverLog
 
 __all__ = [
     "MAX_SEQNO",

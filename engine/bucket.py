@@ -29,7 +29,6 @@ from engine.exceptions import (
     StateCasMismatch,
     TemporaryFailure,
 )
-from engine.failover_log import FailoverEntry, FailoverLog
 from engine.item import Item, Op
 from engine.producer import DcpProducer
 from engine.storage import Row, Storage, VBucketRecord
@@ -44,6 +43,7 @@ from engine.vbucket import (
     VBucketState,
     vbucket_of,
 )
+from schemas.failover_log import FailoverEntry, FailoverLog
 
 CLEAN_SHUTDOWN = "clean_shutdown"
 _STATE_CAS_RNG = random.SystemRandom()

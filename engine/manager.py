@@ -30,9 +30,9 @@ from engine.exceptions import (
     TemporaryFailure,
     UnknownCommand,
 )
-from engine.failover_log import FailoverEntry
 from engine.vbucket import MutationToken, VBucketInfo, VBucketState
 from engine.vbucket_map import VBucketMap
+from schemas.failover_log import FailoverEntry
 
 if TYPE_CHECKING:
     from engine.rebalance import Rebalance, RebalanceProgress

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.failover_log import FailoverEntry
+from schemas.failover_log import FailoverEntry
 
 
 @dataclass(slots=True)

@@ -32,12 +32,12 @@ import engine
 from engine.data_dir import MAP_FILE
 from engine.durable_file import write_atomically
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
-from engine.failover_log import FailoverEntry
 from engine.manager import ClusterManager, NodeControl
 from engine.rebalance import ProcessRebalance, RebalanceProgress
 from engine.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
 from engine.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
 from engine.vbucket_map import VBucketMap
+from schemas.failover_log import FailoverEntry
 
 _ROOT = Path(engine.__file__).resolve().parents[1]
 

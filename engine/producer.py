@@ -20,7 +20,6 @@ from engine.exceptions import (
     RangeError,
     RollbackRequired,
 )
-from engine.failover_log import FailoverEntry
 from engine.item import Item
 from engine.stream import (
     MAX_SEQNO,
@@ -33,6 +32,7 @@ from engine.stream import (
 )
 from engine.takeover import TakeoverStream
 from engine.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 if TYPE_CHECKING:
     from engine.bucket import Bucket

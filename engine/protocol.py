@@ -33,7 +33,6 @@ from engine.exceptions import (
     Status,
     error_for_status,
 )
-from engine.failover_log import FailoverEntry
 from engine.item import Item, Op
 from engine.stream import (
     Message,
@@ -44,6 +43,7 @@ from engine.stream import (
     StreamEndReason,
 )
 from engine.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24

@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Final
 
 from engine.bucket import Bucket
 from engine.exceptions import EngineError, InvalidArgument, NotMyVBucket, TemporaryFailure
-from engine.failover_log import FailoverEntry
 from engine.remote import RemoteNode
 from engine.replication import DcpConsumer, PassiveState
 from engine.stream import StreamEndReason
 from engine.takeover import ALMOST_CAUGHT_UP_ITEMS
 from engine.vbucket import VBucketState
 from engine.vbucket_map import VBucketMap
+from schemas.failover_log import FailoverEntry
 
 if TYPE_CHECKING:
     from engine.manager import ClusterManager

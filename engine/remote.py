@@ -34,7 +34,6 @@ from engine.exceptions import (
     Status,
     TemporaryFailure,
 )
-from engine.failover_log import FailoverEntry
 from engine.item import Item
 from engine.protocol import (
     CODE_STATES,
@@ -62,6 +61,7 @@ from engine.protocol import (
 )
 from engine.stream import MAX_SEQNO, Message, StreamEnd, StreamFlags
 from engine.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
+from schemas.failover_log import FailoverEntry
 
 _RECV = 1 << 20
 

@@ -30,7 +30,6 @@ from typing import Protocol, runtime_checkable
 
 from engine.bucket import Bucket
 from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
-from engine.failover_log import FailoverEntry
 from engine.item import Item
 from engine.producer import DcpProducer
 from engine.stream import (
@@ -44,6 +43,7 @@ from engine.stream import (
     StreamFlags,
 )
 from engine.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 #: a stream request that keeps being answered ROLLBACK this many times is an engine bug, not a history
 MAX_ROLLBACKS_PER_REQUEST = 64

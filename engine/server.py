@@ -46,7 +46,6 @@ from engine.exceptions import (
     TemporaryFailure,
     UnknownCommand,
 )
-from engine.failover_log import FailoverEntry
 from engine.item import Item
 from engine.manager import branch_end
 from engine.producer import DcpProducer
@@ -80,6 +79,7 @@ from engine.remote import RemoteDcpProducer
 from engine.replication import MAX_ROLLBACKS_PER_REQUEST, DcpConsumer
 from engine.stream import SnapshotMarker, StreamFlags
 from engine.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)

@@ -23,8 +23,8 @@ from engine.exceptions import (
     NotStored,
     ValueTooLarge,
 )
-from engine.failover_log import FailoverLog
 from engine.item import Datatype, Item, Op, detect_datatype
+from schemas.failover_log import FailoverLog
 
 if TYPE_CHECKING:
     from engine.durability import ActiveDurabilityMonitor

@@ -60,15 +60,15 @@ from engine import (
     TemporaryFailure,
 )
 from engine.cluster import Cluster
-from engine.failover_log import FailoverEntry
 from engine.process_cluster import ProcessCluster
 from engine.stream import Message as DcpStreamMessage
 from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
-from gateway.position import PublishPosition
-from gateway.records import KafkaRecord, RecordEncoder, partition_for
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
+from schemas.codec import KafkaRecord, RecordEncoder, partition_for
+from schemas.failover_log import FailoverEntry
+from schemas.position import PublishPosition
 
 log = logging.getLogger(__name__)
 

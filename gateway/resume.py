@@ -20,8 +20,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from gateway.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
-from gateway.position import PublishPosition
-from gateway.records import decode, partition_for
+from schemas.codec import decode, partition_for
+from schemas.position import PublishPosition
 
 log = logging.getLogger(__name__)
 

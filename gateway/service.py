@@ -30,7 +30,6 @@ from gateway.exceptions import Backpressure, GatewayError
 from gateway.health import Readiness, UnackedWrites
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
-from gateway.records import RecordEncoder, ValueFormat, topic_name
 from gateway.resume import (
     CheckpointWriter,
     ensure_topics,
@@ -38,6 +37,7 @@ from gateway.resume import (
     topic_record_limit,
     wait_for_kafka,
 )
+from schemas.codec import RecordEncoder, ValueFormat, topic_name
 
 log = logging.getLogger(__name__)
 

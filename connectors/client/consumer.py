@@ -44,7 +44,7 @@ from connectors.client.replay import Change, Oversize, Rollback, Snapshot, VBuck
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
 from gateway.exceptions import RecordFormatError
-from gateway.records import decode, read_change, read_control
+from schemas.codec import decode, read_change, read_control
 
 __all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "GC_YOUNG_THRESHOLD", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
            "PartialChange", "PriorLookup", "RollbackInstruction"]

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.failover_log import FailoverEntry, FailoverLog
-from gateway.records import DecodedRecord, RecordType
+from schemas.codec import DecodedRecord, RecordType
+from schemas.failover_log import FailoverEntry, FailoverLog
 
 
 class Change(NamedTuple):

@@ -29,7 +29,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
-from gateway.records import (
+from schemas.codec import (
     DecodedRecord,
     RecordType,
     decode,

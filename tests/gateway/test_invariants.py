@@ -35,7 +35,7 @@ from engine import (
 from engine.item import DATA_OPS
 from gateway.exceptions import InvariantViolation
 from gateway.invariants import check_partition, data_positions
-from gateway.records import DecodedRecord, KafkaRecord, RecordEncoder, RecordType, ValueFormat, decode
+from schemas.codec import DecodedRecord, KafkaRecord, RecordEncoder, RecordType, ValueFormat, decode
 
 Records = list[DecodedRecord]
 

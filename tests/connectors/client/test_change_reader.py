@@ -1,4 +1,4 @@
-"""The consumers' hot path: ``gateway.records.read_change`` decodes a ChangeEvent value straight into the
+"""The consumers' hot path: ``schemas.codec.read_change`` decodes a ChangeEvent value straight into the
 client's :class:`~connectors.client.replay.Change`, ``read_control`` a ControlEvent value into a
 ``DecodedRecord``. Each must read exactly what the full, header-checking ``decode`` reads, and on corrupt input
 return None or exactly what fastavro reads (never a wrong record)."""
@@ -12,10 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connectors.client.replay import Change
-from engine.failover_log import FailoverEntry
 from engine.item import Item, Op
 from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
-from gateway.records import (
+from schemas.codec import (
     CHANGE_EVENT_SCHEMA,
     CONTROL_EVENT_FINGERPRINT,
     CONTROL_EVENT_SCHEMA,
@@ -29,6 +28,7 @@ from gateway.records import (
     read_change_value,
     read_control,
 )
+from schemas.failover_log import FailoverEntry
 
 U64 = 2**64 - 1
 #: small (table) values, 15..32-bit values (the general path), any u64 (negative Avro longs: odd zigzag), edges

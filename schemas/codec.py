@@ -33,11 +33,11 @@ from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
 from engine.exceptions import InvalidArgument
-from engine.failover_log import FailoverEntry
 from engine.item import Item, Op
 from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
 from gateway.exceptions import GatewayError, RecordFormatError, UnknownSchemaError
 from gateway.paths import schemas_dir
+from schemas.failover_log import FailoverEntry
 
 __all__ = [
     "CHANGE_EVENT_FINGERPRINT",

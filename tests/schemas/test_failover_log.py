@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.exceptions import InvalidArgument
-from engine.failover_log import U64_MAX, VBUUID_BITS, FailoverEntry, FailoverLog
+from schemas.failover_log import U64_MAX, VBUUID_BITS, FailoverEntry, FailoverLog
 
 A, B, C, D = 0xA, 0xB, 0xC, 0xD
 CAFEBABE, DEADBEEF, BA5EBA11 = 0xCAFEBABE, 0xDEADBEEF, 0xBA5EBA11

@@ -18,7 +18,7 @@ from engine import FailoverEntry, Item, Op, SnapshotFlags, SnapshotMarker, Strea
 from engine.item import DATA_OPS
 from gateway.exceptions import GatewayError, RecordFormatError, UnknownSchemaError
 from gateway.paths import schemas_dir
-from gateway.records import (
+from schemas.codec import (
     CHANGE_EVENT_FINGERPRINT,
     CHANGE_EVENT_NAME,
     CHANGE_EVENT_SCHEMA,
