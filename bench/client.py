@@ -40,8 +40,9 @@ def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> 
     from engine import Bucket, BucketConfig
     from gateway.publisher import Publisher
     from gateway.resume import ensure_topics
-    from schemas.codec import RecordEncoder, ValueFormat
+    from schemas.codec import RecordEncoder
     from schemas.position import PublishPosition
+    from schemas.records import ValueFormat
 
     value = b'{"name": "' + b"x" * 244 + b'"}'
     b = Bucket(BucketConfig(data_dir=tmp / "engine", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))

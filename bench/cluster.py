@@ -33,8 +33,9 @@ from gateway.broker import select_broker
 from gateway.config import load_settings
 from gateway.publisher import Publisher
 from gateway.resume import ensure_topics
-from schemas.codec import RecordEncoder, ValueFormat
+from schemas.codec import RecordEncoder
 from schemas.position import PublishPosition
+from schemas.records import ValueFormat
 
 TICK_S = 0.01
 

@@ -66,9 +66,11 @@ from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
-from schemas.codec import KafkaRecord, RecordEncoder, partition_for
+from schemas.codec import RecordEncoder
 from schemas.failover_log import FailoverEntry
 from schemas.position import PublishPosition
+from schemas.records import KafkaRecord
+from schemas.topics import partition_for
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,9 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from gateway.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
-from schemas.codec import decode, partition_for
+from schemas.codec import decode
 from schemas.position import PublishPosition
+from schemas.topics import partition_for
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,9 @@ from gateway.resume import (
     topic_record_limit,
     wait_for_kafka,
 )
-from schemas.codec import RecordEncoder, ValueFormat, topic_name
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
+from schemas.topics import topic_name
 
 log = logging.getLogger(__name__)
 

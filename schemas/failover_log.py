@@ -32,7 +32,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.exceptions import InvalidArgument
+from schemas.errors import InvalidArgument
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "U64_MAX", "VBUUID_BITS", "FailoverEntry", "FailoverLog"]
 

@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.codec import DecodedRecord, RecordType
 from schemas.failover_log import FailoverEntry
+from schemas.records import DecodedRecord, RecordType
 
 #: how many recent snapshot boundaries are remembered per vbucket
 MAX_BOUNDARIES = 512

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from schemas.codec import DecodedRecord, RecordType
 from schemas.failover_log import FailoverEntry, FailoverLog
+from schemas.records import DecodedRecord, RecordType
 
 
 class Change(NamedTuple):

@@ -29,12 +29,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
-from schemas.codec import (
-    DecodedRecord,
-    RecordType,
-    decode,
-    read_change,
-)
+from schemas.codec import decode, read_change
+from schemas.records import DecodedRecord, RecordType
 
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1

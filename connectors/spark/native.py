@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from connectors.spark.core import COLUMNS, SCHEMA_DDL, signed64
-from schemas.codec import RecordType, decode
+from schemas.codec import decode
+from schemas.records import RecordType
 
 
 def _decode_frames(frames: Iterator[Any]) -> Iterator[Any]:

@@ -20,7 +20,7 @@ from gateway.broker import Broker
 from gateway.invariants import check_partition
 from gateway.publisher import Publisher
 from gateway.resume import ensure_topics, recover_positions
-from schemas.codec import DecodedRecord, RecordType, ValueFormat
+from schemas.records import DecodedRecord, RecordType, ValueFormat
 from tests.gateway.kafka_util import TopicChecks, TopicReplica
 from tests.harness import producer_conf
 

@@ -12,7 +12,7 @@ import pytest
 from engine.durability import Durability, Level, ManualClock, SyncWriteState
 from engine.exceptions import KeyNotFound
 from gateway.broker import Broker
-from schemas.codec import RecordType
+from schemas.records import RecordType
 from tests.gateway.test_cluster import NVB, ClusterHarness
 
 

@@ -22,7 +22,8 @@ from gateway.broker import Broker
 from gateway.publisher import Publisher
 from gateway.resume import ensure_topics, recover_positions
 from gateway.source import ProcessClusterSource
-from schemas.codec import DecodedRecord, RecordEncoder, RecordType, ValueFormat
+from schemas.codec import RecordEncoder
+from schemas.records import DecodedRecord, RecordType, ValueFormat
 from tests.engine.process_model import actives_state
 from tests.gateway.kafka_util import TopicChecks
 from tests.harness import producer_conf

@@ -15,20 +15,22 @@ from connectors.client.replay import Change
 from engine.item import Item, Op
 from engine.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
 from schemas.codec import (
-    CHANGE_EVENT_SCHEMA,
+    CHANGE_EVENT_NAME,
     CONTROL_EVENT_FINGERPRINT,
-    CONTROL_EVENT_SCHEMA,
+    CONTROL_EVENT_NAME,
     SINGLE_OBJECT_MARKER,
-    KafkaRecord,
     RecordEncoder,
-    RecordType,
-    ValueFormat,
     decode,
+    parsed_schema,
     read_change,
     read_change_value,
     read_control,
 )
 from schemas.failover_log import FailoverEntry
+from schemas.records import KafkaRecord, RecordType, ValueFormat
+
+CHANGE_EVENT_SCHEMA = parsed_schema(CHANGE_EVENT_NAME)
+CONTROL_EVENT_SCHEMA = parsed_schema(CONTROL_EVENT_NAME)
 
 U64 = 2**64 - 1
 #: small (table) values, 15..32-bit values (the general path), any u64 (negative Avro longs: odd zigzag), edges

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
-from schemas.codec import DecodedRecord, RecordType, ValueFormat
 from schemas.failover_log import FailoverEntry as E
+from schemas.records import DecodedRecord, RecordType, ValueFormat
 
 CAFEBABE, DEADBEEF, BA5EBA11 = 0xCAFEBABE, 0xDEADBEEF, 0xBA5EBA11
 HIGH = 100  # the engine's high seqno in the failover-log record (the seed's server sentinel)
