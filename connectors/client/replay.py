@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from schemas.failover_log import FailoverEntry, FailoverLog
+from schemas.failover_log import FailoverEntry, rollback_point, sanitized
 from schemas.records import DecodedRecord, RecordType
 
 
@@ -230,19 +230,22 @@ class VBucketReplayer:
             pending = bool(self._pending) and rng is not None
             if st.failover_log and log and (st.applied_seqno > 0 or pending):
                 # Seed 001 "How clients roll back changes": where the two logs' shared history ends.
-                server = FailoverLog(log, high_seqno=rec.seqno)
+                server = sanitized(log)
                 if pending:
                     # The gateway resumes an incomplete snapshot where it stopped (a repeated snapshot
                     # start follows), so the buffer stays -- unless it holds seqnos above the shared history.
                     seen = self._pending[-1].seqno
-                    if server.rollback_point(seen, rec.seqno, st.failover_log, seen, seen, 0) is not None:
+                    if rollback_point(server_log=server, client_log=st.failover_log, start_seqno=seen,
+                                      high_seqno=rec.seqno, snap_start=seen, snap_end=seen,
+                                      purge_seqno=0) is not None:
                         self._pending.clear()
                         self._oversize.clear()
                         self._range = None
                 point = None
                 if st.applied_seqno > 0:
                     a = st.applied_seqno
-                    point = server.rollback_point(a, rec.seqno, st.failover_log, a, a, 0)
+                    point = rollback_point(server_log=server, client_log=st.failover_log, start_seqno=a,
+                                           high_seqno=rec.seqno, snap_start=a, snap_end=a, purge_seqno=0)
                 if point is not None and point < st.applied_seqno:
                     self._pending.clear()
                     self._oversize.clear()
