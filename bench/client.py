@@ -39,9 +39,8 @@ NVB = 1024
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> str:
     from engine import Bucket, BucketConfig
     from gateway.publisher import Publisher
-    from gateway.resume import ensure_topics
+    from gateway.resume import PublishPosition, ensure_topics
     from schemas.codec import RecordEncoder
-    from schemas.position import PublishPosition
     from schemas.records import ValueFormat
 
     value = b'{"name": "' + b"x" * 244 + b'"}'

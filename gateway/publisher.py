@@ -65,10 +65,10 @@ from engine.stream import Message as DcpStreamMessage
 from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
+from gateway.resume import PublishPosition
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
 from schemas.codec import RecordEncoder
 from schemas.failover_log import FailoverEntry
-from schemas.position import PublishPosition
 from schemas.records import KafkaRecord
 from schemas.topics import partition_for
 

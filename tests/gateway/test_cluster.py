@@ -239,7 +239,7 @@ def test_node_down_then_back_without_failover_waits_then_rolls_back_what_it_lost
 
 
 def test_a_position_holding_only_a_marker_requests_from_its_last_complete_snapshot() -> None:
-    from schemas.position import PublishPosition
+    from gateway.resume import PublishPosition
 
     # A failover can end a stream between a snapshot marker and its first item: the position then holds
     # nothing of that snapshot, and its range would make the re-request ERANGE (start < snap_start).
