@@ -341,7 +341,7 @@ class Session:
         from dataclasses import replace
 
         from gateway.exceptions import RecordFormatError
-        from gateway.records import decode
+        from schemas.codec import decode
 
         n = 0
         end = time.monotonic() + budget_s

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gateway.records import DecodedRecord, RecordType
+from schemas.records import DecodedRecord, RecordType
 
 #: outcome of one write
 ACKED = "acked"  # 2xx: the product acknowledged it

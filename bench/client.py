@@ -38,10 +38,10 @@ NVB = 1024
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> str:
     from engine import Bucket, BucketConfig
-    from gateway.position import PublishPosition
     from gateway.publisher import Publisher
-    from gateway.records import RecordEncoder, ValueFormat
-    from gateway.resume import ensure_topics
+    from gateway.resume import PublishPosition, ensure_topics
+    from schemas.codec import RecordEncoder
+    from schemas.records import ValueFormat
 
     value = b'{"name": "' + b"x" * 244 + b'"}'
     b = Bucket(BucketConfig(data_dir=tmp / "engine", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))

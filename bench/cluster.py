@@ -31,10 +31,10 @@ from bench.report import figure
 from engine.cluster.local import Cluster
 from gateway.broker import select_broker
 from gateway.config import load_settings
-from gateway.position import PublishPosition
 from gateway.publisher import Publisher
-from gateway.records import RecordEncoder, ValueFormat
-from gateway.resume import ensure_topics
+from gateway.resume import PublishPosition, ensure_topics
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
 
 TICK_S = 0.01
 

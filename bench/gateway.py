@@ -29,10 +29,10 @@ from bench.report import figure
 from engine import Bucket, BucketConfig
 from gateway.broker import select_broker
 from gateway.config import load_settings
-from gateway.position import PublishPosition
 from gateway.publisher import Publisher
-from gateway.records import RecordEncoder, ValueFormat
-from gateway.resume import ensure_topics
+from gateway.resume import PublishPosition, ensure_topics
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
 
 NVB = 1024
 

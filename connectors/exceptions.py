@@ -1,8 +1,8 @@
-"""Exceptions of the client connectors (all under :class:`engine.exceptions.DcpGatewayError`)."""
+"""Exceptions of the client connectors (all under :class:`schemas.errors.DcpGatewayError`)."""
 
 from __future__ import annotations
 
-from engine.exceptions import DcpGatewayError
+from schemas.errors import DcpGatewayError
 
 __all__ = ["ConnectorError", "DecodeError", "StateStoreError"]
 

@@ -38,9 +38,9 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
-from engine.failover_log import FailoverEntry, FailoverLog
 from engine.kv.item import Datatype, Item, Op
 from engine.kv.vbucket import GetResult, MutationResult, MutationToken, VBucketState, vbucket_of
+from schemas.failover_log import FailoverEntry, FailoverLog
 
 __all__ = [
     "MAX_SEQNO",

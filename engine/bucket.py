@@ -30,7 +30,6 @@ from engine.exceptions import (
     StateCasMismatch,
     TemporaryFailure,
 )
-from engine.failover_log import FailoverEntry
 from engine.kv.checkpoint import MemoryCounter
 from engine.kv.compaction import Compactor
 from engine.kv.durability import Durability, SyncWrite, monitor, replica_ack_seqno
@@ -51,6 +50,7 @@ from engine.kv.vbucket import (
     vbucket_of,
 )
 from engine.kv.warmup import CLEAN_SHUTDOWN, Warmup
+from schemas.failover_log import FailoverEntry
 
 _SET = StoreMode.SET
 

@@ -1,47 +1,18 @@
 """Exceptions of the engine, keyed by memcached / DCP status codes.
 
-One root (:class:`DcpGatewayError`) for the whole product; every engine error carries the memcached status
+One root (:class:`DcpGatewayError`) for the whole product; it, the memcached :class:`Status` codes, :class:`EngineError`
+and :class:`InvalidArgument` live in :mod:`schemas.errors` (shared with the record contract, as kv_engine shares
+``include/memcached``) and are re-exported here. Every engine error carries the memcached status
 code a real kv_engine would answer with (``include/memcached/protocol_binary.h``) and a ``retriable`` flag
 in the manner of aiokafka's errors: a retriable error may succeed if the caller simply tries again later.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
-
-
-class Status(IntEnum):
-    """memcached binary-protocol status codes used by the engine (kv_engine ``cb::mcbp::Status``)."""
-
-    SUCCESS = 0x00
-    KEY_ENOENT = 0x01
-    KEY_EEXISTS = 0x02
-    E2BIG = 0x03
-    EINVAL = 0x04
-    NOT_STORED = 0x05
-    NOT_MY_VBUCKET = 0x07
-    ERANGE = 0x22
-    ROLLBACK = 0x23
-    UNKNOWN_COMMAND = 0x81
-    ENOMEM = 0x82
-    EINTERNAL = 0x84
-    TMPFAIL = 0x86
-    DURABILITY_INVALID_LEVEL = 0xA0
-    DURABILITY_IMPOSSIBLE = 0xA1
-    SYNC_WRITE_IN_PROGRESS = 0xA2
-    SYNC_WRITE_AMBIGUOUS = 0xA3
-
-
-class DcpGatewayError(Exception):
-    """Root of every exception raised by dcp-gateway (engine, gateway, connectors)."""
-
-    retriable: bool = False
-
-
-class EngineError(DcpGatewayError):
-    """An error answered by the engine; ``status`` is the memcached status code it maps to."""
-
-    status: Status = Status.EINVAL
+from schemas.errors import DcpGatewayError as DcpGatewayError
+from schemas.errors import EngineError as EngineError
+from schemas.errors import InvalidArgument as InvalidArgument
+from schemas.errors import Status as Status
 
 
 class KeyNotFound(EngineError):
@@ -77,12 +48,6 @@ class ValueTooLarge(EngineError):
     """E2BIG: the value exceeds the bucket's configured maximum."""
 
     status = Status.E2BIG
-
-
-class InvalidArgument(EngineError):
-    """EINVAL: malformed input (bad key, bad expiry, bad stream-request fields, bad config)."""
-
-    status = Status.EINVAL
 
 
 class NotStored(EngineError):

@@ -701,7 +701,8 @@ def tail(
     from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
     from gateway.exceptions import RecordFormatError
-    from gateway.records import decode, partition_for
+    from schemas.codec import decode
+    from schemas.topics import partition_for
 
     st = _state(data_dir)
     bootstrap = bootstrap or st.get("bootstrap_servers")

@@ -1,4 +1,7 @@
-"""Exceptions of the gateway, rooted at the product-wide :class:`engine.exceptions.DcpGatewayError`.
+"""Exceptions of the gateway, rooted at the product-wide :class:`schemas.errors.DcpGatewayError`.
+
+:class:`RecordFormatError` and :class:`UnknownSchemaError` are the record contract's (:mod:`schemas.errors`),
+re-exported here.
 
 ``retriable`` follows the engine's convention: a retriable error may succeed if the caller simply tries
 again later (a broker that is down now may be up in a moment); a non-retriable one will not.
@@ -6,7 +9,7 @@ again later (a broker that is down now may be up in a moment); a non-retriable o
 
 from __future__ import annotations
 
-from engine.exceptions import DcpGatewayError
+from schemas.errors import DcpGatewayError, RecordFormatError, UnknownSchemaError
 
 __all__ = [
     "BrokerError",
@@ -37,21 +40,6 @@ class BrokerStartError(BrokerError):
         super().__init__(message)
         #: the broker's log file, when there is one (its tail is also in the message)
         self.log_path = log_path
-
-
-class RecordFormatError(GatewayError):
-    """A Kafka record does not follow the record format (docs/record-format.md): a missing or non-decimal
-    ``dcp.*`` header, an unknown ``dcp.type`` / ``dcp.format``, a corrupt or truncated Avro value, a value whose
-    fields disagree with the headers -- or a value the encoder cannot represent (out-of-range field)."""
-
-
-class UnknownSchemaError(RecordFormatError):
-    """An Avro single-object encoded value names a schema fingerprint this version does not know."""
-
-    def __init__(self, message: str, fingerprint: bytes = b"") -> None:
-        super().__init__(message)
-        #: the 8-byte little-endian CRC-64-AVRO fingerprint found in the value
-        self.fingerprint = fingerprint
 
 
 class InvariantViolation(GatewayError):

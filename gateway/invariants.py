@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from gateway.exceptions import InvariantViolation
-from gateway.records import DecodedRecord, RecordType
+from schemas.records import DecodedRecord, RecordType
 
 __all__ = ["PartitionRecords", "check_partition", "data_positions"]
 

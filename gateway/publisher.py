@@ -62,13 +62,15 @@ from engine import (
 from engine.cluster.local import Cluster
 from engine.dcp.stream import Message as DcpStreamMessage
 from engine.dcp.stream import StreamState
-from engine.failover_log import FailoverEntry
 from engine.network.process_cluster import ProcessCluster
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
-from gateway.position import PublishPosition
-from gateway.records import KafkaRecord, RecordEncoder, partition_for
+from gateway.resume import PublishPosition
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
+from schemas.codec import RecordEncoder
+from schemas.failover_log import FailoverEntry
+from schemas.records import KafkaRecord
+from schemas.topics import partition_for
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,17 @@
-"""Topic setup and recovery of the publishing positions from Kafka (exactly once across crashes).
+"""The gateway's per-vbucket publishing position, topic setup, and recovery of the positions from Kafka
+(exactly once across crashes).
+
+Exactly once into Kafka without transactions (docs/reliability.md): every record says exactly where it sits in
+its vbucket's history (headers ``dcp.seqno``, ``dcp.snap.*``, ``dcp.vbuuid``; failover-log and rollback records
+carry the log), so the position after the last record *written* can be rebuilt by replaying the partition tail.
+A compacted checkpoint topic, written only from delivery reports, bounds how much tail must be replayed: it
+never covers an unacknowledged record, and the replay from ``offset + 1`` covers whatever was acknowledged
+after it.
+
+:class:`PublishPosition` is the contract's :class:`~schemas.position.VBucketPosition` with one addition,
+``boundary``: the end of the last snapshot the gateway published *completely*. On ROLLBACK(s) the gateway
+restarts from the newest boundary <= s, because the records it published between that boundary and s may not
+form a consistent state on their own (de-duplication inside a snapshot; docs/rollback.md).
 
 On start the gateway (1) reads the compacted checkpoint topic (acknowledged positions, key = vbucket) and
 (2) replays every data partition from the smallest checkpointed offset + 1 to its end, applying each record to
@@ -9,21 +22,135 @@ not the previous process lived to checkpoint it. End of partition is detected wi
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Self
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from gateway.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
-from gateway.position import PublishPosition
-from gateway.records import decode, partition_for
+from schemas.codec import decode
+from schemas.failover_log import FailoverEntry
+from schemas.position import VBucketPosition
+from schemas.records import DecodedRecord, RecordType
+from schemas.topics import partition_for
 
 log = logging.getLogger(__name__)
+
+#: how many recent snapshot boundaries are remembered per vbucket
+MAX_BOUNDARIES = 512
+#: how many of them a checkpoint record carries
+_CHECKPOINT_BOUNDARIES = 32
+
+
+@dataclass(slots=True)
+class PublishPosition(VBucketPosition):
+    """Where a vbucket's published record stream stands (after the last record): the contract's position (its
+    ``vbuuid`` the one data records are stamped with) plus the gateway's completed-snapshot boundaries and the
+    Kafka offset of the last record it covers."""
+
+    #: end of the last completely published snapshot
+    boundary: int = 0
+    #: Kafka offset of the last record this position covers (-1: none)
+    offset: int = -1
+    #: recent complete-snapshot ends, ascending (for rollbacks)
+    boundaries: list[int] = field(default_factory=list)
+    #: a rollback record was the last record: the stream must restart from ``seqno``
+    pending_rollback: bool = False
+
+    # ------------------------------------------------------------------ transitions
+    def on_snapshot(self, start: int, end: int) -> None:
+        if self.snap_end and start > self.snap_end and self.seqno < self.snap_end:
+            # The previous snapshot's tail was filtered out: a new snapshot starting after it means it
+            # completed.
+            self._complete(self.snap_end)
+        VBucketPosition.on_snapshot(self, start, end)
+
+    def on_data(self, seqno: int) -> None:
+        self.on_item(seqno)
+        if seqno >= self.snap_end:
+            self._complete(seqno)
+
+    def on_failover_log(self, log: Sequence[FailoverEntry]) -> None:
+        VBucketPosition.on_failover_log(self, log)
+        self.pending_rollback = False
+
+    def on_rollback(self, seqno: int) -> int:
+        """Apply a ROLLBACK(seqno): restart from the newest known boundary <= seqno. Returns it."""
+        i = bisect.bisect_right(self.boundaries, seqno)
+        b = self.boundaries[i - 1] if i else 0
+        if self.boundary <= seqno:
+            b = max(b, self.boundary)
+        del self.boundaries[i:]
+        self.rollback(seqno, b)
+        self.boundary = b
+        self.pending_rollback = True
+        return b
+
+    def _complete(self, end: int) -> None:
+        self.seqno = max(self.seqno, end)
+        self.boundary = end
+        bs = self.boundaries
+        if not bs or bs[-1] < end:
+            bs.append(end)
+            if len(bs) > MAX_BOUNDARIES:
+                del bs[: len(bs) - MAX_BOUNDARIES]
+
+    def complete_if_done(self) -> None:
+        """The DCP stream delivered the whole current snapshot (its last item may have been filtered)."""
+        if self.snap_end and self.seqno < self.snap_end:
+            self._complete(self.snap_end)
+
+    def apply(self, rec: DecodedRecord, offset: int) -> None:
+        """Replay one record of this vbucket read back from Kafka."""
+        t = rec.type
+        if t is RecordType.SNAPSHOT:
+            self.on_snapshot(rec.snap_start, rec.snap_end)
+            self.vbuuid = rec.vbuuid or self.vbuuid
+        elif t is RecordType.FAILOVER_LOG:
+            self.on_failover_log(list(rec.failover_log or ()))
+        elif t is RecordType.ROLLBACK:
+            # Our own log, pruned above the rollback seqno, is what the re-request sends; the engine's new log
+            # arrives with the failover-log record at stream OK.
+            self.on_rollback(rec.seqno)
+        elif t is RecordType.STREAM_END:
+            pass
+        else:
+            self.vbuuid = rec.vbuuid
+            self.on_data(rec.seqno)
+        self.offset = offset
+
+    @property
+    def is_fresh(self) -> bool:
+        return self.offset < 0 and not self.failover_log and self.seqno == 0
+
+    # ------------------------------------------------------------------ persistence (checkpoint records)
+    def to_dict(self) -> dict[str, Any]:
+        d = VBucketPosition.to_dict(self)
+        d["boundary"] = self.boundary
+        d["offset"] = self.offset
+        d["boundaries"] = self.boundaries[-_CHECKPOINT_BOUNDARIES:]
+        d["pending_rollback"] = self.pending_rollback
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        return cls(
+            **cls.fields_from(d),
+            boundary=int(d["boundary"]),
+            offset=int(d["offset"]),
+            boundaries=[int(x) for x in d.get("boundaries", [])],
+            pending_rollback=bool(d.get("pending_rollback", False)),
+        )
+
+    def copy(self) -> Self:
+        return self._copy_with(self.boundary, self.offset, list(self.boundaries), self.pending_rollback)
 
 
 def checkpoint_topic_name(topic: str) -> str:

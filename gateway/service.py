@@ -30,7 +30,6 @@ from gateway.exceptions import Backpressure, GatewayError
 from gateway.health import Readiness, UnackedWrites
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
-from gateway.records import RecordEncoder, ValueFormat, topic_name
 from gateway.resume import (
     CheckpointWriter,
     ensure_topics,
@@ -38,6 +37,9 @@ from gateway.resume import (
     topic_record_limit,
     wait_for_kafka,
 )
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
+from schemas.topics import topic_name
 
 log = logging.getLogger(__name__)
 

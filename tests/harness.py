@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 from engine import Bucket, BucketConfig
 from gateway.broker import Broker
 from gateway.publisher import Publisher
-from gateway.records import RecordEncoder, ValueFormat
 from gateway.resume import ensure_topics, recover_positions
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
 
 
 def producer_conf(broker: Broker) -> dict[str, Any]:

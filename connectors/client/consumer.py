@@ -40,11 +40,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior, Undo
-from connectors.client.replay import Change, Oversize, Rollback, Snapshot, VBucketReplayer, VBucketState
+from connectors.client.replay import Change, ConsumerPosition, Oversize, Rollback, Snapshot, VBucketReplayer
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
-from gateway.exceptions import RecordFormatError
-from gateway.records import decode, read_change, read_control
+from schemas.codec import decode, read_change, read_control
+from schemas.errors import RecordFormatError
 
 __all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "GC_YOUNG_THRESHOLD", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
            "PartialChange", "PriorLookup", "RollbackInstruction"]
@@ -133,7 +133,7 @@ class _Open:
     event: ClientEvent
     vbucket: int
     partition: int
-    state: VBucketState | None
+    state: ConsumerPosition | None
     rebuild: bool = False
 
 
@@ -284,7 +284,7 @@ class ChangeStreamConsumer:
         if s is None:
             st = self.store.load(vb)
             if st is None:
-                s = _VB(VBucketReplayer(VBucketState(vb, offset=offset - 1)), partition, -1, offset - 1)
+                s = _VB(VBucketReplayer(ConsumerPosition(vb, offset=offset - 1)), partition, -1, offset - 1)
             else:
                 s = _VB(VBucketReplayer(st), partition, st.offset, st.offset)
             self._vbs[vb] = s
@@ -538,13 +538,13 @@ class ChangeStreamConsumer:
                                  "in order)")
         self._open = None
         p = op.partition
-        states: list[VBucketState] = []
+        states: list[ConsumerPosition] = []
         s = self._vbs.get(op.vbucket)
         if s is None:  # revoked meanwhile: nothing to save
             self.store.rollback()
             return
         if op.rebuild:
-            fresh = VBucketState(op.vbucket)
+            fresh = ConsumerPosition(op.vbucket)
             if op.state is not None and op.state.applied_seqno == 0 and op.state.offset >= 0:
                 # rolled back to zero by the gateway itself: it republishes everything after this record
                 fresh = op.state.copy()

@@ -23,12 +23,13 @@ both apply exactly the same rules (docs/record-format.md, "What consumers must d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
-from engine.failover_log import FailoverEntry, FailoverLog
-from gateway.records import DecodedRecord, RecordType
+from schemas.failover_log import FailoverEntry, rollback_point, sanitized
+from schemas.position import VBucketPosition
+from schemas.records import DecodedRecord, RecordType
 
 
 class Change(NamedTuple):
@@ -82,7 +83,7 @@ class Snapshot:
     #: Kafka offset of the last record belonging to this snapshot: resume from ``offset + 1``
     offset: int
     #: the consumer state right after this snapshot (what a state store persists when it is confirmed)
-    state: VBucketState | None = field(default=None, compare=False, repr=False)
+    state: ConsumerPosition | None = field(default=None, compare=False, repr=False)
     #: changes of this snapshot Kafka refused as too large (not in ``changes``), in seqno order
     oversize: tuple[Oversize, ...] = ()
 
@@ -100,40 +101,41 @@ class Rollback:
     offset: int
     reason: str  # "rollback-record" or "failover-log-divergence"
     #: the consumer state right after this rollback
-    state: VBucketState | None = field(default=None, compare=False, repr=False)
+    state: ConsumerPosition | None = field(default=None, compare=False, repr=False)
 
 
 Event = Snapshot | Rollback
 
 
 @dataclass(slots=True)
-class VBucketState:
-    """What a consumer keeps per vbucket (persisted by the state stores)."""
+class ConsumerPosition(VBucketPosition):
+    """What a consumer keeps per vbucket (persisted by the state stores): the contract's position at the end of
+    the last complete snapshot applied (``seqno`` = ``applied_seqno``, the snapshot's range, the vbuuid and
+    failover log) and the Kafka offset of that snapshot's last record."""
 
-    vbucket: int
-    vbuuid: int = 0
-    #: end of the last complete snapshot applied
-    applied_seqno: int = 0
-    snap_start: int = 0
-    snap_end: int = 0
-    failover_log: list[FailoverEntry] = field(default_factory=list)
     #: Kafka offset of the last record of the last complete snapshot (-1: none)
     offset: int = -1
 
-    def copy(self) -> VBucketState:
-        return VBucketState(self.vbucket, self.vbuuid, self.applied_seqno, self.snap_start, self.snap_end,
-                            list(self.failover_log), self.offset)
+    @property
+    def applied_seqno(self) -> int:
+        """End of the last complete snapshot applied (the position's ``seqno``)."""
+        return self.seqno
+
+    @applied_seqno.setter
+    def applied_seqno(self, value: int) -> None:
+        self.seqno = value
 
     def to_dict(self) -> dict[str, Any]:
-        return {"vbucket": self.vbucket, "vbuuid": self.vbuuid, "applied_seqno": self.applied_seqno,
-                "snap_start": self.snap_start, "snap_end": self.snap_end, "offset": self.offset,
-                "failover_log": [[e.vbuuid, e.seqno] for e in self.failover_log]}
+        d = VBucketPosition.to_dict(self)
+        d["offset"] = self.offset
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> VBucketState:
-        return cls(int(d["vbucket"]), int(d["vbuuid"]), int(d["applied_seqno"]), int(d["snap_start"]),
-                   int(d["snap_end"]), [FailoverEntry(int(u), int(s)) for u, s in d["failover_log"]],
-                   int(d["offset"]))
+    def from_dict(cls, d: Mapping[str, Any]) -> Self:
+        return cls(**cls.fields_from(d), offset=int(d["offset"]))
+
+    def copy(self) -> Self:
+        return self._copy_with(self.offset)
 
 
 class VBucketReplayer:
@@ -145,7 +147,7 @@ class VBucketReplayer:
 
     __slots__ = ("_last_offset", "_oversize", "_pending", "_range", "_vbuuid", "accepted", "last_change", "state")
 
-    def __init__(self, state: VBucketState) -> None:
+    def __init__(self, state: ConsumerPosition) -> None:
         self.state = state
         self._pending: list[Change] = []
         #: seqno -> (size, reason) of the oversize records in ``_pending`` (held there as OVERSIZE changes)
@@ -213,12 +215,11 @@ class VBucketReplayer:
             self._oversize.clear()
             self._range = None
             log = list(rec.failover_log or ())
-            rolled_back = st.applied_seqno > restart
-            applied = st.applied_seqno
-            if rolled_back:
-                st.applied_seqno = restart
-            st.snap_start = st.snap_end = st.applied_seqno
-            st.failover_log = [e for e in st.failover_log if e.seqno <= rec.seqno] or log
+            rolled_back = st.seqno > restart
+            applied = st.seqno
+            st.rollback(rec.seqno, min(applied, restart))
+            if not st.failover_log:
+                st.failover_log = log
             st.vbuuid = self._vbuuid = rec.vbuuid
             st.offset = self._last_offset = offset
             if rolled_back:
@@ -228,36 +229,39 @@ class VBucketReplayer:
             log = list(rec.failover_log or ())
             rng = self._range
             pending = bool(self._pending) and rng is not None
-            if st.failover_log and log and (st.applied_seqno > 0 or pending):
-                # Seed 001 "How clients roll back changes": where the two logs' shared history ends.
-                server = FailoverLog(log, high_seqno=rec.seqno)
+            if st.failover_log and log and (st.seqno > 0 or pending):
+                # Where the two logs' shared history ends (docs/rollback.md, "How clients roll back changes").
+                server = sanitized(log)
                 if pending:
                     # The gateway resumes an incomplete snapshot where it stopped (a repeated snapshot
                     # start follows), so the buffer stays -- unless it holds seqnos above the shared history.
                     seen = self._pending[-1].seqno
-                    if server.rollback_point(seen, rec.seqno, st.failover_log, seen, seen, 0) is not None:
+                    if rollback_point(server_log=server, client_log=st.failover_log, start_seqno=seen,
+                                      high_seqno=rec.seqno, snap_start=seen, snap_end=seen,
+                                      purge_seqno=0) is not None:
                         self._pending.clear()
                         self._oversize.clear()
                         self._range = None
                 point = None
-                if st.applied_seqno > 0:
-                    a = st.applied_seqno
-                    point = server.rollback_point(a, rec.seqno, st.failover_log, a, a, 0)
-                if point is not None and point < st.applied_seqno:
+                if st.seqno > 0:
+                    a = st.seqno
+                    point = rollback_point(server_log=server, client_log=st.failover_log, start_seqno=a,
+                                           high_seqno=rec.seqno, snap_start=a, snap_end=a, purge_seqno=0)
+                if point is not None and point < st.seqno:
                     self._pending.clear()
                     self._oversize.clear()
                     self._range = None
-                    applied = st.applied_seqno
-                    st.applied_seqno = st.snap_start = st.snap_end = point
-                    st.failover_log = log
-                    st.vbuuid = self._vbuuid = log[0].vbuuid
+                    applied = st.seqno
+                    st.rollback(point, point)
+                    st.on_failover_log(log)
+                    self._vbuuid = st.vbuuid
                     st.offset = self._last_offset = offset
                     out.append(Rollback(st.vbucket, point, point, applied, tuple(log), offset,
                                         "failover-log-divergence", st.copy()))
                     return out
-            st.failover_log = log
+            st.on_failover_log(log)
             if log:
-                st.vbuuid = self._vbuuid = log[0].vbuuid
+                self._vbuuid = st.vbuuid
             if not self._pending:
                 st.offset = offset
         # stream-end: nothing to do (a later restart repeats the snapshot start if it was incomplete)
@@ -272,7 +276,7 @@ class VBucketReplayer:
         # fields by index on this hot path: 4 vbuuid, 5 seqno, 11 offset (see Change)
         seqno = ch[5]
         st = self.state
-        if seqno <= st.applied_seqno and ch[4] == st.vbuuid:
+        if seqno <= st.seqno and ch[4] == st.vbuuid:
             return None  # a duplicate of what was applied: exactly once
         pending = self._pending
         if pending and seqno <= pending[-1][5]:
@@ -297,7 +301,7 @@ class VBucketReplayer:
             return out  # data outside any snapshot cannot be applied (as feed_change)
         end = rng[1]
         st = self.state
-        applied = st.applied_seqno
+        applied = st.seqno
         vbuuid = st.vbuuid
         pending = self._pending
         add = pending.append
@@ -322,7 +326,7 @@ class VBucketReplayer:
                 snap = self._complete(ch[11])
                 if snap is not None:
                     out.append(snap)
-                applied = st.applied_seqno
+                applied = st.seqno
                 vbuuid = st.vbuuid
                 last = -1
         if ch_last is not None:
@@ -339,9 +343,9 @@ class VBucketReplayer:
         st = self.state
         changes = tuple(self._pending)
         self._pending.clear()
-        if rng[1] <= st.applied_seqno and not changes:
+        if rng[1] <= st.seqno and not changes:
             return None
-        st.applied_seqno = max(st.applied_seqno, rng[1])
+        st.seqno = max(st.seqno, rng[1])
         st.snap_start, st.snap_end = rng
         st.vbuuid = self._vbuuid
         st.offset = offset

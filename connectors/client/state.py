@@ -1,5 +1,5 @@
 """Consumer state stores: where a :class:`~connectors.client.consumer.ChangeStreamConsumer` keeps, per
-vbucket, the :class:`~connectors.client.replay.VBucketState` of the last confirmed event and, per partition,
+vbucket, the :class:`~connectors.client.replay.ConsumerPosition` of the last confirmed event and, per partition,
 the offset to resume from.
 
 :class:`StateStore` is the pluggable protocol; :class:`SqliteStateStore` the default. It shares its SQLite file
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from connectors.client.replay import VBucketState
+from connectors.client.replay import ConsumerPosition
 from connectors.exceptions import StateStoreError
 
 __all__ = ["MemoryStateStore", "SqliteStateStore", "StateStore"]
@@ -27,7 +27,7 @@ __all__ = ["MemoryStateStore", "SqliteStateStore", "StateStore"]
 class StateStore(Protocol):
     """Per-vbucket consumer state and per-partition resume offsets of one topic."""
 
-    def load(self, vbucket: int) -> VBucketState | None:
+    def load(self, vbucket: int) -> ConsumerPosition | None:
         """The state saved for ``vbucket``, or None (never confirmed anything: start from the beginning)."""
         ...
 
@@ -39,7 +39,7 @@ class StateStore(Protocol):
         """Start one event's part of the transaction (before the application applies it)."""
         ...
 
-    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int], *,
+    def save(self, states: Iterable[ConsumerPosition], partition_offsets: Mapping[int, int], *,
              durable: bool = True) -> None:
         """Save ``states`` and ``partition_offsets``, ending the event begun by :meth:`begin`. ``durable``:
         commit now, with every event saved before; else the store may keep the transaction open until
@@ -81,18 +81,18 @@ class SqliteStateStore:
         except sqlite3.Error as e:
             raise StateStoreError(f"cannot open the state store {path}: {e}") from e
 
-    def load(self, vbucket: int) -> VBucketState | None:
+    def load(self, vbucket: int) -> ConsumerPosition | None:
         try:
             row = self.conn.execute("SELECT state FROM dcp_consumer_state WHERE topic = ? AND vbucket = ?",
                                     (self.topic, vbucket)).fetchone()
-            return None if row is None else VBucketState.from_dict(json.loads(row[0]))
+            return None if row is None else ConsumerPosition.from_dict(json.loads(row[0]))
         except (sqlite3.Error, ValueError, KeyError) as e:
             raise StateStoreError(f"cannot load the state of vbucket {vbucket}: {e}") from e
 
-    def load_all(self) -> dict[int, VBucketState]:
+    def load_all(self) -> dict[int, ConsumerPosition]:
         rows = self.conn.execute("SELECT vbucket, state FROM dcp_consumer_state WHERE topic = ?",
                                  (self.topic,)).fetchall()
-        return {int(vb): VBucketState.from_dict(json.loads(s)) for vb, s in rows}
+        return {int(vb): ConsumerPosition.from_dict(json.loads(s)) for vb, s in rows}
 
     def partition_offsets(self) -> dict[int, int]:
         try:
@@ -112,12 +112,12 @@ class SqliteStateStore:
         except sqlite3.Error as e:
             raise StateStoreError(f"cannot begin a transaction on {self.path}: {e}") from e
 
-    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int], *,
+    def save(self, states: Iterable[ConsumerPosition], partition_offsets: Mapping[int, int], *,
              durable: bool = True) -> None:
         try:
             self.begin()
             self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_state VALUES (?, ?, ?)",
-                                  [(self.topic, s.vbucket, json.dumps(s.to_dict())) for s in states])
+                                  [(self.topic, s.vbucket, s.to_json().decode()) for s in states])
             if partition_offsets:
                 self.conn.executemany("INSERT OR REPLACE INTO dcp_consumer_offsets VALUES (?, ?, ?)",
                                       [(self.topic, p, o) for p, o in partition_offsets.items()])
@@ -159,10 +159,10 @@ class MemoryStateStore:
     """A store that keeps nothing across processes (tests, throw-away consumers). No mutation log."""
 
     def __init__(self) -> None:
-        self.states: dict[int, VBucketState] = {}
+        self.states: dict[int, ConsumerPosition] = {}
         self.offsets: dict[int, int] = {}
 
-    def load(self, vbucket: int) -> VBucketState | None:
+    def load(self, vbucket: int) -> ConsumerPosition | None:
         s = self.states.get(vbucket)
         return None if s is None else s.copy()
 
@@ -172,7 +172,7 @@ class MemoryStateStore:
     def begin(self) -> None:
         pass
 
-    def save(self, states: Iterable[VBucketState], partition_offsets: Mapping[int, int], *,
+    def save(self, states: Iterable[ConsumerPosition], partition_offsets: Mapping[int, int], *,
              durable: bool = True) -> None:
         for s in states:
             self.states[s.vbucket] = s.copy()

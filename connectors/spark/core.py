@@ -5,7 +5,7 @@ lives in partition ``v mod P``) has no snapshot open at ``X``: each one's record
 snapshot (or a rollback / failover-log record, or nothing at all). Replaying ``[S, X)`` from a boundary ``S``
 therefore only ever yields complete snapshots, and the state of every vbucket's
 :class:`~connectors.client.replay.VBucketReplayer` at ``X`` is fully described by its
-:class:`~connectors.client.replay.VBucketState` (nothing buffered). That state travels in the stream offset,
+:class:`~connectors.client.replay.ConsumerPosition` (nothing buffered). That state travels in the stream offset,
 so any micro-batch can be replayed on any executor, any number of times, with exactly the same result.
 
 Offsets (JSON, what Spark writes into the query's checkpoint ``offsets/`` log)::
@@ -28,13 +28,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
-from gateway.records import (
-    DecodedRecord,
-    RecordType,
-    decode,
-    read_change,
-)
+from connectors.client.replay import Change, ConsumerPosition, Rollback, Snapshot, VBucketReplayer
+from schemas.codec import decode, read_change
+from schemas.records import DecodedRecord, RecordType
 
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
@@ -168,7 +164,7 @@ class PartitionReplay:
         self.partition = partition
         self.start = start.offset
         self.replayers: dict[int, VBucketReplayer] = {
-            vb: VBucketReplayer(VBucketState.from_dict(st)) for vb, st in start.states.items()}
+            vb: VBucketReplayer(ConsumerPosition.from_dict(st)) for vb, st in start.states.items()}
         #: snap_end of the last snapshot record per vbucket (an open range until applied reaches it)
         self._open_end: dict[int, int | None] = {}
         self._open: set[int] = set()
@@ -183,7 +179,7 @@ class PartitionReplay:
         if vb not in self._at_boundary:
             self._at_boundary[vb] = None if rep is None else rep.state.to_dict()
         if rep is None:
-            rep = self.replayers[vb] = VBucketReplayer(VBucketState(vb))
+            rep = self.replayers[vb] = VBucketReplayer(ConsumerPosition(vb))
         events = rep.feed(rec, offset)
         if rec.type is RecordType.SNAPSHOT:
             self._open_end[vb] = rec.snap_end
@@ -207,7 +203,7 @@ class PartitionReplay:
         if vb not in self._at_boundary:
             self._at_boundary[vb] = None if rep is None else rep.state.to_dict()
         if rep is None:
-            rep = self.replayers[vb] = VBucketReplayer(VBucketState(vb))
+            rep = self.replayers[vb] = VBucketReplayer(ConsumerPosition(vb))
         snap = rep.feed_change(ch)
         end = self._open_end.get(vb)
         if rep.has_partial or (end is not None and end > rep.state.applied_seqno):

@@ -6,7 +6,7 @@
 
 The Kafka source jar needs Maven (not reachable here): CI runs this helper on a DataFrame with exactly the
 native source's columns and types, built from the topic with confluent-kafka. Unlike the ``dcp`` source, the native source
-cuts micro-batches at arbitrary offsets, so this helper decodes records one by one (``gateway.records.decode``):
+cuts micro-batches at arbitrary offsets, so this helper decodes records one by one (``schemas.codec.decode``):
 data rows and a ``rollback`` row per rollback record (seqno = its restart point B); snapshot, failover-log and
 stream-end records are dropped. Batches are NOT snapshot-atomic: a batch can end inside a snapshot (use
 ``snap_end`` to hold back incomplete snapshots, or use the ``dcp`` source).
@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from connectors.spark.core import COLUMNS, SCHEMA_DDL, signed64
-from gateway.records import RecordType, decode
+from schemas.codec import decode
+from schemas.records import RecordType
 
 
 def _decode_frames(frames: Iterator[Any]) -> Iterator[Any]:

@@ -31,8 +31,8 @@ from engine.exceptions import (
     TemporaryFailure,
     UnknownCommand,
 )
-from engine.failover_log import FailoverEntry
 from engine.kv.vbucket import MutationToken, VBucketInfo, VBucketState
+from schemas.failover_log import FailoverEntry
 
 if TYPE_CHECKING:
     from engine.cluster.rebalance import Rebalance, RebalanceProgress

@@ -50,9 +50,9 @@ from engine.dcp.replication import DcpConsumer, PassiveState
 from engine.dcp.stream import StreamEndReason
 from engine.dcp.takeover import ALMOST_CAUGHT_UP_ITEMS
 from engine.exceptions import EngineError, InvalidArgument, NotMyVBucket, TemporaryFailure
-from engine.failover_log import FailoverEntry
 from engine.kv.vbucket import VBucketState
 from engine.network.remote import RemoteNode
+from schemas.failover_log import FailoverEntry
 
 #: moves running at once (ns_server ``rebalance_moves_per_node`` defaults to 4)
 DEFAULT_CONCURRENT_MOVES: Final = 4

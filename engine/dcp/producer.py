@@ -31,9 +31,9 @@ from engine.exceptions import (
     RangeError,
     RollbackRequired,
 )
-from engine.failover_log import FailoverEntry
 from engine.kv.item import Item
 from engine.kv.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 if TYPE_CHECKING:
     from engine.config import BucketConfig

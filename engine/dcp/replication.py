@@ -40,9 +40,9 @@ from engine.dcp.stream import (
     StreamFlags,
 )
 from engine.exceptions import InvalidArgument, NotMyVBucket, RollbackRequired
-from engine.failover_log import FailoverEntry
 from engine.kv.item import Item
 from engine.kv.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 #: a stream request that keeps being answered ROLLBACK this many times is an engine bug, not a history
 MAX_ROLLBACKS_PER_REQUEST = 64

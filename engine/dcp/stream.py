@@ -24,37 +24,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum, IntEnum, IntFlag
+from enum import Enum, IntFlag
 from typing import TYPE_CHECKING, Final
 
 from engine.dcp.backfill import BackfillManager, DiskBackfill
 from engine.kv.checkpoint import Cursor
 from engine.kv.item import Item
+from schemas.dcp import SnapshotFlags, StreamEndReason
 
 if TYPE_CHECKING:
     from engine.dcp.producer import DcpProducer
     from engine.kv.vbucket import VBucket, VBucketState
-
-
-class SnapshotFlags(IntFlag):
-    MEMORY = 0x01
-    DISK = 0x02
-    CHK = 0x04
-    ACK = 0x08
-    HISTORY = 0x10
-    MAY_CONTAIN_DUPLICATES = 0x20
-
-
-class StreamEndReason(IntEnum):
-    OK = 0
-    CLOSED = 1
-    STATE_CHANGED = 2
-    DISCONNECTED = 3
-    TOO_SLOW = 4
-    BACKFILL_FAIL = 5
-    ROLLBACK = 6
-    FILTER_EMPTY = 7
-    LOST_PRIVILEGES = 8
 
 
 class StreamFlags(IntFlag):

@@ -8,26 +8,11 @@ expiration message (kv_engine's ``MutationResponse`` wraps a ``queued_item`` the
 
 from __future__ import annotations
 
-from enum import IntEnum
 from typing import Final
 
 import orjson
 
-
-class Op(IntEnum):
-    """The kind of change an item records (DCP opcode family)."""
-
-    MUTATION = 0
-    DELETION = 1
-    EXPIRATION = 2
-    #: synchronous replication (seed 004, kv_engine ``queue_op`` pending_sync_write / abort_sync_write): a
-    #: prepare of a durable set / durable delete, and the abort of a prepare. Never visible to readers, never
-    #: sent to DCP clients that did not enable sync writes. A commit is a MUTATION / DELETION item whose
-    #: ``prepared`` is the seqno of the prepare it commits.
-    PREPARE = 3
-    PREPARE_DELETION = 4
-    ABORT = 5
-
+from schemas.dcp import Op
 
 #: the ops of data a DCP client without sync writes receives (and the gateway publishes)
 DATA_OPS: Final = (Op.MUTATION, Op.DELETION, Op.EXPIRATION)

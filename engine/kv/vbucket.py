@@ -22,9 +22,9 @@ from engine.exceptions import (
     NotStored,
     ValueTooLarge,
 )
-from engine.failover_log import FailoverLog
 from engine.kv.checkpoint import CheckpointManager, MemoryCounter
 from engine.kv.item import Datatype, Item, Op, detect_datatype
+from schemas.failover_log import FailoverLog
 
 if TYPE_CHECKING:
     from engine.dcp.stream import ActiveStream

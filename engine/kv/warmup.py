@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from engine.config import BucketConfig
 from engine.exceptions import InvalidArgument
-from engine.failover_log import FailoverLog
 from engine.kv.checkpoint import MemoryCounter
 from engine.kv.storage import Storage, VBucketRecord, item_from_row, vbucket_record
 from engine.kv.vbucket import VBucket, VBucketState
+from schemas.failover_log import FailoverLog
 
 #: the storage meta key of the clean-shutdown marker ("1" after a clean close, "0" while open)
 CLEAN_SHUTDOWN = "clean_shutdown"

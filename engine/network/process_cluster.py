@@ -33,11 +33,11 @@ from engine.cluster.manager import ClusterManager, NodeControl
 from engine.cluster.rebalance import ProcessRebalance, RebalanceProgress
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
-from engine.failover_log import FailoverEntry
 from engine.kv.data_dir import MAP_FILE
 from engine.kv.durable_file import write_atomically
 from engine.kv.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
 from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
+from schemas.failover_log import FailoverEntry
 
 _ROOT = Path(engine.__file__).resolve().parents[1]
 

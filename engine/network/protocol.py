@@ -40,10 +40,10 @@ from engine.exceptions import (
     Status,
     error_for_status,
 )
-from engine.failover_log import FailoverEntry
 from engine.kv.durability import Durability, Level, parse_level
 from engine.kv.item import Item, Op
 from engine.kv.vbucket import VBucketState
+from schemas.failover_log import FailoverEntry
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24

@@ -34,7 +34,6 @@ from engine.exceptions import (
     Status,
     TemporaryFailure,
 )
-from engine.failover_log import FailoverEntry
 from engine.kv.durability import Durability
 from engine.kv.item import Item
 from engine.kv.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
@@ -62,6 +61,7 @@ from engine.network.protocol import (
     request,
     response,
 )
+from schemas.failover_log import FailoverEntry
 
 _RECV = 1 << 20
 

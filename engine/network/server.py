@@ -49,7 +49,6 @@ from engine.exceptions import (
     TemporaryFailure,
     UnknownCommand,
 )
-from engine.failover_log import FailoverEntry
 from engine.kv.data_dir import DataDirLock, DataDirLocked
 from engine.kv.durability import SyncWrite
 from engine.kv.item import Item
@@ -81,6 +80,7 @@ from engine.network.protocol import (
     response,
 )
 from engine.network.remote import RemoteDcpProducer
+from schemas.failover_log import FailoverEntry
 
 log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)

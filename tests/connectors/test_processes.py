@@ -14,7 +14,7 @@ import pytest
 
 from engine import Bucket, BucketConfig
 from gateway.broker import Broker
-from gateway.records import RecordType
+from schemas.records import RecordType
 from tests.gateway.kafka_util import read_topic
 from tests.gateway.test_gateway_process import NVB, GatewayProc, docs
 

@@ -14,7 +14,7 @@ pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip i
 
 from engine import Bucket, BucketConfig  # noqa: E402
 from gateway.broker import Broker  # noqa: E402
-from gateway.records import RecordType  # noqa: E402
+from schemas.records import RecordType  # noqa: E402
 from tests.connectors.test_processes import replicate_process  # noqa: E402
 from tests.gateway.kafka_util import read_topic  # noqa: E402
 from tests.gateway.test_gateway_process import NVB, GatewayProc, docs  # noqa: E402

@@ -75,7 +75,7 @@ class ClusterClient:
                     continue
                 except NotMyVBucket:
                     break
-                st.position.on_stream_ok(log)
+                st.position.on_failover_log(log)
                 st.open = True
                 self.source[vb] = (node, p)
                 break

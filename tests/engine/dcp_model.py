@@ -19,12 +19,12 @@ from engine import (
     StreamEnd,
     StreamEndReason,
 )
-from engine.position import StreamPosition
+from schemas.position import VBucketPosition
 
 
 @dataclass
 class VBState:
-    position: StreamPosition
+    position: VBucketPosition
     docs: dict[bytes, bytes] = field(default_factory=dict)
     history: list[tuple[int, dict[bytes, bytes]]] = field(default_factory=lambda: [(0, {})])
     pending: list[Item] = field(default_factory=list)
@@ -35,7 +35,7 @@ class VBState:
 
 class SnapshotConsumer:
     def __init__(self, vbuckets: list[int], *, use_client_log: bool = True) -> None:
-        self.vbs = {vb: VBState(StreamPosition(vb)) for vb in vbuckets}
+        self.vbs = {vb: VBState(VBucketPosition(vb)) for vb in vbuckets}
         self.use_client_log = use_client_log
         self.markers_seen: list[SnapshotMarker] = []
         self.items_seen = 0
@@ -54,7 +54,7 @@ class SnapshotConsumer:
                 except RollbackRequired as rb:
                     self.rollback(vb, rb.seqno)
                     continue
-                st.position.on_stream_ok(log)
+                st.position.on_failover_log(log)
                 st.open = True
                 break
 
@@ -82,7 +82,7 @@ class SnapshotConsumer:
             assert m.start <= m.end
             assert m.end > st.position.seqno or m.start <= st.position.seqno + 1
             st.marker = m
-            st.position.on_marker(m.start, m.end)
+            st.position.on_snapshot(m.start, m.end)
             self.markers_seen.append(m)
         elif type(m) is Item:
             mk = st.marker

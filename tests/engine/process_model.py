@@ -90,7 +90,7 @@ class ProcessClusterClient:
                 except TemporaryFailure:
                     self._drop(node)
                     break
-                st.position.on_stream_ok(log)
+                st.position.on_failover_log(log)
                 st.open = True
                 self.source[vb] = (node, p)
                 break

@@ -62,7 +62,7 @@ def test_sigkill_loses_only_unpersisted_and_client_rolls_back(tmp_path: Path, us
         st.open = False  # the connection died with the engine
     # The consumer learnt the pre-crash failover logs (as on a stream-request OK).
     for vb, d in info.items():
-        consumer.vbs[vb].position.on_stream_ok([FailoverEntry(u, s) for u, s in d["log"]])
+        consumer.vbs[vb].position.on_failover_log([FailoverEntry(u, s) for u, s in d["log"]])
 
     b = Bucket(BucketConfig(data_dir=data_dir, num_vbuckets=4, seed=None))
     try:

@@ -16,10 +16,6 @@ from hypothesis import strategies as st
 
 from engine.bucket import Bucket
 from engine.cluster.local import Cluster
-from engine.config import BucketConfig
-from engine.kv.durability import ManualClock
-from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
-from engine.failover_log import FailoverLog
 from engine.cluster.manager import NodeControl
 from engine.cluster.rebalance import (
     MovePhase,
@@ -30,8 +26,12 @@ from engine.cluster.rebalance import (
     plan_chains,
     plan_rebalance,
 )
-from engine.kv.vbucket import VBucketInfo, VBucketState
 from engine.cluster.vbucket_map import VBucketMap
+from engine.config import BucketConfig
+from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
+from engine.kv.durability import ManualClock
+from engine.kv.vbucket import VBucketInfo, VBucketState
+from schemas.failover_log import FailoverLog
 
 
 # ---------------------------------------------------------------------- one bucket: CAS and vbuuids

@@ -10,7 +10,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from gateway.records import DecodedRecord, RecordType, decode
+from schemas.codec import decode
+from schemas.records import DecodedRecord, RecordType
 
 
 def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> list[tuple[int, int, DecodedRecord]]:

@@ -19,8 +19,8 @@ from engine.cluster.local import Cluster
 from gateway.broker import Broker
 from gateway.invariants import check_partition
 from gateway.publisher import Publisher
-from gateway.records import DecodedRecord, RecordType, ValueFormat
 from gateway.resume import ensure_topics, recover_positions
+from schemas.records import DecodedRecord, RecordType, ValueFormat
 from tests.gateway.kafka_util import TopicChecks, TopicReplica
 from tests.harness import producer_conf
 
@@ -93,7 +93,7 @@ class ClusterHarness(TopicChecks):
 
 
 def _encoder() -> Any:
-    from gateway.records import RecordEncoder
+    from schemas.codec import RecordEncoder
 
     return RecordEncoder(ValueFormat.AVRO)
 
@@ -239,7 +239,7 @@ def test_node_down_then_back_without_failover_waits_then_rolls_back_what_it_lost
 
 
 def test_a_position_holding_only_a_marker_requests_from_its_last_complete_snapshot() -> None:
-    from gateway.position import PublishPosition
+    from gateway.resume import PublishPosition
 
     # A failover can end a stream between a snapshot marker and its first item: the position then holds
     # nothing of that snapshot, and its range would make the re-request ERANGE (start < snap_start).

@@ -12,7 +12,7 @@ import pytest
 from engine.exceptions import KeyNotFound
 from engine.kv.durability import Durability, Level, ManualClock, SyncWriteState
 from gateway.broker import Broker
-from gateway.records import RecordType
+from schemas.records import RecordType
 from tests.gateway.test_cluster import NVB, ClusterHarness
 
 

@@ -35,7 +35,8 @@ from engine import (
 from engine.kv.item import DATA_OPS
 from gateway.exceptions import InvariantViolation
 from gateway.invariants import check_partition, data_positions
-from gateway.records import DecodedRecord, KafkaRecord, RecordEncoder, RecordType, ValueFormat, decode
+from schemas.codec import RecordEncoder, decode
+from schemas.records import DecodedRecord, KafkaRecord, RecordType, ValueFormat
 
 Records = list[DecodedRecord]
 

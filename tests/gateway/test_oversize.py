@@ -26,9 +26,10 @@ from gateway.broker import Broker
 from gateway.config import load_settings
 from gateway.invariants import check_partition, data_positions
 from gateway.publisher import Publisher
-from gateway.records import DecodedRecord, RecordEncoder, RecordType
 from gateway.resume import ensure_topics, recover_positions
 from gateway.service import GatewayService
+from schemas.codec import RecordEncoder
+from schemas.records import DecodedRecord, RecordType
 from tests.gateway.kafka_util import read_topic
 
 NVB = 4

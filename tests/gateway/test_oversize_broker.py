@@ -29,9 +29,9 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from gateway.broker import Broker, ExternalBroker
-from gateway.records import RecordType
 from gateway.resume import ensure_topics
 from gateway.service import GatewayService
+from schemas.records import RecordType
 from tests.gateway.test_oversize import (
     NVB,
     SMALL_LIMIT,

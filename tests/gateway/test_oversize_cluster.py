@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from gateway.broker import Broker
-from gateway.records import RecordType
 from gateway.service import GatewayService
+from schemas.records import RecordType
 from tests.gateway.test_oversize import (
     NVB,
     SMALL_LIMIT,

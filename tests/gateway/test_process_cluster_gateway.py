@@ -20,9 +20,10 @@ from engine import KeyNotFound, NotMyVBucket, TemporaryFailure
 from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
 from gateway.publisher import Publisher
-from gateway.records import DecodedRecord, RecordEncoder, RecordType, ValueFormat
 from gateway.resume import ensure_topics, recover_positions
 from gateway.source import ProcessClusterSource
+from schemas.codec import RecordEncoder
+from schemas.records import DecodedRecord, RecordType, ValueFormat
 from tests.engine.process_model import actives_state
 from tests.gateway.kafka_util import TopicChecks
 from tests.harness import producer_conf

@@ -14,8 +14,8 @@ from engine import Bucket
 from gateway.broker import Broker
 from gateway.invariants import check_partition
 from gateway.publisher import KeyFilter
-from gateway.records import RecordType, ValueFormat
 from gateway.resume import CheckpointWriter, ensure_topics, load_checkpoints
+from schemas.records import RecordType, ValueFormat
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.harness import Harness as BaseHarness
 from tests.harness import harnesses, producer_conf, write

@@ -19,8 +19,9 @@ from engine import Bucket, BucketConfig, KeyNotFound
 from gateway.broker import Broker
 from gateway.invariants import check_partition
 from gateway.publisher import Publisher
-from gateway.records import RecordEncoder, ValueFormat
 from gateway.resume import ensure_topics, recover_positions
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
 from tests.gateway.kafka_util import TopicReplica, read_topic
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 from engine import EngineError, NotMyVBucket, TemporaryFailure
 from engine.exceptions import KeyNotFound
 from gateway.invariants import check_partition
-from gateway.records import RecordType
+from schemas.records import RecordType
 from tests.gateway.kafka_util import TopicReplica
 from tests.gateway.test_cluster import NVB, ClusterHarness, cluster_harness  # noqa: F401 (fixture)
 

@@ -21,7 +21,7 @@ import pytest
 from engine import NotMyVBucket, TemporaryFailure
 from engine.exceptions import DurabilityImpossible, KeyNotFound, SyncWriteInProgress
 from engine.kv.durability import Durability, Level, ManualClock, SyncWrite, SyncWriteState
-from gateway.records import RecordType
+from schemas.records import RecordType
 from tests.gateway.kafka_util import TopicReplica
 from tests.gateway.test_cluster import NVB, ClusterHarness, cluster_harness  # noqa: F401 (fixture)
 

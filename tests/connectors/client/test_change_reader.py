@@ -1,4 +1,4 @@
-"""The consumers' hot path: ``gateway.records.read_change`` decodes a ChangeEvent value straight into the
+"""The consumers' hot path: ``schemas.codec.read_change`` decodes a ChangeEvent value straight into the
 client's :class:`~connectors.client.replay.Change`, ``read_control`` a ControlEvent value into a
 ``DecodedRecord``. Each must read exactly what the full, header-checking ``decode`` reads, and on corrupt input
 return None or exactly what fastavro reads (never a wrong record)."""
@@ -13,22 +13,24 @@ from hypothesis import strategies as st
 
 from connectors.client.replay import Change
 from engine.dcp.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
-from engine.failover_log import FailoverEntry
 from engine.kv.item import Item, Op
-from gateway.records import (
-    CHANGE_EVENT_SCHEMA,
+from schemas.codec import (
+    CHANGE_EVENT_NAME,
     CONTROL_EVENT_FINGERPRINT,
-    CONTROL_EVENT_SCHEMA,
+    CONTROL_EVENT_NAME,
     SINGLE_OBJECT_MARKER,
-    KafkaRecord,
     RecordEncoder,
-    RecordType,
-    ValueFormat,
     decode,
+    parsed_schema,
     read_change,
     read_change_value,
     read_control,
 )
+from schemas.failover_log import FailoverEntry
+from schemas.records import KafkaRecord, RecordType, ValueFormat
+
+CHANGE_EVENT_SCHEMA = parsed_schema(CHANGE_EVENT_NAME)
+CONTROL_EVENT_SCHEMA = parsed_schema(CONTROL_EVENT_NAME)
 
 U64 = 2**64 - 1
 #: small (table) values, 15..32-bit values (the general path), any u64 (negative Avro longs: odd zigzag), edges

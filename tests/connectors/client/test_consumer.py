@@ -29,7 +29,7 @@ from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
-from gateway.records import read_change, read_change_value
+from schemas.codec import read_change, read_change_value
 from tests.harness import Harness, write
 
 

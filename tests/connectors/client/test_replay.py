@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.client.replay import Change, Rollback, Snapshot, VBucketReplayer, VBucketState
-from engine.failover_log import FailoverEntry as E
-from gateway.records import DecodedRecord, RecordType, ValueFormat
+from connectors.client.replay import Change, ConsumerPosition, Rollback, Snapshot, VBucketReplayer
+from schemas.failover_log import FailoverEntry as E
+from schemas.records import DecodedRecord, RecordType, ValueFormat
 
 CAFEBABE, DEADBEEF, BA5EBA11 = 0xCAFEBABE, 0xDEADBEEF, 0xBA5EBA11
 HIGH = 100  # the engine's high seqno in the failover-log record (the seed's server sentinel)
@@ -29,8 +29,8 @@ def rec(t: RecordType, seqno: int, snap: tuple[int, int], vbuuid: int = CAFEBABE
 
 
 class Feed:
-    def __init__(self, state: VBucketState | None = None) -> None:
-        self.r = VBucketReplayer(state or VBucketState(0))
+    def __init__(self, state: ConsumerPosition | None = None) -> None:
+        self.r = VBucketReplayer(state or ConsumerPosition(0))
         self.off = -1
         self.events: list[Snapshot | Rollback] = []
 
@@ -247,7 +247,7 @@ def test_feed_changes_is_feed_change_record_by_record(
     """``feed_changes`` (runs of data records in one call, as the Kafka client feeds them) yields the same
     snapshots and leaves the same state (buffer, range, counters, last change) as ``feed_change`` per record,
     wherever the runs are cut."""
-    state = VBucketState(0, CAFEBABE, applied, applied, applied)
+    state = ConsumerPosition(0, CAFEBABE, applied, applied, applied)
     one, runs = VBucketReplayer(state.copy()), VBucketReplayer(state.copy())
     ev_one: list[object] = []
     ev_runs: list[object] = []

@@ -14,8 +14,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.exceptions import InvalidArgument
-from engine.failover_log import U64_MAX, VBUUID_BITS, FailoverEntry, FailoverLog
+from schemas.errors import InvalidArgument
+from schemas.failover_log import (
+    U64_MAX,
+    VBUUID_BITS,
+    FailoverEntry,
+    FailoverLog,
+    needs_rollback,
+    rollback_point,
+    sanitized,
+)
 
 A, B, C, D = 0xA, 0xB, 0xC, 0xD
 CAFEBABE, DEADBEEF, BA5EBA11 = 0xCAFEBABE, 0xDEADBEEF, 0xBA5EBA11
@@ -679,3 +687,36 @@ def test_create_and_prune_keep_the_log_sane(ops: list[tuple[str, int]]) -> None:
         assert seqs == sorted(seqs, reverse=True)
         assert 1 <= len(log) <= 5
         assert len({x.vbuuid for x in log}) == len(log) and all(x.vbuuid for x in log)
+
+
+# ---------------------------------------------------------------------------------------------------- pure rule
+_entries = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 60)), max_size=6).map(
+    lambda ps: [FailoverEntry(u, s) for u, s in ps])
+
+
+@settings(max_examples=300, deadline=None)
+@given(server=_entries, client=_entries, start=st.integers(0, 80), high=st.integers(0, 80),
+       snap=st.tuples(st.integers(0, 80), st.integers(0, 80)), purge=st.integers(0, 10))
+def test_the_pure_rule_is_the_logs_rule(server: list[FailoverEntry], client: list[FailoverEntry], start: int,
+                                        high: int, snap: tuple[int, int], purge: int) -> None:
+    # The rule is a pure function of named arguments; a FailoverLog answers with it on its own (sanitised)
+    # entries, so both agree on every input -- and the pure rule never draws a random vbuuid.
+    log = FailoverLog(server, rng=random.Random(0), high_seqno=high)
+    if not sanitized(server):
+        return  # the log invented an entry (a random vbuuid) that no client holds
+    s_start, s_end = min(snap[0], start), max(snap[1], start)
+    assert rollback_point(server_log=sanitized(server), client_log=client, start_seqno=start, high_seqno=high,
+                          snap_start=s_start, snap_end=s_end, purge_seqno=purge) == log.rollback_point(
+        start, high, client, s_start, s_end, purge)
+    for e in client[:1]:
+        assert needs_rollback(log=sanitized(server), start_seqno=start, high_seqno=high, vbuuid=e.vbuuid,
+                              snap_start=s_start, snap_end=s_end, purge_seqno=purge) == log.needs_rollback(
+            start, high, e.vbuuid, s_start, s_end, purge)
+
+
+def test_the_pure_rule_takes_named_arguments_only() -> None:
+    with pytest.raises(TypeError):
+        rollback_point([E(1, 0)], [E(1, 0)], 5, 5, 5, 5, 0)  # type: ignore[misc]
+    assert rollback_point(server_log=[E(1, 0)], client_log=[E(1, 0)], start_seqno=5, high_seqno=5, snap_start=5,
+                          snap_end=5, purge_seqno=0) is None
+    assert sanitized([E(0, 3), E(2, 4), E(1, 9)]) == [E(2, 4)]

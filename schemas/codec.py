@@ -1,141 +1,102 @@
-"""The Kafka record format of the gateway: topic and partition, ``dcp.*`` headers, Avro / raw values.
+"""The Avro codec of the record contract (docs/record-format.md): ONE encoder, ONE decoder.
 
-This module is the single implementation of the public contract described in ``docs/record-format.md``
-(consumers in any language rely on it): :class:`RecordEncoder` turns DCP messages into :class:`KafkaRecord`
-objects for ``confluent_kafka.Producer.produce``; :func:`decode` turns a consumed record back into a
-:class:`DecodedRecord` and checks it against the contract.
+:class:`RecordEncoder` turns DCP messages into :class:`~schemas.records.KafkaRecord` objects for
+``confluent_kafka.Producer.produce``; :func:`decode` turns a consumed record back into a
+:class:`~schemas.records.DecodedRecord` and checks it against the contract. :func:`read_change` and
+:func:`read_control` are the decoder's value-only fast paths, for consumers that take the Avro value as the
+authoritative copy (their own change tuple built straight from the bytes); anything they do not recognise they
+leave to :func:`decode`.
 
 Avro values use the *single-object encoding* of the Avro specification::
 
     C3 01 | 8-byte little-endian CRC-64-AVRO fingerprint of the schema's Parsing Canonical Form | Avro binary body
 
-The schemas are ``schemas/change_event.avsc`` (data records) and ``schemas/control_event.avsc`` (control
-records). Every Avro ``long`` holds an unsigned 64-bit value reinterpreted as a signed two's complement long.
+The schemas are ``change_event.avsc`` (data records), ``control_event.avsc`` (control records) and
+``oversize_event.avsc`` (oversize records), package data of :mod:`schemas`; their fingerprints are constants of
+the contract (:data:`SCHEMA_FINGERPRINTS`, listed in docs/record-format.md), and the schemas themselves are read
+and parsed on first use (:func:`parsed_schema`), checked against those fingerprints. Every Avro ``long`` holds an
+unsigned 64-bit value reinterpreted as a signed two's complement long.
 
 The data-record encode path runs for every document change (100k+ records/s): its Avro body is written by a
 hand-rolled encoder (byte-identical to fastavro's writer -- the tests prove it on random records) with cached
-pieces per vbucket/vbuuid and per snapshot; control records (rare) go through fastavro itself. Decoding always
-uses fastavro's reader.
+pieces per vbucket/vbuuid and per snapshot; control records (rare) go through fastavro itself. The decoder
+checks a data record by re-encoding (the encoding is canonical) and falls back to fastavro's reader, which then
+names what disagrees.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final, TypeVar, cast, overload
+from typing import Any, Final, Protocol, TypeVar, cast, overload
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.schema import to_parsing_canonical_form
 
-from engine.dcp.stream import SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
-from engine.exceptions import InvalidArgument
-from engine.failover_log import FailoverEntry
-from engine.kv.item import Item, Op
-from gateway.exceptions import GatewayError, RecordFormatError, UnknownSchemaError
-from gateway.paths import schemas_dir
+from schemas.dcp import Op
+from schemas.errors import InvalidArgument, RecordFormatError, UnknownSchemaError
+from schemas.failover_log import FailoverEntry
+from schemas.headers import (
+    H_CAS,
+    H_DATATYPE,
+    H_EXPIRY,
+    H_FLAGS,
+    H_FORMAT,
+    H_REV,
+    H_SEQNO,
+    H_SNAP_END,
+    H_SNAP_START,
+    H_TYPE,
+    H_VBUCKET,
+    H_VBUUID,
+    KNOWN_HEADERS,
+    Headers,
+    HeadersIn,
+)
+from schemas.headers import I32_MAX as _I32_MAX
+from schemas.headers import U64_MAX as _U64_MAX
+from schemas.headers import VBUCKET_MAX as _VBUCKET_MAX
+from schemas.records import DATA_TYPES, OP_OF_TYPE, DecodedRecord, KafkaRecord, RecordType, ValueFormat
 
 __all__ = [
     "CHANGE_EVENT_FINGERPRINT",
     "CHANGE_EVENT_NAME",
-    "CHANGE_EVENT_SCHEMA",
     "CONTROL_EVENT_FINGERPRINT",
     "CONTROL_EVENT_NAME",
-    "CONTROL_EVENT_SCHEMA",
-    "DEFAULT_TOPIC_PREFIX",
     "OVERSIZE_EVENT_FINGERPRINT",
     "OVERSIZE_EVENT_NAME",
-    "OVERSIZE_EVENT_SCHEMA",
     "SCHEMA_FINGERPRINTS",
     "SINGLE_OBJECT_MARKER",
-    "DecodedRecord",
-    "Headers",
-    "HeadersIn",
-    "KafkaRecord",
+    "ChangeItem",
     "RecordEncoder",
-    "RecordType",
-    "ValueFormat",
+    "SnapshotMarkerLike",
+    "StreamEndLike",
     "crc64_avro",
     "decode",
     "load_schema",
-    "partition_for",
+    "parsed_schema",
     "read_change",
     "read_change_value",
     "read_control",
     "schema_fingerprint",
+    "schemas_dir",
     "single_object_decode",
     "single_object_encode",
-    "snapshot_flag_names",
-    "stream_end_reason_name",
-    "topic_name",
 ]
 
 
-class ValueFormat(StrEnum):
-    """How a record's value is encoded (header ``dcp.format``)."""
-
-    AVRO = "avro"
-    RAW = "raw"
-
-
-class RecordType(StrEnum):
-    """The kind of a record (header ``dcp.type``)."""
-
-    MUTATION = "mutation"
-    DELETION = "deletion"
-    EXPIRATION = "expiration"
-    SNAPSHOT = "snapshot"
-    FAILOVER_LOG = "failover-log"
-    ROLLBACK = "rollback"
-    STREAM_END = "stream-end"
-    #: Kafka refused a data record as too large: this control record takes its place (docs/record-format.md)
-    OVERSIZE = "oversize"
-
-
-#: Kafka record headers: (name, value) pairs. The values the encoder writes are always ``bytes``; the type is
-#: the list form of confluent-kafka's ``HeadersType`` so that ``Producer.produce(headers=...)`` takes it as is.
-Headers = list[tuple[str, str | bytes | None]]
-#: headers as :func:`decode` takes them: ``Message.headers()`` of confluent-kafka (list or dict), or None
-HeadersIn = Sequence[tuple[str, str | bytes | None]] | Mapping[str, str | bytes | None] | None
-
-# ---------------------------------------------------------------------------------------------------- headers
-H_TYPE: Final = "dcp.type"
-H_FORMAT: Final = "dcp.format"
-H_VBUCKET: Final = "dcp.vbucket"
-H_VBUUID: Final = "dcp.vbuuid"
-H_SEQNO: Final = "dcp.seqno"
-H_SNAP_START: Final = "dcp.snap.start"
-H_SNAP_END: Final = "dcp.snap.end"
-H_REV: Final = "dcp.rev"
-H_CAS: Final = "dcp.cas"
-H_FLAGS: Final = "dcp.flags"
-H_EXPIRY: Final = "dcp.expiry"
-H_DATATYPE: Final = "dcp.datatype"
-
-#: headers every record carries
-COMMON_HEADERS: Final = (H_TYPE, H_FORMAT, H_VBUCKET, H_VBUUID, H_SEQNO, H_SNAP_START, H_SNAP_END)
-#: headers data records (mutation / deletion / expiration) carry in addition
-DATA_HEADERS: Final = (H_REV, H_CAS, H_FLAGS, H_EXPIRY, H_DATATYPE)
-_KNOWN_HEADERS: Final = frozenset(COMMON_HEADERS + DATA_HEADERS)
-
-DEFAULT_TOPIC_PREFIX: Final = "dcp"
 SINGLE_OBJECT_MARKER: Final = b"\xc3\x01"
 
-_U64_MAX: Final = (1 << 64) - 1
-_U32_MAX: Final = (1 << 32) - 1
 _I64_SIGN: Final = 1 << 63
-_I32_MAX: Final = (1 << 31) - 1
 _ZZ_NEG: Final = (1 << 65) - 1
-#: the largest vbucket id (DCP vbucket ids are u16)
-_VBUCKET_MAX: Final = 0xFFFF
 
-_DATA_TYPES: Final = (RecordType.MUTATION, RecordType.DELETION, RecordType.EXPIRATION)
-_OP_OF_TYPE: Final = {RecordType.MUTATION: Op.MUTATION, RecordType.DELETION: Op.DELETION,
-                      RecordType.EXPIRATION: Op.EXPIRATION}
+_DATA_TYPES: Final = DATA_TYPES
+_OP_OF_TYPE: Final = OP_OF_TYPE
+_KNOWN_HEADERS: Final = KNOWN_HEADERS
 _TYPE_BY_BYTES: Final = {t.value.encode("ascii"): t for t in RecordType}
 _FORMAT_BY_BYTES: Final = {f.value.encode("ascii"): f for f in ValueFormat}
 #: ChangeEvent.op enum symbols, indexed by Op
@@ -151,30 +112,52 @@ _CONTROL_SYMBOL: Final = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------- topic
-def topic_name(prefix: str, bucket: str) -> str:
-    """The topic of ``bucket``: ``{prefix}.{bucket}`` (the default prefix is ``dcp``).
+# ---------------------------------------------------------------------------------------------------- inputs
+class ChangeItem(Protocol):
+    """What :meth:`RecordEncoder.data` reads of a document change (the engine's ``Item``)."""
 
-    Raises :class:`GatewayError` when the result is not a legal Kafka topic name.
-    """
-    if not prefix or not bucket:
-        raise GatewayError(f"topic prefix and bucket must be non-empty (prefix={prefix!r}, bucket={bucket!r})")
-    name = f"{prefix}.{bucket}"
-    if len(name) > 249 or any(not (c.isascii() and (c.isalnum() or c in "._-")) for c in name):
-        raise GatewayError(
-            f"{name!r} is not a valid Kafka topic name (at most 249 of the characters a-z A-Z 0-9 . _ -)"
-        )
-    return name
+    @property
+    def op(self) -> int: ...
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def vbucket(self) -> int: ...
+    @property
+    def seqno(self) -> int: ...
+    @property
+    def rev_seqno(self) -> int: ...
+    @property
+    def cas(self) -> int: ...
+    @property
+    def flags(self) -> int: ...
+    @property
+    def expiry(self) -> int: ...
+    @property
+    def datatype(self) -> int: ...
 
 
-def partition_for(vbucket: int, num_partitions: int) -> int:
-    """The partition of ``vbucket``: ``vbucket`` itself, or ``vbucket mod num_partitions`` when the topic has
-    fewer partitions than the bucket has vbuckets (consumers then demultiplex by ``dcp.vbucket``)."""
-    if num_partitions < 1:
-        raise GatewayError(f"a topic has at least one partition, got {num_partitions}")
-    if vbucket < 0:
-        raise GatewayError(f"vbucket must be >= 0, got {vbucket}")
-    return vbucket % num_partitions
+class SnapshotMarkerLike(Protocol):
+    """What :meth:`RecordEncoder.snapshot` reads of a DCP snapshot marker (the engine's ``SnapshotMarker``)."""
+
+    @property
+    def vbucket(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def flags(self) -> int: ...
+
+
+class StreamEndLike(Protocol):
+    """What :meth:`RecordEncoder.stream_end` reads of a DCP stream end (the engine's ``StreamEnd``)."""
+
+    @property
+    def vbucket(self) -> int: ...
+    @property
+    def reason(self) -> int: ...
 
 
 # ---------------------------------------------------------------------------------------------------- Avro
@@ -210,33 +193,30 @@ def schema_fingerprint(schema: Any) -> bytes:
     return crc64_avro(canonical.encode("utf-8")).to_bytes(8, "little")
 
 
+def schemas_dir() -> Path:
+    """The folder holding the Avro schemas (``*.avsc``): the :mod:`schemas` package itself, whose package data
+    they are -- the checkout for an editable install, site-packages for a regular one."""
+    return Path(__file__).resolve().parent
+
+
 def load_schema(name: str) -> dict[str, Any]:
-    """The JSON of ``schemas/<name>.avsc`` (e.g. ``"change_event"``), from :func:`gateway.paths.schemas_dir`."""
-    path: Path = schemas_dir() / f"{name}.avsc"
+    """The JSON of ``<name>.avsc`` (e.g. ``"change_event"``) from :func:`schemas_dir`."""
+    path = schemas_dir() / f"{name}.avsc"
     with path.open("rb") as f:
         schema: dict[str, Any] = json.load(f)
     return schema
 
 
-def _parse(schema: Any) -> dict[str, Any]:
-    parsed = parse_schema(schema)
-    if not isinstance(parsed, dict):
-        raise GatewayError(f"expected a record schema, got {parsed!r}")
-    return parsed
-
-
-#: parsed schemas (fastavro), their full names and fingerprints
-CHANGE_EVENT_SCHEMA: Final[dict[str, Any]] = _parse(load_schema("change_event"))
-CONTROL_EVENT_SCHEMA: Final[dict[str, Any]] = _parse(load_schema("control_event"))
 CHANGE_EVENT_NAME: Final = "com.dcpgateway.ChangeEvent"
 CONTROL_EVENT_NAME: Final = "com.dcpgateway.ControlEvent"
-CHANGE_EVENT_FINGERPRINT: Final = schema_fingerprint(CHANGE_EVENT_SCHEMA)
-CONTROL_EVENT_FINGERPRINT: Final = schema_fingerprint(CONTROL_EVENT_SCHEMA)
-#: the oversize control record's value (schemas/oversize_event.avsc): a schema of its own, so every other
-#: record keeps its encoding and fingerprint
-OVERSIZE_EVENT_SCHEMA: Final[dict[str, Any]] = _parse(load_schema("oversize_event"))
+#: the oversize control record's value: a schema of its own, so every other record keeps its encoding and
+#: fingerprint
 OVERSIZE_EVENT_NAME: Final = "com.dcpgateway.OversizeEvent"
-OVERSIZE_EVENT_FINGERPRINT: Final = schema_fingerprint(OVERSIZE_EVENT_SCHEMA)
+#: the fingerprints of the schemas' Parsing Canonical Forms, as written after ``C3 01`` (docs/record-format.md
+#: lists them; :func:`parsed_schema` checks the files still match)
+CHANGE_EVENT_FINGERPRINT: Final = bytes.fromhex("2935570acc1b6139")
+CONTROL_EVENT_FINGERPRINT: Final = bytes.fromhex("1d493d2ed6162990")
+OVERSIZE_EVENT_FINGERPRINT: Final = bytes.fromhex("f0a6b337b042ac48")
 
 #: 8-byte fingerprint (as in the single-object encoding) -> schema full name, for the known schemas
 SCHEMA_FINGERPRINTS: Final[dict[bytes, str]] = {
@@ -244,16 +224,32 @@ SCHEMA_FINGERPRINTS: Final[dict[bytes, str]] = {
     CONTROL_EVENT_FINGERPRINT: CONTROL_EVENT_NAME,
     OVERSIZE_EVENT_FINGERPRINT: OVERSIZE_EVENT_NAME,
 }
-_SCHEMA_BY_FINGERPRINT: Final[dict[bytes, dict[str, Any]]] = {
-    CHANGE_EVENT_FINGERPRINT: CHANGE_EVENT_SCHEMA,
-    CONTROL_EVENT_FINGERPRINT: CONTROL_EVENT_SCHEMA,
-    OVERSIZE_EVENT_FINGERPRINT: OVERSIZE_EVENT_SCHEMA,
+#: schema full name -> (file name without .avsc, fingerprint)
+_SCHEMA_FILES: Final = {
+    CHANGE_EVENT_NAME: ("change_event", CHANGE_EVENT_FINGERPRINT),
+    CONTROL_EVENT_NAME: ("control_event", CONTROL_EVENT_FINGERPRINT),
+    OVERSIZE_EVENT_NAME: ("oversize_event", OVERSIZE_EVENT_FINGERPRINT),
 }
-_FINGERPRINT_BY_ID: Final[dict[int, bytes]] = {
-    id(CHANGE_EVENT_SCHEMA): CHANGE_EVENT_FINGERPRINT,
-    id(CONTROL_EVENT_SCHEMA): CONTROL_EVENT_FINGERPRINT,
-    id(OVERSIZE_EVENT_SCHEMA): OVERSIZE_EVENT_FINGERPRINT,
-}
+#: id() of a parsed schema -> its fingerprint (filled by parsed_schema)
+_FINGERPRINT_BY_ID: dict[int, bytes] = {}
+
+
+@functools.cache
+def parsed_schema(name: str) -> dict[str, Any]:
+    """The parsed (fastavro) schema of full name ``name`` (one of :data:`SCHEMA_FINGERPRINTS`' names), read from
+    its ``.avsc`` file on first use. Raises :class:`RecordFormatError` when the file's fingerprint is not the
+    contract's (an edited schema is a new contract: a new name and fingerprint)."""
+    file, fp = _SCHEMA_FILES[name]
+    parsed = parse_schema(load_schema(file))
+    if not isinstance(parsed, dict):
+        raise RecordFormatError(f"{file}.avsc: expected a record schema, got {parsed!r}")
+    found = schema_fingerprint(parsed)
+    if found != fp:
+        raise RecordFormatError(f"{file}.avsc has fingerprint {found.hex()}, the record contract says {fp.hex()}")
+    _FINGERPRINT_BY_ID[id(parsed)] = fp
+    return parsed
+
+
 _CHANGE_PREFIX: Final = SINGLE_OBJECT_MARKER + CHANGE_EVENT_FINGERPRINT
 _HEADER_LEN: Final = 10
 
@@ -261,8 +257,8 @@ _HEADER_LEN: Final = 10
 def single_object_encode(schema: Any, record: Mapping[str, Any]) -> bytes:
     """Avro single-object encoding of ``record``: ``C3 01`` + fingerprint + Avro binary body.
 
-    ``schema`` is a parsed schema (``CHANGE_EVENT_SCHEMA``, ``CONTROL_EVENT_SCHEMA``, or any
-    ``fastavro.parse_schema`` result) or schema JSON. ``record`` holds Avro values (signed longs).
+    ``schema`` is a parsed schema (:func:`parsed_schema`, or any ``fastavro.parse_schema`` result) or schema
+    JSON. ``record`` holds Avro values (signed longs).
     """
     fp = _FINGERPRINT_BY_ID.get(id(schema))
     if fp is None:
@@ -298,17 +294,17 @@ def single_object_decode(data: bytes) -> tuple[str, dict[str, Any]]:
             f"value does not start with the Avro single-object marker C3 01 (starts with {bytes(data[:2]).hex()})"
         )
     fp = bytes(data[2:_HEADER_LEN])
-    schema = _SCHEMA_BY_FINGERPRINT.get(fp)
-    if schema is None:
+    name = SCHEMA_FINGERPRINTS.get(fp)
+    if name is None:
         known = ", ".join(f"{k.hex()} ({v})" for k, v in SCHEMA_FINGERPRINTS.items())
         raise UnknownSchemaError(
             f"unknown Avro schema fingerprint {fp.hex()} (known: {known}); the record was written with a schema "
             "this version does not know",
             fp,
         )
+    schema = parsed_schema(name)
     buf = io.BytesIO(data)
     buf.seek(_HEADER_LEN)
-    name = SCHEMA_FINGERPRINTS[fp]
     try:
         record = schemaless_reader(buf, schema, None)
     except Exception as e:  # any failure of the reader on these bytes means they are corrupt
@@ -418,35 +414,6 @@ _REV_HEADER: Final = tuple((H_REV, _DEC[i]) for i in range(4096))
 _CACHE_MAX: Final = 8192
 
 
-@dataclass(frozen=True, slots=True)
-class KafkaRecord:
-    """One record for ``Producer.produce(topic, value=..., key=..., partition=..., headers=...)``."""
-
-    key: bytes | None
-    value: bytes | None
-    headers: Headers
-
-
-def snapshot_flag_names(flags: int) -> list[str]:
-    """Names of the snapshot-marker flag bits set in ``flags`` (``["DISK", "CHK"]``), lowest bit first;
-    unknown bits as ``"0x.."``."""
-    names: list[str] = []
-    for bit in SnapshotFlags:
-        if flags & bit:
-            names.append(str(bit.name))
-    unknown = flags & ~sum(SnapshotFlags)
-    if unknown:
-        names.append(f"0x{unknown:x}")
-    return names
-
-
-def stream_end_reason_name(reason: int) -> str:
-    """Name of a DCP stream-end reason code (``"OK"``, ``"CLOSED"``...; ``"UNKNOWN(n)"`` otherwise)."""
-    try:
-        return StreamEndReason(reason).name
-    except ValueError:
-        return f"UNKNOWN({reason})"
-
 
 class RecordEncoder:
     """Builds the Kafka records of DCP messages in one value format.
@@ -500,7 +467,7 @@ class RecordEncoder:
         return entry
 
     # ------------------------------------------------------------------ data records
-    def data(self, item: Item, vbuuid: int, snap_start: int, snap_end: int) -> KafkaRecord:
+    def data(self, item: ChangeItem, vbuuid: int, snap_start: int, snap_end: int) -> KafkaRecord:
         """The record of a mutation / deletion / expiration ``item`` of snapshot [snap_start, snap_end] on
         branch ``vbuuid``. Key = the document key; value = Avro ChangeEvent, or the body as is (raw)."""
         vbc = self._vb_cache.get((item.vbucket, vbuuid)) or self._vb_entry(item.vbucket, vbuuid)
@@ -529,7 +496,7 @@ class RecordEncoder:
             _EXPIRY_HEADER0 if expiry == 0 else (H_EXPIRY, _dec(expiry, "expiry")),
             _DATATYPE_HEADER[datatype] if 0 <= datatype < 256 else (H_DATATYPE, _dec(datatype, "datatype")),
         ]
-        value = item.value if op is Op.MUTATION else None
+        value = item.value if op == Op.MUTATION else None
         if self.raw:
             return KafkaRecord(key, value, headers)
         if value is None:
@@ -615,9 +582,9 @@ class RecordEncoder:
             "rollback_seqno": None if rollback_seqno is None else _signed(rollback_seqno, "rollback_seqno"),
             "stream_end_reason": None if stream_end_reason is None else int(stream_end_reason),
         }
-        return KafkaRecord(None, single_object_encode(CONTROL_EVENT_SCHEMA, record), headers)
+        return KafkaRecord(None, single_object_encode(parsed_schema(CONTROL_EVENT_NAME), record), headers)
 
-    def snapshot(self, marker: SnapshotMarker, vbuuid: int) -> KafkaRecord:
+    def snapshot(self, marker: SnapshotMarkerLike, vbuuid: int) -> KafkaRecord:
         """The record sent before the items of every snapshot: ``dcp.seqno`` = ``dcp.snap.start`` = its start,
         ``dcp.snap.end`` = its end; ``vbuuid`` = the branch its data belongs to."""
         flags = int(marker.flags)
@@ -665,7 +632,7 @@ class RecordEncoder:
         )
 
     def oversize(
-        self, item: Item, vbuuid: int, snap_start: int, snap_end: int, record_size: int, reason: str
+        self, item: ChangeItem, vbuuid: int, snap_start: int, snap_end: int, record_size: int, reason: str
     ) -> KafkaRecord:
         """The record written in place of ``item``'s data record when Kafka refused that as too large
         (``record_size`` bytes, for ``reason``): same vbucket, seqno, branch and snapshot, so it takes the
@@ -705,10 +672,10 @@ class RecordEncoder:
             "record_size": record_size,
             "reason": reason,
         }
-        return KafkaRecord(key, single_object_encode(OVERSIZE_EVENT_SCHEMA, record), headers)
+        return KafkaRecord(key, single_object_encode(parsed_schema(OVERSIZE_EVENT_NAME), record), headers)
 
     def stream_end(
-        self, end: StreamEnd, vbuuid: int, last_seqno: int, snap_start: int, snap_end: int
+        self, end: StreamEndLike, vbuuid: int, last_seqno: int, snap_start: int, snap_end: int
     ) -> KafkaRecord:
         """The record of a DCP stream end: reason code; ``dcp.seqno`` = the last seqno sent on the stream."""
         return self._control(
@@ -716,67 +683,6 @@ class RecordEncoder:
             stream_end_reason=int(end.reason),
         )
 
-
-# ---------------------------------------------------------------------------------------------------- decoding
-@dataclass(slots=True, unsafe_hash=True)
-class DecodedRecord:
-    """A record read back from Kafka (:func:`decode`). Unsigned values are Python ints (u64 restored).
-
-    Immutable by convention (not ``frozen``: a frozen dataclass costs ~4 µs more per record to build, a third of
-    the whole decode on the consumer's hot path); hashable by value.
-
-    ``key``/``value``: the document key and body of a data record (``value`` None for deletions and
-    expirations); None for control records. ``rev_seqno`` .. ``datatype``: data records only.
-    ``snapshot_flags``: snapshot records; ``failover_log``: failover-log and rollback records (newest first);
-    ``rollback_seqno``: rollback records; ``stream_end_reason``: stream-end records.
-    """
-
-    type: RecordType
-    vbucket: int
-    vbuuid: int
-    seqno: int
-    snap_start: int
-    snap_end: int
-    key: bytes | None
-    value: bytes | None
-    rev_seqno: int | None
-    cas: int | None
-    flags: int | None
-    expiry: int | None
-    datatype: int | None
-    snapshot_flags: int | None
-    failover_log: tuple[FailoverEntry, ...] | None
-    rollback_seqno: int | None
-    stream_end_reason: int | None
-    value_format: ValueFormat
-    #: oversize records: bytes of the document body, and why Kafka refused its data record
-    size: int | None = None
-    reason: str | None = None
-
-    @property
-    def is_data(self) -> bool:
-        """True for mutations, deletions and expirations."""
-        return self.type in _OP_OF_TYPE
-
-    @property
-    def is_control(self) -> bool:
-        """True for snapshot, failover-log, rollback, stream-end and oversize records."""
-        return self.type not in _OP_OF_TYPE
-
-    @property
-    def op(self) -> Op | None:
-        """The engine :class:`~engine.item.Op` of a data record; None for control records."""
-        return _OP_OF_TYPE.get(self.type)
-
-    @property
-    def snapshot_flag_names(self) -> list[str] | None:
-        """Names of the snapshot flag bits (``["DISK", "CHK"]``) of a snapshot record; None otherwise."""
-        return None if self.snapshot_flags is None else snapshot_flag_names(self.snapshot_flags)
-
-    @property
-    def stream_end_reason_name(self) -> str | None:
-        """Name of the stream-end reason (``"OK"``, ``"CLOSED"``...) of a stream-end record; None otherwise."""
-        return None if self.stream_end_reason is None else stream_end_reason_name(self.stream_end_reason)
 
 
 def _where(h: Mapping[str, bytes | None]) -> str:

@@ -32,9 +32,18 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.exceptions import InvalidArgument
+from schemas.errors import InvalidArgument
 
-__all__ = ["DEFAULT_MAX_ENTRIES", "U64_MAX", "VBUUID_BITS", "FailoverEntry", "FailoverLog"]
+__all__ = [
+    "DEFAULT_MAX_ENTRIES",
+    "U64_MAX",
+    "VBUUID_BITS",
+    "FailoverEntry",
+    "FailoverLog",
+    "needs_rollback",
+    "rollback_point",
+    "sanitized",
+]
 
 #: Largest unsigned 64-bit value: vbuuids and seqnos are u64 on the wire.
 U64_MAX = (1 << 64) - 1
@@ -264,52 +273,10 @@ class FailoverLog:
         *,
         strict_vbuuid: bool = False,
     ) -> int | None:
-        """kv_engine ``FailoverTable::needsRollback`` exactly: ``None`` (stream) or the seqno to roll back to.
-
-        ``start_seqno``/``vbuuid``/``snap_*`` come from the stream request, ``high_seqno`` and
-        ``purge_seqno`` from this vbucket.  The stream request has already checked
-        ``snap_start <= start_seqno <= snap_end``.
-        """
-        for name, v in (
-            ("start_seqno", start_seqno),
-            ("high_seqno", high_seqno),
-            ("vbuuid", vbuuid),
-            ("snap_start", snap_start),
-            ("snap_end", snap_end),
-            ("purge_seqno", purge_seqno),
-        ):
-            _check_u64(name, v)
-        # 1. upper starts as the vbucket's high seqno.
-        upper = high_seqno
-        # 2. start 0: nothing to lose -- no rollback, unless STRICT_VBUUID asks to match a non-zero uuid.
-        if start_seqno == 0 and (not strict_vbuuid or vbuuid == 0):
-            return None
-        # 3. purged tombstones above the client's start could be missed: rollback to 0.
-        if start_seqno != 0 and start_seqno < purge_seqno:
-            return 0
-        # 4. find the client's uuid scanning oldest -> newest; a newer entry bounds the shared history.
-        found = False
-        for i in range(len(self._entries) - 1, -1, -1):
-            if self._entries[i].vbuuid == vbuuid:
-                found = True
-                if i > 0:
-                    upper = self._entries[i - 1].seqno
-                break
-        # 5. uuid unknown: no common history, rollback to 0 (so uuid 0 with start > 0 always gets 0).
-        if not found:
-            return 0
-        return _snapshot_rules(start_seqno, upper, snap_start, snap_end)
-
-    def _newest_common_ancestor(self, client_log: Sequence[FailoverEntry]) -> tuple[int, int] | None:
-        """(client index, server index) of the newest client entry also in this log (same uuid and seqno)."""
-        position: dict[tuple[int, int], int] = {}
-        for i in range(len(self._entries) - 1, -1, -1):  # newest index wins if a pair repeats
-            position[(self._entries[i].vbuuid, self._entries[i].seqno)] = i
-        for ci, ce in enumerate(client_log):
-            si = position.get((ce.vbuuid, ce.seqno))
-            if si is not None:
-                return ci, si
-        return None
+        """kv_engine ``FailoverTable::needsRollback`` on this log: :func:`needs_rollback`."""
+        return needs_rollback(
+            log=self._entries, start_seqno=start_seqno, high_seqno=high_seqno, vbuuid=vbuuid,
+            snap_start=snap_start, snap_end=snap_end, purge_seqno=purge_seqno, strict_vbuuid=strict_vbuuid)
 
     def rollback_point(
         self,
@@ -320,56 +287,142 @@ class FailoverLog:
         snap_end: int,
         purge_seqno: int,
     ) -> int | None:
-        """The product's rollback decision when the stream request carries the client's whole log.
+        """The product's rollback decision against this log: :func:`rollback_point` with ``server_log`` = it."""
+        return rollback_point(
+            server_log=self._entries, client_log=client_log, start_seqno=start_seqno, high_seqno=high_seqno,
+            snap_start=snap_start, snap_end=snap_end, purge_seqno=purge_seqno)
 
-        ``client_log`` is newest first.  Steps:
 
-        1. ``start_seqno == 0`` -> ``None`` (kv_engine step 2; the seed's "first connect").
-        2. ``start_seqno < purge_seqno`` -> 0 (kv_engine step 3).
-        3. Newest common ancestor (seed 001 step 4): the newest client entry that is also in this log with
-           the same vbuuid *and* seqno.  None -> 0 (seed step 6, kv_engine step 5).
-        4. Branch point ``upper`` (seed step 4-5): the lower of this log's next newer entry's seqno (or
-           ``high_seqno`` when the ancestor is this log's newest entry -- kv_engine step 1/4) and the
-           client's next newer entry's seqno (unbounded when the ancestor is the client's newest entry).
-        5. kv_engine steps 6-9 on ``upper`` (snapshot adjustments, ``min(upper, snap_start)``).
+def sanitized(entries: Iterable[FailoverEntry], *, max_entries: int = DEFAULT_MAX_ENTRIES) -> list[FailoverEntry]:
+    """``entries`` (newest first) as a :class:`FailoverLog` keeps them: kv_engine ``sanitizeFailoverTable``
+    (uuid-0 entries and out-of-order entries dropped), trimmed to the ``max_entries`` newest. Unlike the
+    constructor it never invents an entry: an all-invalid log gives ``[]``."""
+    return _sanitize(entries)[: _check_max_entries(max_entries)]
 
-        The seed's elision of client entries above the last complete snapshot is not applied literally:
-        step 5 already caps any rollback at the last complete snapshot (``snap_start`` of an incomplete
-        snapshot), and dropping those entries would loosen the bound they put on the shared history
-        (docs/rollback.md "Elision").  When the client's newest entry is in this log the answer equals
-        :meth:`needs_rollback` with that entry's vbuuid.
-        """
-        for name, v in (
-            ("start_seqno", start_seqno),
-            ("high_seqno", high_seqno),
-            ("snap_start", snap_start),
-            ("snap_end", snap_end),
-            ("purge_seqno", purge_seqno),
-        ):
-            _check_u64(name, v)
-        for e in client_log:
-            if not isinstance(e, FailoverEntry):
-                raise InvalidArgument(f"client failover log entries must be FailoverEntry, got {e!r}")
-        # kv_engine step 2 / seed "First connect": a client with nothing needs no rollback.
-        if start_seqno == 0:
-            return None
-        # kv_engine step 3: purged tombstones above the client's start could be missed.
-        if start_seqno < purge_seqno:
-            return 0
-        # Seed step 4: the newest common ancestor, scanning the client's log newest -> oldest.
-        ancestor = self._newest_common_ancestor(client_log)
-        if ancestor is None:
-            # Seed step 6 / kv_engine step 5: no common ancestor, rollback everything.
-            return 0
-        ci, si = ancestor
-        # Seed step 4-5: the shared history ends at the lower of the two next-newer entries.  The server's
-        # "sentinel" is its high seqno (kv_engine upper = high); the client's is unbounded here because its
-        # last complete snapshot is applied by the snapshot rules below.
-        server_bound = self._entries[si - 1].seqno if si > 0 else high_seqno
-        client_bound: float = client_log[ci - 1].seqno if ci > 0 else math.inf
-        upper = server_bound if server_bound <= client_bound else int(client_bound)
-        # kv_engine steps 6-9.
-        return _snapshot_rules(start_seqno, upper, snap_start, snap_end)
+
+def needs_rollback(
+    *,
+    log: Sequence[FailoverEntry],
+    start_seqno: int,
+    high_seqno: int,
+    vbuuid: int,
+    snap_start: int,
+    snap_end: int,
+    purge_seqno: int,
+    strict_vbuuid: bool = False,
+) -> int | None:
+    """kv_engine ``FailoverTable::needsRollback`` exactly: ``None`` (stream) or the seqno to roll back to.
+
+    ``log`` is the vbucket's failover log (newest first); ``start_seqno``/``vbuuid``/``snap_*`` come from
+    the stream request, ``high_seqno`` and ``purge_seqno`` from the vbucket.  The stream request has already
+    checked ``snap_start <= start_seqno <= snap_end``.
+    """
+    for name, v in (
+        ("start_seqno", start_seqno),
+        ("high_seqno", high_seqno),
+        ("vbuuid", vbuuid),
+        ("snap_start", snap_start),
+        ("snap_end", snap_end),
+        ("purge_seqno", purge_seqno),
+    ):
+        _check_u64(name, v)
+    # 1. upper starts as the vbucket's high seqno.
+    upper = high_seqno
+    # 2. start 0: nothing to lose -- no rollback, unless STRICT_VBUUID asks to match a non-zero uuid.
+    if start_seqno == 0 and (not strict_vbuuid or vbuuid == 0):
+        return None
+    # 3. purged tombstones above the client's start could be missed: rollback to 0.
+    if start_seqno != 0 and start_seqno < purge_seqno:
+        return 0
+    # 4. find the client's uuid scanning oldest -> newest; a newer entry bounds the shared history.
+    found = False
+    for i in range(len(log) - 1, -1, -1):
+        if log[i].vbuuid == vbuuid:
+            found = True
+            if i > 0:
+                upper = log[i - 1].seqno
+            break
+    # 5. uuid unknown: no common history, rollback to 0 (so uuid 0 with start > 0 always gets 0).
+    if not found:
+        return 0
+    return _snapshot_rules(start_seqno, upper, snap_start, snap_end)
+
+
+def _newest_common_ancestor(
+    server_log: Sequence[FailoverEntry], client_log: Sequence[FailoverEntry]
+) -> tuple[int, int] | None:
+    """(client index, server index) of the newest client entry also in ``server_log`` (same uuid and seqno)."""
+    position: dict[tuple[int, int], int] = {}
+    for i in range(len(server_log) - 1, -1, -1):  # newest index wins if a pair repeats
+        position[(server_log[i].vbuuid, server_log[i].seqno)] = i
+    for ci, ce in enumerate(client_log):
+        si = position.get((ce.vbuuid, ce.seqno))
+        if si is not None:
+            return ci, si
+    return None
+
+
+def rollback_point(
+    *,
+    server_log: Sequence[FailoverEntry],
+    client_log: Sequence[FailoverEntry],
+    start_seqno: int,
+    high_seqno: int,
+    snap_start: int,
+    snap_end: int,
+    purge_seqno: int,
+) -> int | None:
+    """The product's rollback decision when the stream request carries the client's whole log: a pure
+    function of the two logs and the request.
+
+    ``server_log`` is the vbucket's log, ``client_log`` the client's, both newest first.  Steps:
+
+    1. ``start_seqno == 0`` -> ``None`` (kv_engine step 2; the seed's "first connect").
+    2. ``start_seqno < purge_seqno`` -> 0 (kv_engine step 3).
+    3. Newest common ancestor (seed 001 step 4): the newest client entry that is also in ``server_log`` with
+       the same vbuuid *and* seqno.  None -> 0 (seed step 6, kv_engine step 5).
+    4. Branch point ``upper`` (seed step 4-5): the lower of the server log's next newer entry's seqno (or
+       ``high_seqno`` when the ancestor is the server log's newest entry -- kv_engine step 1/4) and the
+       client's next newer entry's seqno (unbounded when the ancestor is the client's newest entry).
+    5. kv_engine steps 6-9 on ``upper`` (snapshot adjustments, ``min(upper, snap_start)``).
+
+    The seed's elision of client entries above the last complete snapshot is not applied literally:
+    step 5 already caps any rollback at the last complete snapshot (``snap_start`` of an incomplete
+    snapshot), and dropping those entries would loosen the bound they put on the shared history
+    (docs/rollback.md "Elision").  When the client's newest entry is in ``server_log`` the answer equals
+    :func:`needs_rollback` with that entry's vbuuid.
+    """
+    for name, v in (
+        ("start_seqno", start_seqno),
+        ("high_seqno", high_seqno),
+        ("snap_start", snap_start),
+        ("snap_end", snap_end),
+        ("purge_seqno", purge_seqno),
+    ):
+        _check_u64(name, v)
+    for e in client_log:
+        if not isinstance(e, FailoverEntry):
+            raise InvalidArgument(f"client failover log entries must be FailoverEntry, got {e!r}")
+    # kv_engine step 2 / seed "First connect": a client with nothing needs no rollback.
+    if start_seqno == 0:
+        return None
+    # kv_engine step 3: purged tombstones above the client's start could be missed.
+    if start_seqno < purge_seqno:
+        return 0
+    # Seed step 4: the newest common ancestor, scanning the client's log newest -> oldest.
+    ancestor = _newest_common_ancestor(server_log, client_log)
+    if ancestor is None:
+        # Seed step 6 / kv_engine step 5: no common ancestor, rollback everything.
+        return 0
+    ci, si = ancestor
+    # Seed step 4-5: the shared history ends at the lower of the two next-newer entries.  The server's
+    # "sentinel" is its high seqno (kv_engine upper = high); the client's is unbounded here because its
+    # last complete snapshot is applied by the snapshot rules below.
+    server_bound = server_log[si - 1].seqno if si > 0 else high_seqno
+    client_bound: float = client_log[ci - 1].seqno if ci > 0 else math.inf
+    upper = server_bound if server_bound <= client_bound else int(client_bound)
+    # kv_engine steps 6-9.
+    return _snapshot_rules(start_seqno, upper, snap_start, snap_end)
 
 
 def _snapshot_rules(start_seqno: int, upper: int, snap_start: int, snap_end: int) -> int | None:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from engine import FailoverEntry, Item, Op, SnapshotFlags, SnapshotMarker, StreamEnd, StreamEndReason
 from gateway.exceptions import RecordFormatError
-from gateway.records import KafkaRecord, RecordEncoder, ValueFormat, decode, read_change, read_control
+from schemas.codec import RecordEncoder, decode, read_change, read_control
+from schemas.records import KafkaRecord, ValueFormat
 
 LOG = [FailoverEntry(99, 40), FailoverEntry(7, 0)]
 _names = st.sampled_from(["dcp.type", "dcp.format", "dcp.vbucket", "dcp.vbuuid", "dcp.seqno", "dcp.snap.start",
