@@ -156,7 +156,7 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 def _kafka_client(bootstrap: str) -> dict[str, Any]:
     """A Kafka client configuration for ``bootstrap`` whose librdkafka log lines are rate-limited; exits in
     one line when Kafka does not answer within ``DCPGW_KAFKA_CONNECT_TIMEOUT_S`` (10 s)."""
-    from gateway.client_log import ClientLog, with_client_log
+    from gateway.kafka.client_log import ClientLog, with_client_log
     from gateway.exceptions import BrokerError
     from gateway.resume import wait_for_kafka
 

@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from gateway.client_log import ClientLog, with_client_log
+from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
 from gateway.position import PublishPosition
 from gateway.records import decode, partition_for

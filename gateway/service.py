@@ -24,7 +24,7 @@ from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster import Cluster, FailoverReport
 from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
-from gateway.client_log import ClientLog, with_client_log
+from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError
 from gateway.health import Readiness, UnackedWrites

@@ -11,7 +11,7 @@ from confluent_kafka import Producer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.client_log import ClientLog, with_client_log
+from gateway.kafka.client_log import ClientLog, with_client_log
 
 
 class Clock:
