@@ -156,8 +156,8 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 def _kafka_client(bootstrap: str) -> dict[str, Any]:
     """A Kafka client configuration for ``bootstrap`` whose librdkafka log lines are rate-limited; exits in
     one line when Kafka does not answer within ``DCPGW_KAFKA_CONNECT_TIMEOUT_S`` (10 s)."""
-    from gateway.kafka.client_log import ClientLog, with_client_log
     from gateway.exceptions import BrokerError
+    from gateway.kafka.client_log import ClientLog, with_client_log
     from gateway.resume import wait_for_kafka
 
     conf = {"bootstrap.servers": bootstrap}

@@ -18,8 +18,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
+from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.position import PublishPosition
 from gateway.records import decode, partition_for
 

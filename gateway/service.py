@@ -24,10 +24,10 @@ from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster import Cluster, FailoverReport
 from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
-from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError
 from gateway.health import Readiness, UnackedWrites
+from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
 from gateway.records import RecordEncoder, ValueFormat, topic_name
