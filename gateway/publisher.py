@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from engine import (
     MAX_SEQNO,
@@ -66,6 +66,7 @@ from engine.stream import Message as DcpStreamMessage
 from engine.stream import StreamState
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
+from gateway.kafka.clients import producer as kafka_producer
 from gateway.position import PublishPosition
 from gateway.records import KafkaRecord, RecordEncoder, partition_for
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
@@ -187,7 +188,7 @@ class Publisher:
             if pub is not None:
                 pub._on_delivery(err, msg)
 
-        self.kafka = Producer({**producer_config, "on_delivery": on_delivery})
+        self.kafka = kafka_producer(producer_config, on_delivery=on_delivery)
         nvb = self.source.num_vbuckets
         #: the DCP connection each vbucket streams from now (None: not streaming)
         self._owner: list[DcpConnection | None] = [None] * nvb

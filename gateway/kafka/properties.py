@@ -118,9 +118,23 @@ def check_properties(
     return sorted(problems, key=lambda p: order.get(p[0], len(order)))
 
 
-@functools.lru_cache(maxsize=512)
+#: (client kind, property name) -> ignored by that kind of client; a property's scope is librdkafka's, not
+#: its value's, so one answer per name (bounded by librdkafka's property count)
+_ROLES: dict[tuple[str, str], bool] = {}
+
+
 def _ignored(kind: str, name: str, value: PropertyValue) -> bool:
-    """Whether a throwaway ``kind`` client ("producer" / "consumer") would ignore the property."""
+    """Whether a ``kind`` client ("producer" / "consumer") ignores the property."""
+    known = _ROLES.get((kind, name))
+    if known is None:
+        known = _ask_ignored(kind, name, value)
+        if known is not None:
+            _ROLES[(kind, name)] = known
+    return bool(known)
+
+
+def _ask_ignored(kind: str, name: str, value: PropertyValue) -> bool | None:
+    """A throwaway client's answer; None when librdkafka refuses the value (the real client will say why)."""
     log = _Collect()
     conf: dict[str, Any] = {name: value, "logger": log}
     try:
@@ -132,7 +146,7 @@ def _ignored(kind: str, name: str, value: PropertyValue) -> bool:
             c.poll(0)
             c.close()
     except (KafkaException, TypeError, ValueError):
-        return False  # refused: the real client will say why
+        return None
     other = "consumer" if kind == "producer" else "producer"
     return any((m := _IGNORED.search(line)) is not None and m.group(1) == other for line in log.lines)
 
