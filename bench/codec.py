@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 from fastavro import schemaless_reader, schemaless_writer
 
-from engine.item import Item, Op
-from engine.stream import SnapshotFlags, SnapshotMarker
+from engine.dcp.stream import SnapshotFlags, SnapshotMarker
+from engine.kv.item import Item, Op
 from schemas.codec import (
     CHANGE_EVENT_NAME,
     CONTROL_EVENT_NAME,

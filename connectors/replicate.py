@@ -23,6 +23,7 @@ from connectors.client.replay import Oversize, Snapshot
 
 __all__ = ["Replicator"]
 
+#: in the consumer's state file: a change here is a migration step of connectors.client.state (SCHEMA_VERSION)
 _SCHEMA = "CREATE TABLE IF NOT EXISTS docs (key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER, seqno INTEGER)"
 
 

@@ -34,6 +34,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from gateway.exceptions import BrokerError, BrokerStartError
+from gateway.kafka import ClientLog, admin_client
 
 __all__ = [
     "BOOTSTRAP_ENV",
@@ -416,13 +417,9 @@ class EmbeddedTansuBroker(Broker):
                 time.sleep(0.02)
                 continue
             if admin is None:
-                # librdkafka's own log lines go to a Python logger, not stderr ("logger" is a
-                # confluent-kafka config key its type stubs do not know, hence the Any-typed dict).
-                config: dict[str, Any] = {
-                    "bootstrap.servers": f"{self.host}:{self._port}",
-                    "logger": logging.getLogger(f"{__name__}.readiness"),
-                }
-                admin = AdminClient(config)
+                # librdkafka's own log lines go to a Python logger (rate-limited), not stderr
+                admin = admin_client({"bootstrap.servers": f"{self.host}:{self._port}"},
+                                     log=ClientLog(logging.getLogger(f"{__name__}.readiness")))
             try:
                 admin.list_topics(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
                 return None

@@ -185,8 +185,8 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 def _kafka_client(bootstrap: str) -> dict[str, Any]:
     """A Kafka client configuration for ``bootstrap`` whose librdkafka log lines are rate-limited; exits in
     one line when Kafka does not answer within ``DCPGW_KAFKA_CONNECT_TIMEOUT_S`` (10 s)."""
-    from gateway.client_log import ClientLog, with_client_log
     from gateway.exceptions import BrokerError
+    from gateway.kafka import default_client_log, with_client_log
     from gateway.resume import wait_for_kafka
 
     conf = {"bootstrap.servers": bootstrap}
@@ -199,7 +199,7 @@ def _kafka_client(bootstrap: str) -> dict[str, Any]:
         wait_for_kafka(conf, timeout, setting="DCPGW_KAFKA_CONNECT_TIMEOUT_S")
     except BrokerError as e:
         _fail(str(e))
-    return with_client_log(conf, ClientLog())
+    return with_client_log(conf, default_client_log())
 
 
 def _readiness(base: str) -> dict[str, Any]:
@@ -698,9 +698,10 @@ def tail(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep waiting for new records."),
 ) -> None:
     """Print the decoded records of VBUCKET's partition, from the beginning."""
-    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
     from gateway.exceptions import RecordFormatError
+    from gateway.kafka import consumer
     from schemas.codec import decode
     from schemas.topics import partition_for
 
@@ -711,8 +712,8 @@ def tail(
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
     if vbucket < 0:
         _fail(f"vbucket {vbucket} is negative")
-    c = Consumer({**_kafka_client(bootstrap), "group.id": f"dcpgw-tail-{os.getpid()}",
-                  "enable.auto.commit": False, "enable.partition.eof": True})
+    c = consumer(_kafka_client(bootstrap), {"enable.auto.commit": False, "enable.partition.eof": True},
+                 group_id=f"dcpgw-tail-{os.getpid()}")
     try:
         try:
             md = c.list_topics(topic, timeout=10)

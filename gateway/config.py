@@ -13,8 +13,9 @@ honoured too (``DCPGW_KAFKA__BOOTSTRAP_SERVERS`` wins when both are set). ``DCPG
 settings file when none is passed. docs/configuration.md lists every setting.
 
 :class:`KafkaConnection` follows quix-streams' ``ConnectionConfig``: typed fields for the connection and
-security settings, plus ``extra`` for any other librdkafka property. Unknown librdkafka property names are
-rejected with a suggestion (as confluent-kafka-python does when a client is created, only earlier). Secrets
+security settings, plus ``extra`` for any other librdkafka property. ``extra`` is checked by the installed
+librdkafka itself (gateway.kafka.properties): an unknown name (with a suggestion) or a value librdkafka refuses
+is a ConfigError at start, before any client is created. Secrets
 never appear in ``repr``/``str``/``model_dump()``/error messages; only :meth:`KafkaConnection.to_librdkafka`
 (and the client configs built from it) reveal them.
 """
@@ -49,15 +50,12 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from engine.config import BucketConfig
 from gateway.exceptions import ConfigError
+from gateway.kafka.properties import check_properties, consumer_only, producer_only
 
 __all__ = [
     "BOOTSTRAP_ENV",
     "CONFIG_FILE_ENV",
     "ENV_PREFIX",
-    "LIBRDKAFKA_CONSUMER_PROPERTIES",
-    "LIBRDKAFKA_GLOBAL_PROPERTIES",
-    "LIBRDKAFKA_PRODUCER_PROPERTIES",
-    "LIBRDKAFKA_PROPERTIES",
     "MASK",
     "PRODUCER_QUEUE_MAX_KBYTES",
     "RESERVED_ENV_VARS",
@@ -93,81 +91,6 @@ PRODUCER_QUEUE_MAX_KBYTES: Final = 64 * 1024
 #: and batch framing -- with a wide margin. The producer's ``message.max.bytes`` and the created topics'
 #: ``max.message.bytes`` are the engine's largest value plus this (docs/reliability.md "Large documents").
 RECORD_OVERHEAD_BYTES: Final = 64 * 1024
-
-# ------------------------------------------------------------------------------------------------------------
-# librdkafka property names, from librdkafka's CONFIGURATION.md (global and topic tables), checked against the
-# librdkafka 2.16 bundled with confluent-kafka (tests/gateway/test_config.py asks the installed library about
-# every name). Properties whose type is "see dedicated API" (callbacks, opaque pointers, ssl_key /
-# ssl_certificate objects, interceptors) are left out: they cannot be given as strings or numbers.
-
-#: Global properties for producers and consumers alike (C/P "*").
-LIBRDKAFKA_GLOBAL_PROPERTIES: frozenset[str] = frozenset({
-    "builtin.features", "client.id", "metadata.broker.list", "bootstrap.servers", "message.max.bytes",
-    "message.copy.max.bytes", "receive.message.max.bytes", "max.in.flight.requests.per.connection",
-    "max.in.flight", "metadata.recovery.strategy", "metadata.recovery.rebootstrap.trigger.ms",
-    "topic.metadata.refresh.interval.ms", "metadata.max.age.ms", "topic.metadata.refresh.fast.interval.ms",
-    "topic.metadata.refresh.fast.cnt", "topic.metadata.refresh.sparse", "topic.metadata.propagation.max.ms",
-    "topic.blacklist", "debug", "socket.timeout.ms", "socket.blocking.max.ms", "socket.send.buffer.bytes",
-    "socket.receive.buffer.bytes", "socket.keepalive.enable", "socket.nagle.disable", "socket.max.fails",
-    "broker.address.ttl", "broker.address.family", "socket.connection.setup.timeout.ms",
-    "connections.max.idle.ms", "reconnect.backoff.jitter.ms", "reconnect.backoff.ms",
-    "reconnect.backoff.max.ms", "statistics.interval.ms", "enabled_events", "log_level", "log.queue",
-    "log.thread.name", "enable.random.seed", "log.connection.close", "internal.termination.signal",
-    "api.version.request", "api.version.request.timeout.ms", "api.version.fallback.ms",
-    "broker.version.fallback", "allow.auto.create.topics", "security.protocol", "ssl.cipher.suites",
-    "ssl.curves.list", "ssl.sigalgs.list", "ssl.key.location", "ssl.key.password", "ssl.key.pem",
-    "ssl.certificate.location", "ssl.certificate.pem", "ssl.ca.location", "https.ca.location", "https.ca.pem",
-    "ssl.ca.pem", "ssl.ca.certificate.stores", "ssl.crl.location", "ssl.keystore.location",
-    "ssl.keystore.password", "ssl.providers", "ssl.engine.location", "ssl.engine.id",
-    "enable.ssl.certificate.verification", "ssl.endpoint.identification.algorithm", "sasl.mechanisms",
-    "sasl.mechanism", "sasl.kerberos.service.name", "sasl.kerberos.principal", "sasl.kerberos.kinit.cmd",
-    "sasl.kerberos.keytab", "sasl.kerberos.min.time.before.relogin", "sasl.username", "sasl.password",
-    "sasl.oauthbearer.config", "enable.sasl.oauthbearer.unsecure.jwt", "sasl.oauthbearer.method",
-    "sasl.oauthbearer.client.id", "sasl.oauthbearer.client.credentials.client.id",
-    "sasl.oauthbearer.client.credentials.client.secret", "sasl.oauthbearer.client.secret",
-    "sasl.oauthbearer.scope", "sasl.oauthbearer.extensions", "sasl.oauthbearer.token.endpoint.url",
-    "sasl.oauthbearer.grant.type", "sasl.oauthbearer.assertion.algorithm",
-    "sasl.oauthbearer.assertion.private.key.file", "sasl.oauthbearer.assertion.private.key.passphrase",
-    "sasl.oauthbearer.assertion.private.key.pem", "sasl.oauthbearer.assertion.file",
-    "sasl.oauthbearer.assertion.claim.aud", "sasl.oauthbearer.assertion.claim.exp.seconds",
-    "sasl.oauthbearer.assertion.claim.iss", "sasl.oauthbearer.assertion.claim.jti.include",
-    "sasl.oauthbearer.assertion.claim.nbf.seconds", "sasl.oauthbearer.assertion.claim.sub",
-    "sasl.oauthbearer.assertion.jwt.template.file", "sasl.oauthbearer.metadata.authentication.type",
-    "sasl.oauthbearer.sub.claim.name",
-    "plugin.library.paths", "client.rack", "retry.backoff.ms", "retry.backoff.max.ms", "client.dns.lookup",
-    "enable.metrics.push",
-})
-
-#: Consumer-only properties (C/P "C"), global and topic level.
-LIBRDKAFKA_CONSUMER_PROPERTIES: frozenset[str] = frozenset({
-    "group.id", "group.instance.id", "partition.assignment.strategy", "session.timeout.ms",
-    "heartbeat.interval.ms", "group.protocol.type", "group.protocol", "group.remote.assignor",
-    "coordinator.query.interval.ms", "max.poll.interval.ms", "enable.auto.commit", "auto.commit.interval.ms",
-    "enable.auto.offset.store", "queued.min.messages", "queued.max.messages.kbytes", "fetch.wait.max.ms",
-    "fetch.queue.backoff.ms", "fetch.message.max.bytes", "max.partition.fetch.bytes", "fetch.max.bytes",
-    "fetch.min.bytes", "fetch.error.backoff.ms", "offset.store.method", "isolation.level",
-    "enable.partition.eof", "check.crcs", "max.poll.records", "share.acknowledgement.mode",
-    # topic level
-    "auto.commit.enable", "auto.offset.reset", "offset.store.path", "offset.store.sync.interval.ms",
-    "consume.callback.max.messages",
-})
-
-#: Producer-only properties (C/P "P"), global and topic level.
-LIBRDKAFKA_PRODUCER_PROPERTIES: frozenset[str] = frozenset({
-    "transactional.id", "transaction.timeout.ms", "enable.idempotence", "enable.gapless.guarantee",
-    "queue.buffering.max.messages", "queue.buffering.max.kbytes", "queue.buffering.max.ms", "linger.ms",
-    "message.send.max.retries", "retries", "queue.buffering.backpressure.threshold", "compression.codec",
-    "compression.type", "batch.num.messages", "batch.size", "delivery.report.only.error",
-    "sticky.partitioning.linger.ms",
-    # topic level
-    "request.required.acks", "acks", "request.timeout.ms", "message.timeout.ms", "delivery.timeout.ms",
-    "queuing.strategy", "produce.offset.report", "partitioner", "compression.level",
-})
-
-#: Every librdkafka property name ``kafka.extra`` accepts (before the typed-field and gateway checks).
-LIBRDKAFKA_PROPERTIES: frozenset[str] = (
-    LIBRDKAFKA_GLOBAL_PROPERTIES | LIBRDKAFKA_CONSUMER_PROPERTIES | LIBRDKAFKA_PRODUCER_PROPERTIES
-)
 
 #: KafkaConnection field -> librdkafka property, in to_librdkafka() order.
 _FIELD_TO_PROPERTY: Final[dict[str, str]] = {
@@ -293,7 +216,7 @@ class KafkaConnection(BaseSettings):
     ssl_key_password: SecretStr | None = None
     ssl_endpoint_identification_algorithm: Literal["https", "none"] | None = None
     client_id: str = Field(default="dcp-gateway", min_length=1)
-    #: any other librdkafka property, passed through verbatim (validated against librdkafka's names)
+    #: any other librdkafka property, passed through verbatim (checked by librdkafka itself)
     extra: dict[str, LibrdkafkaValue] = Field(default_factory=dict)
 
     def __init__(self, *args: Any, **values: Any) -> None:
@@ -341,9 +264,10 @@ class KafkaConnection(BaseSettings):
                 field = _PROPERTY_TO_FIELD[key]
                 problems.append(((key,), f"duplicates the typed setting {field!r} "
                                  f"(env {ENV_PREFIX}KAFKA__{field.upper()}); set that instead"))
-            elif key not in LIBRDKAFKA_PROPERTIES:
-                hint = _did_you_mean(key, LIBRDKAFKA_PROPERTIES)
-                problems.append(((key,), f"unknown librdkafka property{hint}"))
+        # the rest as librdkafka itself takes them (no copied table of its properties: gateway.kafka.properties)
+        rest = {k: v for k, v in extra.items() if k not in _PROPERTY_TO_FIELD}
+        for key, message in check_properties(rest, secret=is_secret_property):
+            problems.append(((key,) if key else (), message))
         if problems:
             raise _problems_error("librdkafka_property", problems)
         return extra
@@ -631,7 +555,7 @@ class GatewaySettings(BaseSettings):
         delivery guarantees the gateway relies on (idempotence, acks=all)."""
         conf: LibrdkafkaConfig = {"queue.buffering.max.kbytes": PRODUCER_QUEUE_MAX_KBYTES,
                                   "message.max.bytes": self.max_record_bytes()}
-        conf.update(_without(self.kafka.to_librdkafka(), LIBRDKAFKA_CONSUMER_PROPERTIES))
+        conf.update(_without(self.kafka.to_librdkafka(), consumer_only(self.kafka.extra)))
         conf.update({
             "enable.idempotence": True,
             "acks": "all",
@@ -646,7 +570,7 @@ class GatewaySettings(BaseSettings):
         """librdkafka settings of a consumer: the connection (producer-only properties left out), reading
         from the earliest offset, never committing. ``group_id`` None = a fresh, unique group id."""
         conf: LibrdkafkaConfig = {"auto.offset.reset": "earliest"}
-        conf.update(_without(self.kafka.to_librdkafka(), LIBRDKAFKA_PRODUCER_PROPERTIES))
+        conf.update(_without(self.kafka.to_librdkafka(), producer_only(self.kafka.extra)))
         conf.update({
             "group.id": group_id or f"dcpgw-{self.bucket}-{uuid.uuid4().hex[:12]}",
             "enable.auto.commit": False,
@@ -655,8 +579,8 @@ class GatewaySettings(BaseSettings):
 
     def admin_config(self) -> LibrdkafkaConfig:
         """librdkafka settings of an AdminClient: the connection minus producer-/consumer-only properties."""
-        client_only = LIBRDKAFKA_PRODUCER_PROPERTIES | LIBRDKAFKA_CONSUMER_PROPERTIES
-        return _without(self.kafka.to_librdkafka(), client_only)
+        extra = self.kafka.extra
+        return _without(self.kafka.to_librdkafka(), producer_only(extra) | consumer_only(extra))
 
     @classmethod
     def settings_customise_sources(

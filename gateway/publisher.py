@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from engine import (
     MAX_SEQNO,
@@ -65,6 +65,7 @@ from engine.dcp.stream import StreamState
 from engine.network.process_cluster import ProcessCluster
 from gateway.config import StreamFrom
 from gateway.exceptions import GatewayError
+from gateway.kafka.clients import producer as kafka_producer
 from gateway.resume import PublishPosition
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
 from schemas.codec import RecordEncoder
@@ -189,7 +190,7 @@ class Publisher:
             if pub is not None:
                 pub._on_delivery(err, msg)
 
-        self.kafka = Producer({**producer_config, "on_delivery": on_delivery})
+        self.kafka = kafka_producer(producer_config, on_delivery=on_delivery)
         nvb = self.source.num_vbuckets
         #: the DCP connection each vbucket streams from now (None: not streaming)
         self._owner: list[DcpConnection | None] = [None] * nvb

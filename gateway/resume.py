@@ -30,11 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import ConfigResource, NewTopic
 
-from gateway.client_log import ClientLog, with_client_log
 from gateway.exceptions import BrokerError, GatewayError
+from gateway.kafka import ClientLog, admin_client, consumer, produce_blocking, producer
 from schemas.codec import decode
 from schemas.failover_log import FailoverEntry
 from schemas.position import VBucketPosition
@@ -167,7 +167,7 @@ def wait_for_kafka(client_config: dict[str, Any], timeout: float, *,
     servers = client_config.get("bootstrap.servers", "?")
     probe_log = ClientLog(quiet=True)
     conf = {k: v for k, v in client_config.items() if k not in ("logger", "error_cb")}
-    admin = AdminClient(with_client_log(conf, probe_log))
+    admin = admin_client(conf, log=probe_log)
     deadline = time.monotonic() + timeout
     last = ""
     while True:
@@ -194,7 +194,7 @@ def ensure_topics(
     Returns the data topic's actual partition count (an existing topic may have fewer: vbucket v then goes
     to partition v mod P).
     """
-    admin = AdminClient(client_config)
+    admin = admin_client(client_config)
     data_config = {"max.message.bytes": str(max_message_bytes)} if max_message_bytes else {}
     wanted = [
         NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor, config=data_config),
@@ -226,7 +226,7 @@ def topic_record_limit(
     configs set at creation, docs/kafka-compat.md). Logs a warning with the numbers when it is below
     ``needed`` (the largest record the gateway may produce): larger records are then handled by the
     ``oversize_policy`` (docs/reliability.md "Large documents")."""
-    admin = AdminClient(client_config)
+    admin = admin_client(client_config)
     try:
         futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)],
                                          request_timeout=timeout)
@@ -251,14 +251,12 @@ def topic_record_limit(
 
 
 def _consumer(client_config: dict[str, Any]) -> Consumer:
-    return Consumer({
-        **client_config,
-        "group.id": f"dcpgw-recovery-{uuid.uuid4()}",
+    return consumer(client_config, {
         "enable.auto.commit": False,
         "enable.partition.eof": True,
         "auto.offset.reset": "earliest",
         "fetch.max.bytes": 64 * 1024 * 1024,
-    })
+    }, group_id=f"dcpgw-recovery-{uuid.uuid4()}")
 
 
 def _read_to_end(
@@ -352,7 +350,7 @@ class CheckpointWriter:
 
     def __init__(self, producer_config: dict[str, Any], topic: str) -> None:
         self.topic = checkpoint_topic_name(topic)
-        self._p = Producer(producer_config)
+        self._p = producer(producer_config)
         self.written = 0
         #: positions not yet handed to librdkafka (its queue was full), newest per vbucket
         self.pending: dict[int, PublishPosition] = {}
@@ -369,9 +367,15 @@ class CheckpointWriter:
         self._p.poll(0)
 
     def flush(self, timeout: float = 10.0) -> int:
+        """Hand every pending position to librdkafka, waiting for room in its queue, and wait for their
+        acknowledgements, all within ``timeout`` seconds. Returns how many are neither acknowledged nor sent."""
         deadline = time.monotonic() + timeout
-        while self.pending and time.monotonic() < deadline:
-            self.write({})
-            if self.pending:
-                self._p.poll(0.05)
+        for vb in list(self.pending):
+            try:
+                produce_blocking(self._p, self.topic, self.pending[vb].to_json(), str(vb).encode(), partition=0,
+                                 timeout=max(0.0, deadline - time.monotonic()))
+            except BufferError:
+                break
+            del self.pending[vb]
+            self.written += 1
         return int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)

@@ -24,10 +24,10 @@ from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
 from engine.kv.data_dir import DataDirLock, Layout, check_layout
-from gateway.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError
 from gateway.health import Readiness, UnackedWrites
+from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
 from gateway.resume import (

@@ -50,6 +50,7 @@ class LogTooShort(StateStoreError):
         self.floor = floor
 
 
+#: part of the state file's schema: a change here is a migration step of connectors.client.state (SCHEMA_VERSION)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dcp_mutation_log (
     vbucket INTEGER NOT NULL,

@@ -20,7 +20,42 @@ from typing import Protocol, runtime_checkable
 from connectors.client.replay import ConsumerPosition
 from connectors.exceptions import StateStoreError
 
-__all__ = ["MemoryStateStore", "SqliteStateStore", "StateStore"]
+__all__ = ["SCHEMA_VERSION", "MemoryStateStore", "SqliteStateStore", "StateStore"]
+
+#: ``PRAGMA user_version`` of a state file this library writes. It covers every table the connectors keep in
+#: that file: ``dcp_consumer_state``, ``dcp_consumer_offsets``, the mutation log's ``dcp_mutation_log`` and
+#: ``dcp_mutation_log_floor`` and ``connectors.replicate``'s ``docs`` (docs/reliability.md, "Schema versions").
+SCHEMA_VERSION = 1
+
+
+def _v0_to_v1(conn: sqlite3.Connection) -> None:
+    """Version 0 is the layout before state files carried a version: the tables are unchanged."""
+
+
+#: ``_MIGRATIONS[v]`` takes a state file of schema version ``v`` to ``v + 1``.
+_MIGRATIONS = (_v0_to_v1,)
+
+
+def _migrate(conn: sqlite3.Connection, path: str | Path) -> None:
+    """Bring the state file at ``path`` to :data:`SCHEMA_VERSION` (a new file is created at it)."""
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise StateStoreError(f"the state store {path} has schema version {version}, newer than this "
+                              f"library's {SCHEMA_VERSION}: open it with the version that wrote it")
+    if version == SCHEMA_VERSION:
+        return
+    existing = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name='dcp_consumer_state'").fetchone()
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if existing is not None:
+            for step in _MIGRATIONS[version:]:
+                step(conn)
+        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 @runtime_checkable
@@ -73,6 +108,11 @@ class SqliteStateStore:
             self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
+            try:
+                _migrate(self.conn, path)
+            except StateStoreError:
+                self.conn.close()
+                raise
             self.conn.execute("CREATE TABLE IF NOT EXISTS dcp_consumer_state (topic TEXT NOT NULL, "
                               "vbucket INTEGER NOT NULL, state TEXT NOT NULL, PRIMARY KEY (topic, vbucket))")
             self.conn.execute("CREATE TABLE IF NOT EXISTS dcp_consumer_offsets (topic TEXT NOT NULL, "

@@ -51,6 +51,39 @@ CREATE TABLE IF NOT EXISTS snapshots (
     vb INTEGER NOT NULL, seqno INTEGER NOT NULL, PRIMARY KEY (vb, seqno)) WITHOUT ROWID;
 """
 
+#: ``PRAGMA user_version`` of a storage file this engine writes (docs/reliability.md, "Schema versions").
+SCHEMA_VERSION: Final = 1
+
+
+def _v0_to_v1(db: sqlite3.Connection) -> None:
+    """Version 0 is the layout of _SCHEMA before files carried a version: the tables are unchanged."""
+
+
+#: ``_MIGRATIONS[v]`` takes a file of schema version ``v`` to ``v + 1``, in one transaction with the rest.
+_MIGRATIONS: Final = (_v0_to_v1,)
+
+
+def _migrate(db: sqlite3.Connection, path: Path) -> None:
+    """Bring the file at ``path`` to :data:`SCHEMA_VERSION` (a new file is created at it)."""
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise StorageError(f"storage at {path} has schema version {version}, newer than this engine's "
+                           f"{SCHEMA_VERSION}: open it with the version that wrote it")
+    if version == SCHEMA_VERSION:
+        return
+    existing = db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='items'").fetchone()
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        if existing is not None:
+            for step in _MIGRATIONS[version:]:
+                step(db)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
 _INSERT: Final = (
     "INSERT OR REPLACE INTO items (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op) "
     "VALUES (?,?,?,?,?,?,?,?,?,?)"
@@ -108,7 +141,11 @@ class Storage:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
             self._db.execute("PRAGMA cache_size=-65536")
+            _migrate(self._db, path)
             self._db.executescript(_SCHEMA)
+        except StorageError:
+            self._db.close()
+            raise
         except (sqlite3.Error, OSError) as e:
             raise StorageError(f"cannot open storage at {path}: {e}") from e
 

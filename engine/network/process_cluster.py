@@ -30,12 +30,13 @@ import orjson
 
 import engine
 from engine.cluster.manager import ClusterManager, NodeControl
-from engine.cluster.rebalance import ProcessRebalance, RebalanceProgress
+from engine.cluster.rebalance import RebalanceProgress
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.kv.data_dir import MAP_FILE
 from engine.kv.durable_file import write_atomically
 from engine.kv.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
+from engine.network.process_rebalance import ProcessRebalance
 from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
 from schemas.failover_log import FailoverEntry
 
@@ -212,7 +213,7 @@ class ProcessCluster(ClusterManager):
     def _rewire(self, exclude: str | None = None) -> None:
         """Send every live node the replication streams the map gives it (a replica pulls from its active)."""
         wanted = self.wanted_streams(exclude=exclude)
-        # The rebalance mover's streams (engine/cluster/rebalance.py ProcessRebalance): a copy being built or taken
+        # The rebalance mover's streams (engine/network/process_rebalance.py ProcessRebalance): a copy being built or taken
         # over pulls its vbucket from the current active on the same link.
         for vb, fed in sorted(self._moving.items()):
             src = self._map.active(vb)

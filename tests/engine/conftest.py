@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 
 from engine import Bucket, BucketConfig
+from engine.cluster.local import Cluster
+from engine.network.process_cluster import ProcessCluster
 
 
 class FakeClock:
@@ -39,3 +41,34 @@ def make_bucket(tmp_path: Path) -> Iterator[Callable[..., Bucket]]:
     for b in opened:
         if not b.closed:
             b.close(clean=False)
+
+
+@pytest.fixture
+def make_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """The one cluster factory: ``make_cluster(**options)`` opens a cluster under ``tmp_path``; every cluster
+    is closed (uncleanly: SIGKILL for node processes) after the test, also when it failed.
+
+    The test module chooses the kind and its defaults: ``CLUSTER = ProcessCluster`` for node processes
+    (default: the in-process :class:`~engine.cluster.Cluster`), ``CLUSTER_DEFAULTS = {...}`` for the options
+    every cluster of the module gets unless the call overrides them (default: ``seed=3``)."""
+    kind = getattr(request.module, "CLUSTER", Cluster)
+    defaults: dict[str, Any] = dict(getattr(request.module, "CLUSTER_DEFAULTS", {"seed": 3}))
+    made: list[Any] = []
+
+    def make(**kw: Any) -> Any:
+        path = tmp_path / f"c{len(made)}"
+        options = {**defaults, **kw}
+        c = ProcessCluster.start(path, **options) if kind is ProcessCluster else Cluster.create(path, **options)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        if isinstance(c, ProcessCluster):
+            c.close(clean=False)
+        else:
+            for node in c.nodes.values():
+                if node.up:
+                    assert node.bucket is not None
+                    node.bucket.close(clean=False)
+

@@ -3,8 +3,6 @@ partition-state CAS. Real SQLite storage on every node."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine import KeyNotFound, NotMyVBucket, Status, TemporaryFailure, VBucketState
@@ -12,24 +10,6 @@ from engine.cluster.local import MAP_FILE, Cluster
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument, StateCasMismatch
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path):
-    made: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        kw.setdefault("seed", 3)
-        c = Cluster.create(tmp_path / f"c{len(made)}", **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        for node in c.nodes.values():
-            if node.up:
-                assert node.bucket is not None
-                node.bucket.close(clean=False)
 
 
 def _keys_on(cluster: Cluster, vb: int, n: int, prefix: str = "k") -> list[str]:

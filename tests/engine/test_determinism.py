@@ -19,7 +19,6 @@ from engine.cluster.local import Cluster
 from engine.cluster.manager import NodeControl
 from engine.cluster.rebalance import (
     MovePhase,
-    ProcessRebalance,
     Rebalance,
     RebalanceCluster,
     RebalanceProgress,
@@ -31,6 +30,7 @@ from engine.config import BucketConfig
 from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.kv.durability import ManualClock
 from engine.kv.vbucket import VBucketInfo, VBucketState
+from engine.network.process_rebalance import ProcessRebalance
 from schemas.failover_log import FailoverLog
 
 

@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +25,9 @@ NVB = 8
 CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2}
 
 
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., ProcessCluster]]:
-    made: list[ProcessCluster] = []
-
-    def make(**kw: Any) -> ProcessCluster:
-        kw.setdefault("num_vbuckets", NVB)
-        c = ProcessCluster.start(tmp_path / f"c{len(made)}", **{**CFG, **kw})
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close(clean=False)  # SIGKILL whatever is still running, also when the test failed
+#: make_cluster() (tests/engine/conftest.py) starts node processes with these options
+CLUSTER = ProcessCluster
+CLUSTER_DEFAULTS: dict[str, Any] = {**CFG, "num_vbuckets": NVB}
 
 
 def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -1,4 +1,4 @@
-"""Rebalance of a cluster of node processes (engine/cluster/rebalance.py ProcessRebalance, seed 003): takeover streams
+"""Rebalance of a cluster of node processes (engine/network/process_rebalance.py ProcessRebalance, seed 003): takeover streams
 over TCP (markers with ACK, DCP_SET_VBUCKET_STATE and their acks as DCP responses), DCP_ADD_STREAM(TAKEOVER) on
 the destination, ``stats dcp-vbtakeover`` on the source; a node rebalanced in and another out while writes
 continue; a DCP client over TCP following the map never rolls back."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +28,9 @@ NVB = 8
 CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2}
 
 
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator[Callable[..., ProcessCluster]]:
-    made: list[ProcessCluster] = []
-
-    def make(**kw: Any) -> ProcessCluster:
-        kw.setdefault("num_vbuckets", NVB)
-        c = ProcessCluster.start(tmp_path / f"c{len(made)}", **{**CFG, **kw})
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close(clean=False)
+#: make_cluster() (tests/engine/conftest.py) starts node processes with these options
+CLUSTER = ProcessCluster
+CLUSTER_DEFAULTS: dict[str, Any] = {**CFG, "num_vbuckets": NVB}
 
 
 class Writer:

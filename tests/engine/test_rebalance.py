@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -24,23 +23,8 @@ from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
 
-
-@pytest.fixture
-def make_cluster(tmp_path: Path):
-    made: list[Cluster] = []
-
-    def make(**kw) -> Cluster:
-        kw.setdefault("seed", 5)
-        c = Cluster.create(tmp_path / f"c{len(made)}", **kw)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        for node in c.nodes.values():
-            if node.up:
-                assert node.bucket is not None
-                node.bucket.close(clean=False)
+#: options of every make_cluster() cluster here (tests/engine/conftest.py)
+CLUSTER_DEFAULTS = {"seed": 5}
 
 
 class Writer:

@@ -5,7 +5,7 @@ same port.
 
 Checked: ``/health/ready`` answers 503 with ``broker_unreachable`` within a bounded time and 200 again after
 the new broker answers; ``/health/live``, reads and ``/stats`` answer throughout; the repeat counts of
-librdkafka's connection errors are logged when the gateway stops (gateway.client_log). Tansu keeps nothing
+librdkafka's connection errors are logged when the gateway stops (gateway.kafka.client_log). Tansu keeps nothing
 across a restart (docs/kafka-compat.md), so the topic's contents are not checked here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""gateway.client_log: librdkafka's repeated log lines are rate-limited (first occurrence, then a count per
+"""gateway.kafka.client_log: librdkafka's repeated log lines are rate-limited (first occurrence, then a count per
 interval), for a real client against an address where nothing listens."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.broker import Broker
-from gateway.client_log import ClientLog, with_client_log
 from gateway.config import load_settings
+from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.service import GatewayService
 
 

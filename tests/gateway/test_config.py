@@ -15,9 +15,6 @@ from pydantic import ValidationError
 
 from engine.config import BucketConfig
 from gateway.config import (
-    LIBRDKAFKA_CONSUMER_PROPERTIES,
-    LIBRDKAFKA_PRODUCER_PROPERTIES,
-    LIBRDKAFKA_PROPERTIES,
     MASK,
     PRODUCER_QUEUE_MAX_KBYTES,
     GatewaySettings,
@@ -26,6 +23,7 @@ from gateway.config import (
     load_settings,
 )
 from gateway.exceptions import ConfigError, GatewayError
+from gateway.kafka.properties import librdkafka_property_names
 
 SECRET = "s3cr3t-hunter2"
 KEY_SECRET = "k3y-passphrase-42"
@@ -130,7 +128,7 @@ def test_consumer_and_admin_configs() -> None:
     assert a != b and str(a).startswith("dcpgw-default-")
     admin = s.admin_config()
     assert admin["socket.timeout.ms"] == 1234
-    assert not set(admin) & (LIBRDKAFKA_PRODUCER_PROPERTIES | LIBRDKAFKA_CONSUMER_PROPERTIES)
+    assert "fetch.min.bytes" not in admin and "message.timeout.ms" not in admin  # client-only properties
 
 
 def test_librdkafka_accepts_the_generated_configs() -> None:
@@ -144,8 +142,11 @@ def test_librdkafka_accepts_the_generated_configs() -> None:
     Producer(sasl.producer_config()).flush(0)
 
 
-def test_every_property_name_is_known_to_the_installed_librdkafka() -> None:
-    for name in sorted(LIBRDKAFKA_PROPERTIES):
+def test_property_names_come_from_the_installed_librdkafka() -> None:
+    # no copied table: the names (for suggestions) are librdkafka's own, and librdkafka takes each of them
+    names = librdkafka_property_names()
+    assert {"socket.timeout.ms", "fetch.min.bytes", "linger.ms", "sasl.oauthbearer.config"} <= names
+    for name in sorted(names):
         conf: dict[str, Any] = {name: "0"}
         if name != "log_level":
             conf["log_level"] = 0
@@ -153,6 +154,31 @@ def test_every_property_name_is_known_to_the_installed_librdkafka() -> None:
             Producer(conf).flush(0)
         except (KafkaException, ValueError, TypeError) as exc:  # a bad value for this property is fine
             assert "No such configuration property" not in str(exc), name
+
+
+def test_librdkafka_refuses_invalid_values_at_start() -> None:
+    err = config_error(kafka={"extra": {"socket.timeout.ms": 1, "debug": "bogus", "linger.ms": 5}})
+    assert err.fields == ['kafka.extra["socket.timeout.ms"]', 'kafka.extra["debug"]']
+    assert "outside allowed range" in str(err) and "Invalid value" in str(err)
+    # a property's secret value never appears in the message
+    err = config_error(kafka={"extra": {"sasl.oauthbearer.client.secret": SECRET, "ssl.keystore.password": 7,
+                                        "enable.ssl.certificate.verification": SECRET}})
+    assert SECRET not in str(err) and "enable.ssl.certificate.verification" in str(err)
+
+
+def test_cli_prints_a_refused_librdkafka_property_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCPGW_")}
+    env["DCPGW_KAFKA__EXTRA"] = json.dumps({"socket.timeout.msx": 5, "queue.buffering.max.ms": -3})
+    res = subprocess.run([sys.executable, "-m", "gateway.cli", "up", "--no-progress", "--data-dir",
+                          str(tmp_path / "d")], env=env, capture_output=True, text=True, timeout=60)
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2, res
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "socket.timeout.msx" in lines[0] and "did you mean 'socket.timeout.ms'" in lines[0]
+    assert "queue.buffering.max.ms" in lines[0] and "outside allowed range" in lines[0]
 
 
 # ---------------------------------------------------------------------------------------------- env vars
