@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from fastavro import schemaless_reader, schemaless_writer
 
+from bench.report import figure
 from engine.dcp.stream import SnapshotFlags, SnapshotMarker
 from engine.kv.item import Item, Op
 from schemas.codec import (
@@ -107,9 +108,7 @@ def _rate(fn: Callable[[], int], repeat: int) -> float:
 
 
 def _figure(name: str, value: float, baseline: float) -> None:
-    print(json.dumps({"figure": name, "value": round(value, 1), "unit": "records/s", "baseline": round(baseline, 1),
-                      "ratio": round(value / baseline, 3) if baseline else 0.0, "target": None,
-                      "better": "higher"}), flush=True)
+    figure(name, value, "records/s", baseline, None, "higher")
 
 
 def main() -> None:

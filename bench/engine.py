@@ -173,7 +173,7 @@ def main() -> None:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         raw_mib = n * (VALUE_SIZE + len(keys[0])) / 1024**2
-        figure("engine.peak_rss", peak - rss_before, "MiB", raw_mib, 0.0, "lower")
+        figure("engine.peak_rss", peak - rss_before, "MiB", raw_mib, None, "lower")
         b.close()
 
         # Checkpoint memory under quota while one consumer is stalled (never acknowledges, never steps).

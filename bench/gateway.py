@@ -109,7 +109,7 @@ def main() -> None:
         print(json.dumps({"info": "producer_config", "settings": {k: v for k, v in conf.items()
                                                                   if "password" not in k}}), flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    figure("gateway.rss", rss, "MiB", n * 280 / 2**20, 0.0, "lower")
+    figure("gateway.rss", rss, "MiB", n * 280 / 2**20, None, "lower")
 
 
 if __name__ == "__main__":
