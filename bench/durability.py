@@ -1,7 +1,7 @@
 """Synchronous replication benchmark: ``python -m bench.durability [--docs N] [--window W] [--vbuckets V]``.
 
-Seed 004 proof 4: sync-write latency per durability level against what sync replication replaces (seed 004
-"Motivation"; seed 001 "How front end clients ensure mutations are persisted / replicated"): the observe-based
+The sync-replication issue's proof 4: sync-write latency per durability level against what sync replication
+replaces (docs/durability.md "Why sync writes"; docs/cluster.md "Observe by seqno"): the observe-based
 durability of a client before it -- a plain ``Cluster.write`` followed by polling ``Cluster.is_replicated``
 (OBSERVE_SEQNO on the active and the replicas) until the write is on as many nodes as the level needs. Both
 run the same way, in one run, on an in-process cluster of 3 nodes with 1 replica driven by the pump loop
@@ -67,8 +67,8 @@ def plain_latencies(cluster: Cluster, n: int, value: bytes, tag: str) -> list[fl
 
 
 def observed_check(cluster: Cluster, level: Level) -> Callable[[MutationToken], bool]:
-    """The observe-based durability check a client used for ``level`` before sync writes (seed 001 "How front
-    end clients ensure mutations are persisted / replicated"): OBSERVE_SEQNO via ``Cluster.is_replicated``,
+    """The observe-based durability check a client used for ``level`` before sync writes (docs/cluster.md
+    "Observe by seqno"): OBSERVE_SEQNO via ``Cluster.is_replicated``,
     ``k`` = majority - 1 replicas (the active is part of a kv_engine majority)."""
     k = majority([None] * (1 + cluster.vbucket_map().num_replicas)) - 1
     if level is Level.MAJORITY:

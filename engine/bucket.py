@@ -234,7 +234,7 @@ class Bucket:
     ) -> MutationResult | SyncWrite:
         """Upsert (with ``cas``: only if the document's CAS still matches).
 
-        With ``durability`` (level above none) it is a sync write (seed 004): the prepare is queued and the
+        With ``durability`` (level above none) it is a sync write (docs/durability.md): the prepare is queued and the
         pending :class:`~engine.kv.durability.SyncWrite` handle returned (engine/kv/durability.py)."""
         if durability is not None:
             return self._sync_store(key, value, _SET, cas, flags, expiry, datatype, vbucket, durability)
@@ -280,7 +280,7 @@ class Bucket:
     def delete(
         self, key: bytes | str, *, cas: int = 0, vbucket: int | None = None, durability: Durability | None = None,
     ) -> MutationResult | SyncWrite:
-        """Delete (a tombstone); with ``durability`` a durable delete: its pending handle (seed 004)."""
+        """Delete (a tombstone); with ``durability`` a durable delete: its pending handle (docs/durability.md)."""
         self._check_open()
         k = _key(key)
         if type(cas) is not int or cas < 0:
@@ -289,7 +289,7 @@ class Bucket:
             return self._sync_store(k, None, None, cas, 0, 0, None, vbucket, durability)
         return self._vb_for(k, vbucket).delete(k, cas)
 
-    # ------------------------------------------------------------------ synchronous replication (seed 004)
+    # ------------------------------------------------------------------ synchronous replication (docs/durability.md)
     def _sync_store(
         self, key: bytes | str, value: bytes | str | None, mode: StoreMode | None, cas: int, flags: int,
         expiry: int, datatype: int | None, vbucket: int | None, durability: Durability,
@@ -404,12 +404,12 @@ class Bucket:
 
     # ------------------------------------------------------------------ vbucket state
     def state_cas(self, vbucket: int) -> int:
-        """The vbucket's partition-state CAS (seed 001: the manager discovers it, then sends it with every
-        state command)."""
+        """The vbucket's partition-state CAS (docs/cluster.md "Partition-state CAS": the manager discovers it,
+        then sends it with every state command)."""
         return self.vbucket(vbucket).state_cas
 
     def _check_state_cas(self, vb: VBucket, cas: int | None) -> None:
-        # Seed 001 partition-state CAS, step 5/6: a stale CAS is rejected with the current one.
+        # docs/cluster.md "Partition-state CAS", steps 5/6: a stale CAS is rejected with the current one.
         if cas is not None and cas != vb.state_cas:
             raise StateCasMismatch(vb.id, vb.state_cas, cas)
 
@@ -417,8 +417,8 @@ class Bucket:
         """Change a vbucket's state; returns the new partition-state CAS.
 
         Streams of a vbucket that stops being active end with STATE_CHANGED. With ``cas``, the command is
-        rejected with :class:`StateCasMismatch` unless it matches the current state CAS (seed 001 "How
-        ns_server and ep-engine guarantee ordering of partition state transitions"); every accepted change
+        rejected with :class:`StateCasMismatch` unless it matches the current state CAS (docs/cluster.md
+        "Partition-state CAS"); every accepted change
         draws a new CAS. Replica/pending -> active is a promotion (:meth:`promote`, kv_engine adds a failover
         entry).
         """
@@ -436,7 +436,7 @@ class Bucket:
         if old is VBucketState.ACTIVE:
             vb.end_streams(StreamEndReason.STATE_CHANGED)
             if vb.durability is not None:
-                vb.durability.state_changed()  # waiters: SYNC_WRITE_AMBIGUOUS (seed 004)
+                vb.durability.state_changed()  # waiters: SYNC_WRITE_AMBIGUOUS (docs/durability.md)
         if not vb.replica_snaps:
             # No partial snapshot (an active's history is complete at every seqno it wrote).
             vb.snapshot_complete = vb.high_seqno
@@ -448,7 +448,7 @@ class Bucket:
         """Make a replica (or pending) vbucket active; returns the failover entry created (None on takeover).
 
         kv_engine ``setVBucketState(active)`` of a replica: the failover table gets ``createEntry`` at the last
-        complete snapshot's end (dcp-reference.md "Failover table"); items of a partial snapshot above it are
+        complete snapshot's end (kv_engine ``FailoverTable::createEntry``; docs/rollback.md "The failover log"); items of a partial snapshot above it are
         an inconsistent state and are rolled back first. A takeover (``takeover=True``: rebalance or graceful
         failover, the replica holds exactly the old active's history) adds no entry.
         """
@@ -462,7 +462,7 @@ class Bucket:
         vb.replica_snaps.clear()
         vb.ckpt.create_checkpoint()
         entry = None if takeover else vb.failover.create_entry(vb.high_seqno)
-        # seed 004: the prepares this copy holds are now the active's, with an infinite timeout; until the
+        # sync replication (docs/durability.md "Storage, warmup, rollback, failover"): the prepares this copy holds are now the active's, with an infinite timeout; until the
         # manager sends the new topology nothing commits and new sync writes are impossible (kv_engine: an ADM
         # without a chain)
         m = monitor(vb)
@@ -481,13 +481,13 @@ class Bucket:
         return vb
 
     def replica_position(self, vbucket: int) -> tuple[int, int, int]:
-        """``(start, snap_start, snap_end)`` a replica vbucket streams from (dcp-reference.md "Client rules")."""
+        """``(start, snap_start, snap_end)`` a replica vbucket streams from (docs/cluster.md "Replication")."""
         return self._replica(vbucket).replica_position()
 
     def apply_replica_message(self, message: SnapshotMarker | Item) -> None:
         """Apply one DCP message from the active to a replica vbucket (kv_engine ``PassiveStream``).
 
-        Prepares, commits (a mutation / deletion with ``prepared``) and aborts are applied too (seed 004,
+        Prepares, commits (a mutation / deletion with ``prepared``) and aborts are applied too (docs/durability.md,
         engine/kv/durability.py).
 
         A snapshot marker opens the replica's snapshot range; a mutation / deletion / expiration is stored
@@ -515,7 +515,7 @@ class Bucket:
         """Roll a replica vbucket back to its newest complete-snapshot boundary <= ``seqno``; returns the
         seqno reached.
 
-        dcp-reference.md "Client rules": on ROLLBACK(s) discard what is above s back to a snapshot boundary
+        kv_engine's DCP client rule (docs/cluster.md "Replication"): on ROLLBACK(s) discard what is above s back to a snapshot boundary
         <= s and prune failover entries above it. Storage restores the exact state at that boundary from its
         history of prior versions; when that history was purged the vbucket is rebuilt from zero (returns 0;
         counted in ``replica_rebuilds``). The hash table and checkpoints are reloaded from storage; streams

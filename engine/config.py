@@ -34,7 +34,7 @@ class BucketConfig(BaseModel):
     sqlite_synchronous: Literal["OFF", "NORMAL", "FULL", "EXTRA"] = "NORMAL"
     #: tune CPython's cyclic GC for millions of resident items (process-wide; see engine.bucket.tune_gc)
     tune_gc: bool = True
-    #: synchronous replication (seed 004): the timeout of a sync write that asks for the bucket default
+    #: synchronous replication (docs/durability.md "Levels and timeouts"): the timeout of a sync write that asks for the bucket default
     #: (timeout 0; kv_engine ``durability_timeout``), and the floor below which a requested timeout is raised
     #: (the RFC's ``persistence_timeout_floor``, 1500 ms)
     durability_timeout_ms: int = Field(10_000, ge=1, le=0xFFFE)

@@ -30,7 +30,7 @@ class KeyExists(EngineError):
 class StateCasMismatch(KeyExists):
     """KEY_EEXISTS: a vbucket state change carried a stale partition-state CAS.
 
-    Seed 001 "How ns_server and ep-engine guarantee ordering of partition state transitions": every state
+    docs/cluster.md "Partition-state CAS": every state
     command carries the CAS the manager last saw; a mismatch is rejected with the current CAS so the manager
     records it and retries (step 6). Retriable for that reason.
     """
@@ -59,7 +59,8 @@ class NotStored(EngineError):
 class NotMyVBucket(EngineError):
     """NOT_MY_VBUCKET: the vbucket does not exist here or is not in a state that serves the request.
 
-    Retriable: the client reloads the vbucket map and retries (seed 001, "not my partition").
+    Retriable: the client reloads the vbucket map and retries (docs/gateway-cluster.md "Following the vbucket
+    map").
     """
 
     status = Status.NOT_MY_VBUCKET
@@ -106,7 +107,7 @@ class UnknownCommand(EngineError):
 
 class DurabilityInvalidLevel(EngineError):
     """DURABILITY_INVALID_LEVEL (0xa0): the durability level is not one of majority (1),
-    majority_and_persist_to_active (2), persist_to_majority (3) -- seed 004 "New Status Codes"."""
+    majority_and_persist_to_active (2), persist_to_majority (3) -- docs/durability.md "Errors (engine, HTTP)"."""
 
     status = Status.DURABILITY_INVALID_LEVEL
 
@@ -120,7 +121,7 @@ class DurabilityImpossible(EngineError):
 
 class SyncWriteInProgress(EngineError):
     """SYNC_WRITE_IN_PROGRESS (0xa2): the key has a sync write (prepare) in flight. Transient, like ELOCKED:
-    retry, possibly with backoff (seed 004)."""
+    retry, possibly with backoff (docs/durability.md "Errors (engine, HTTP)")."""
 
     status = Status.SYNC_WRITE_IN_PROGRESS
     retriable = True
@@ -129,7 +130,7 @@ class SyncWriteInProgress(EngineError):
 class SyncWriteAmbiguous(EngineError):
     """SYNC_WRITE_AMBIGUOUS (0xa3): the sync write did not complete in time (timed out and aborted, or the
     vbucket stopped being active): it may have succeeded or failed. Not retriable blindly: retry only an
-    idempotent write, or read the document first (seed 004 "Ambiguous Response")."""
+    idempotent write, or read the document first (docs/durability.md "Why sync writes")."""
 
     status = Status.SYNC_WRITE_AMBIGUOUS
 

@@ -3,7 +3,7 @@
 Documents: ``GET/PUT/DELETE /docs/{key}`` (the body is the document; CAS travels as the ETag, ``If-Match`` makes
 a write conditional, ``If-None-Match: *`` makes a PUT an insert, ``?expiry=`` and ``?flags=`` set metadata;
 ``?durability=majority|majority_and_persist_to_active|persist_to_majority[&timeout_ms=N]`` makes it a sync write
-answered once committed -- seed 004, docs/durability.md),
+answered once committed -- docs/durability.md),
 ``POST /docs/_bulk`` (a JSON array of ``{"key", "value", "op"?, "cas"?, "expiry"?, "flags"?}`` entries, used by
 ``dcpgw load``: all validated before the first write, then answered per item -- docs/gateway.md).
 Streams: ``GET /streams``, ``GET /vbuckets/{vb}``, ``GET /vbuckets/{vb}/failover-log``.
@@ -69,11 +69,11 @@ MAX_ADMIN_BODY = 64 * 1024
 MAX_CLUSTER_NODES = 64
 #: nodes one rebalance may add (each is a new engine with its own data directory)
 MAX_NODES_PER_REBALANCE = 8
-#: a node name: what ClusterManager accepts (engine/manager.py ``_check_new_node``)
+#: a node name: what ClusterManager accepts (engine/cluster/manager.py ``_check_new_node``)
 NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 _STATUS_FOR: list[tuple[type[EngineError], int, str]] = [
-    # synchronous replication (seed 004; docs/durability.md "HTTP"): a bad level is the client's fault; the
+    # synchronous replication (docs/durability.md "HTTP API"): a bad level is the client's fault; the
     # others are the server's state -- impossible / ambiguous are not client errors
     (DurabilityInvalidLevel, 400, "durability_invalid_level"),
     (DurabilityImpossible, 503, "durability_impossible"),
@@ -290,7 +290,7 @@ def _mutation(res: Any) -> dict[str, Any]:
 
 
 def _durability(request: web.Request) -> Durability | None:
-    """``?durability=<level>[&timeout_ms=N]`` (seed 004): None for a plain write (no parameter or ``none``).
+    """``?durability=<level>[&timeout_ms=N]`` (docs/durability.md "HTTP API"): None for a plain write (no parameter or ``none``).
     A bad level: DURABILITY_INVALID_LEVEL (400); a timeout without a level or out of 0..65535: 400."""
     raw = request.query.get("durability")
     timeout = _int_param(request, "timeout_ms", 0, 0, 0xFFFF)
@@ -731,7 +731,7 @@ async def cluster_rebalance_progress(request: web.Request) -> web.Response:
 
 
 def failover_report_json(report: FailoverReport) -> dict[str, Any]:
-    """A :class:`~engine.cluster.FailoverReport` as JSON (vbucket numbers become string keys)."""
+    """A :class:`~engine.cluster.manager.FailoverReport` as JSON (vbucket numbers become string keys)."""
     return {
         "node": report.node,
         "graceful": report.graceful,

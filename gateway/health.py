@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from gateway.publisher import Publisher
 
 #: what one accepted write is charged on top of its key and value bytes: the engine's per-item overhead
-#: (engine.item.ITEM_OVERHEAD is of the same order) and this module's own bookkeeping of the write
+#: (engine.kv.item.ITEM_OVERHEAD is of the same order) and this module's own bookkeeping of the write
 WRITE_OVERHEAD_BYTES: Final = 128
 
 

@@ -16,7 +16,7 @@ Delivery (issue "Gateway"):
   says zero;
 * rollback mitigation (default on): the engine is flushed before every DCP step, so only persisted items are
   published and a crash of the whole process cannot publish history the engine will lose;
-* cluster mode (:class:`~engine.cluster.Cluster` or :class:`~engine.process_cluster.ProcessCluster` source,
+* cluster mode (:class:`~engine.cluster.local.Cluster` or :class:`~engine.network.process_cluster.ProcessCluster` source,
   docs/gateway-cluster.md): every vbucket is streamed from its active node; on a stream end (STATE_CHANGED on failover), a dead connection (node down) or NOT_MY_VBUCKET
   the map is reloaded and the vbucket re-requested from the new active with the gateway's own published
   position, exactly as after a restart. Rollback mitigation there holds each vbucket's DCP messages in a buffer
@@ -280,7 +280,7 @@ class Publisher:
 
     def _request(self, vb: int, from_now: bool) -> bool:
         """Stream request for ``vb`` from the publisher's own position (or from now); ROLLBACK answers become
-        rollback records and the request is repeated (dcp-reference.md "Client rules": rollbacks can repeat).
+        rollback records and the request is repeated (docs/gateway-cluster.md "Following the vbucket map": rollbacks can repeat).
         Returns False when the vbucket cannot be streamed now (NOT_MY_VBUCKET, node down)."""
         if vb in self.failed_vbuckets:
             return False  # stopped by oversize_policy=fail until the gateway restarts

@@ -3,7 +3,7 @@
 The engine and the publisher are synchronous; this module is the edge where time and I/O live. Every engine
 call happens on the event loop thread (the engine is single-threaded by design).
 
-With ``cluster_nodes > 1`` the engine is an in-process :class:`~engine.cluster.Cluster`: the pump loop also
+With ``cluster_nodes > 1`` the engine is an in-process :class:`~engine.cluster.local.Cluster`: the pump loop also
 drives its replication (``Cluster.pump``), the publisher follows the vbucket map, and the HTTP API can fail a
 node over (docs/gateway-cluster.md).
 """
@@ -103,8 +103,8 @@ class GatewayService:
 
     # ------------------------------------------------------------------ lifecycle
     def open_data_dir(self) -> Layout:
-        """Lock the data directory (:class:`~engine.data_dir.DataDirLocked` naming the holder's pid) and check
-        that it holds data of this mode (:class:`~engine.data_dir.DataDirMismatch`); before anything in it
+        """Lock the data directory (:class:`~engine.kv.data_dir.DataDirLocked` naming the holder's pid) and check
+        that it holds data of this mode (:class:`~engine.kv.data_dir.DataDirMismatch`); before anything in it
         is opened."""
         if self.data_dir_lock is None:
             self.data_dir_lock = DataDirLock.acquire(self.settings.data_dir)
@@ -185,7 +185,7 @@ class GatewayService:
         s = self.settings
         self.settings.engine_config()  # validates the bucket name / vbucket count the nodes will use
         if check_layout(s.data_dir, cluster=True) is Layout.CLUSTER:
-            # a missing or damaged map next to node data is rebuilt from the nodes' states (engine/map_recovery.py)
+            # a missing or damaged map next to node data is rebuilt from the nodes' states (engine/cluster/map_recovery.py)
             cluster = Cluster.open(s.data_dir, replicas=s.cluster_replicas, name=s.bucket)
             if cluster.num_vbuckets != s.num_vbuckets:
                 cluster.close()
@@ -222,11 +222,11 @@ class GatewayService:
         return self._rebalance_setup is not None
 
     async def rebalance(self, add: list[str], remove: list[str]) -> Rebalance:
-        """Start a rebalance (engine/rebalance.py, seed 003): ``add`` nodes in, ``remove`` nodes out.
+        """Start a rebalance (engine/cluster/rebalance.py, docs/rebalance.md): ``add`` nodes in, ``remove`` nodes out.
 
         The request is checked first (nothing done when refused). The new nodes' engines (a data directory,
         SQLite, every vbucket each) are then opened on a worker thread, one at a time, so the event loop keeps
-        serving: they touch nothing of the cluster until :meth:`~engine.cluster.Cluster.start_rebalance`
+        serving: they touch nothing of the cluster until :meth:`~engine.cluster.local.Cluster.start_rebalance`
         takes them over on the loop's thread. The moves then run **step-wise inside the pump loop**: every
         ``Cluster.pump`` advances it a bounded amount (add-stream handshakes, one batch per mover connection,
         the moves' checks), interleaved with ``Publisher.pump`` on the same event-loop thread, so publishing

@@ -1,6 +1,6 @@
 """Where the publisher's DCP streams come from: one :class:`~engine.Bucket`, an in-process
-:class:`~engine.cluster.Cluster` whose vbuckets move between nodes, or a
-:class:`~engine.process_cluster.ProcessCluster` of node processes reached over TCP.
+:class:`~engine.cluster.local.Cluster` whose vbuckets move between nodes, or a
+:class:`~engine.network.process_cluster.ProcessCluster` of node processes reached over TCP.
 
 The publisher only needs a few things from its source (docs/gateway-cluster.md):
 
@@ -119,7 +119,7 @@ def persisted_everywhere(manager: ClusterManager, vb: int, vbuuid: int) -> int:
     """The highest seqno of ``vb`` persisted on the active and on every replica of the chain (0 when unknown).
 
     Couchbase Kafka connector rollback mitigation (java-dcp-client persistence polling): observe-by-seqno on the
-    vbucket (seed 001 "How front end clients ensure mutations are persisted / replicated"); a replica counts
+    vbucket (docs/cluster.md "Observe by seqno"); a replica counts
     with the end of its last complete snapshot persisted; a replica slot whose node is down (or not yet a
     replica) holds publishing back until it answers or is failed over. A failed-over vbuuid answers 0: the
     stream is about to end and re-request. The same rule for both cluster managers (in-process and node
@@ -236,13 +236,13 @@ class ClusterSource:
 
 
 class ProcessClusterSource:
-    """A cluster of node processes (:class:`~engine.process_cluster.ProcessCluster`): every vbucket is streamed
-    over TCP from its active node per the vbucket map, one :class:`~engine.remote.RemoteDcpProducer` connection
+    """A cluster of node processes (:class:`~engine.network.process_cluster.ProcessCluster`): every vbucket is streamed
+    over TCP from its active node per the vbucket map, one :class:`~engine.network.remote.RemoteDcpProducer` connection
     per node (a DCP client opens one connection per kv node), opened lazily.
 
     Same rules as :class:`ClusterSource` (docs/gateway-cluster.md "Process clusters"); what differs is how a
     dead node shows: its connection drops (SIGKILL) and ``step`` raises
-    :class:`~engine.remote.NodeUnavailable`. The publisher then forgets that connection's vbuckets; here the
+    :class:`~engine.network.remote.NodeUnavailable`. The publisher then forgets that connection's vbuckets; here the
     topology token counts, per node, the connections found dead, so a connection that dropped while its node
     stayed up also makes the publisher reload the map and re-request (DCP client rule: a dead connection is
     like NOT_MY_VBUCKET -- reload the map, re-request with your own position).

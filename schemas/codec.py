@@ -473,7 +473,7 @@ class RecordEncoder:
         vbc = self._vb_cache.get((item.vbucket, vbuuid)) or self._vb_entry(item.vbucket, vbuuid)
         sc = self._snap_cache.get((snap_start, snap_end)) or self._snap_entry(snap_start, snap_end)
         op = item.op
-        if op > 2:  # a prepare / abort (seed 004) never reaches a client without sync writes
+        if op > 2:  # a prepare / abort (docs/durability.md "DCP") never reaches a client without sync writes
             raise InvalidArgument(f"not a data item: {item!r}")
         seqno = item.seqno
         rev = item.rev_seqno

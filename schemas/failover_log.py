@@ -1,12 +1,11 @@
 """Per-vbucket failover log (kv_engine ``FailoverTable``) and the rollback decision of a DCP stream request.
 
-A failover log is a list of *partition versions* ``(vbuuid, seqno)``, newest first (seed 000 "Partition
-Version", seed 001 "Failover Log").  An entry ``(u, s)`` says: "branch ``u`` shares the history of the
+A failover log is a list of *partition versions* ``(vbuuid, seqno)``, newest first (docs/rollback.md
+"The failover log").  An entry ``(u, s)`` says: "branch ``u`` shares the history of the
 entry below it up to and including seqno ``s``; every seqno above ``s`` (up to the next newer entry) was
 written on branch ``u``".  A vbuuid is random and never 0.
 
-Rules implemented (``/work/shared/dcp-reference.md`` "Failover table", kv_engine
-``engines/ep/src/failover-table.cc``):
+Rules implemented (kv_engine ``engines/ep/src/failover-table.cc``; docs/rollback.md "The failover log"):
 
 * creation: one entry at seqno 0 (:meth:`FailoverLog.new`);
 * ``createEntry(high)``: drop entries above ``high``, push a fresh uuid at ``high``, trim to the cap
@@ -18,10 +17,9 @@ Rules implemented (``/work/shared/dcp-reference.md`` "Failover table", kv_engine
 * a replica adopts the producer's whole log on every stream-request OK (:meth:`FailoverLog.replace`);
 * ``needsRollback`` exactly, in kv_engine's order (:meth:`FailoverLog.needs_rollback`);
 * the product's extension: a stream request that carries the client's *whole* failover log is answered
-  from the newest common ancestor of both logs (seed 001 "How UPR Replicas/Clients find out where to
-  rollback to and stream from") followed by kv_engine's snapshot rules (:meth:`FailoverLog.rollback_point`).
+  from the newest common ancestor of both logs (the UPR design specification's algorithm, docs/rollback.md) followed by kv_engine's snapshot rules (:meth:`FailoverLog.rollback_point`).
 
-See ``docs/rollback.md`` for the algorithms, the worked examples of seed 001 and where the seed and
+See ``docs/rollback.md`` for the algorithms, the UPR specification's worked examples and where it and
 kv_engine differ.  Everything here is synchronous and deterministic given the ``rng``.
 """
 
@@ -377,16 +375,16 @@ def rollback_point(
 
     ``server_log`` is the vbucket's log, ``client_log`` the client's, both newest first.  Steps:
 
-    1. ``start_seqno == 0`` -> ``None`` (kv_engine step 2; the seed's "first connect").
+    1. ``start_seqno == 0`` -> ``None`` (kv_engine step 2; the UPR specification's "first connect").
     2. ``start_seqno < purge_seqno`` -> 0 (kv_engine step 3).
-    3. Newest common ancestor (seed 001 step 4): the newest client entry that is also in ``server_log`` with
-       the same vbuuid *and* seqno.  None -> 0 (seed step 6, kv_engine step 5).
-    4. Branch point ``upper`` (seed step 4-5): the lower of the server log's next newer entry's seqno (or
+    3. Newest common ancestor (UPR specification step 4, docs/rollback.md): the newest client entry that is also in ``server_log`` with
+       the same vbuuid *and* seqno.  None -> 0 (its step 6, kv_engine step 5).
+    4. Branch point ``upper`` (its steps 4-5): the lower of the server log's next newer entry's seqno (or
        ``high_seqno`` when the ancestor is the server log's newest entry -- kv_engine step 1/4) and the
        client's next newer entry's seqno (unbounded when the ancestor is the client's newest entry).
     5. kv_engine steps 6-9 on ``upper`` (snapshot adjustments, ``min(upper, snap_start)``).
 
-    The seed's elision of client entries above the last complete snapshot is not applied literally:
+    The UPR specification's elision of client entries above the last complete snapshot is not applied literally:
     step 5 already caps any rollback at the last complete snapshot (``snap_start`` of an incomplete
     snapshot), and dropping those entries would loosen the bound they put on the shared history
     (docs/rollback.md "Elision").  When the client's newest entry is in ``server_log`` the answer equals

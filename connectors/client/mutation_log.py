@@ -1,4 +1,4 @@
-"""The client's mutation log (seed 001 "Client and Mutation Log"): how to undo what a rollback takes back.
+"""The client's mutation log (docs/client.md "Mutation log"): how to undo what a rollback takes back.
 
 Before the application applies a snapshot, the consumer records, for every key the snapshot changes, the
 key's *prior version* in the application (its value and seqno, or its absence) under the seqno of the change.

@@ -4,7 +4,7 @@ Pure and synchronous (no Kafka here): the Kafka client (``connectors.client.cons
 (``connectors.spark``) both run every record of a partition through a :class:`VBucketReplayer` per vbucket, so
 both apply exactly the same rules (docs/record-format.md, "What consumers must do"):
 
-* **snapshot-atomic** (seed 002: never expose a partial snapshot): data records are buffered until the
+* **snapshot-atomic** (docs/engine.md "Snapshots, de-duplication and consistency": never expose a partial snapshot): data records are buffered until the
   snapshot's end seqno arrives, or until a snapshot record starting after the current range shows the previous
   snapshot completed (its last items were filtered out by the gateway);
 * a snapshot record that **repeats the start of an incomplete snapshot** (the gateway resumed mid-snapshot
@@ -17,7 +17,7 @@ both apply exactly the same rules (docs/record-format.md, "What consumers must d
   it counts for the snapshot's seqnos like a data record and is reported in :attr:`Snapshot.oversize`, never as
   a change;
 * a **failover-log record** whose log diverges from the consumer's own (the engine's rollback rule run over the
-  two logs, seed 001 "How clients roll back changes") yields a :class:`Rollback` to the common point.
+  two logs, docs/rollback.md) yields a :class:`Rollback` to the common point.
 """
 
 from __future__ import annotations

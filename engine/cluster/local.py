@@ -2,9 +2,9 @@
 
 Each :class:`Node` owns a :class:`~engine.bucket.Bucket` with its own data directory. The :class:`Cluster`
 keeps the revisioned :class:`~engine.cluster.vbucket_map.VBucketMap`, sets every node's vbucket states from it (with
-the partition-state CAS of seed 001), runs one replication connection per (active node -> replica node) pair
+the partition-state CAS, docs/cluster.md "Partition-state CAS"), runs one replication connection per (active node -> replica node) pair
 (:class:`~engine.dcp.replication.DcpConsumer`), routes front-end requests through the map, and performs hard and
-graceful failover (seed 001 "How ns_server performs failover", dcp-reference.md "Failover table").
+graceful failover (docs/cluster.md "Hard failover", "Graceful failover").
 
 Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is called. See docs/cluster.md.
 """
@@ -71,7 +71,7 @@ class Cluster(ClusterManager):
         self._conns: dict[tuple[str, str], DcpConsumer] = {}
         #: nodes a rebalance removed from the cluster
         self.ejected: list[str] = []
-        #: every node's bucket clock (durability timeouts, seed 004); a ManualClock makes them deterministic
+        #: every node's bucket clock (durability timeouts, docs/durability.md); a ManualClock makes them deterministic
         self.clock: Callable[[], float] = time.time
 
     # ------------------------------------------------------------------ construction
@@ -208,7 +208,7 @@ class Cluster(ClusterManager):
     def write(
         self, key: bytes | str, value: bytes | str, *, durability: Durability | None = None, **kwargs: Any,
     ) -> MutationResult:
-        """``set`` on the active node of the key's vbucket. With ``durability`` a sync write (seed 004): the
+        """``set`` on the active node of the key's vbucket. With ``durability`` a sync write (docs/durability.md): the
         cluster is pumped until it is committed (the commit's result) or timed out / made ambiguous
         (:class:`~engine.exceptions.SyncWriteAmbiguous`) -- see :meth:`wait`."""
         if durability is not None and durability.level:
@@ -227,7 +227,7 @@ class Cluster(ClusterManager):
         bucket, vb = self._route(key, True)
         return bucket.delete(key, cas=cas, vbucket=vb)
 
-    # ------------------------------------------------------------------ synchronous replication (seed 004)
+    # ------------------------------------------------------------------ synchronous replication (docs/durability.md)
     def push_topologies(self) -> None:
         """Tell every live active its replication chain from the map (ns_server sends the topology with
         ``setVBucketState``); a no-op while neither the map nor the live buckets changed."""
@@ -361,7 +361,7 @@ class Cluster(ClusterManager):
                 if node.up:
                     assert node.bucket is not None
                     node.bucket.flush_all()
-        # seed 004: replicas seqno-ack what a flush made durable (persist levels; the flush may also be the
+        # sync replication: replicas seqno-ack what a flush made durable (persist levels; the flush may also be the
         # service's own flush task); timeouts run. Acks and aborts count as movement: the commits / aborts they
         # queue still have to be sent.
         for key in sorted(self._conns):
@@ -446,7 +446,7 @@ class Cluster(ClusterManager):
         progress: Callable[[RebalanceProgress], None] | None = None, concurrent_moves: int = 4,
         buckets: dict[str, Bucket] | None = None,
     ) -> Rebalance:
-        """Start a rebalance (seed 003; engine/cluster/rebalance.py): nodes ``add`` in (started with :meth:`add_node`
+        """Start a rebalance (docs/rebalance.md; engine/cluster/rebalance.py): nodes ``add`` in (started with :meth:`add_node`
         when new), ``remove`` out; a new map over the new node set moving as few copies as possible; every
         :meth:`pump` advances it while writes continue. With neither, the current nodes are rebalanced (empty
         slots left by failovers refilled). :class:`InvalidArgument` for unknown / duplicate nodes, removing

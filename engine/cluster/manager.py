@@ -1,16 +1,16 @@
-"""Cluster-manager rules shared by the in-process cluster (engine/cluster.py) and the cluster of node
-processes (engine/process_cluster.py): ns_server's role.
+"""Cluster-manager rules shared by the in-process cluster (engine/cluster/local.py) and the cluster of node
+processes (engine/network/process_cluster.py): ns_server's role.
 
 :class:`ClusterManager` holds the revisioned vbucket map and implements, over any node that answers the
 :class:`NodeControl` commands (an in-process :class:`~engine.bucket.Bucket` or a
-:class:`~engine.remote.RemoteNode`):
+:class:`~engine.network.remote.RemoteNode`):
 
-* vbucket states from the map with the partition-state CAS (seed 001 "How ns_server and ep-engine guarantee
-  ordering of partition state transitions": discover the CAS, send it with every command, on a mismatch record
-  the current one and retry);
+* vbucket states from the map with the partition-state CAS (docs/cluster.md "Partition-state CAS": discover
+  the CAS, send it with every command, on a mismatch record the current one and retry);
 * which replication streams the map asks for (one connection per active node -> replica node);
-* hard and graceful failover (seed 001 "How ns_server performs failover", dcp-reference.md "Failover table");
-* observe by seqno and "is this write replicated" (seed 001 durability polling).
+* hard and graceful failover (docs/cluster.md "Hard failover", "Graceful failover"; kv_engine
+  ``FailoverTable::createEntry`` on promotion);
+* observe by seqno and "is this write replicated" (docs/cluster.md "Observe by seqno").
 
 Subclasses provide the node access and the replication plumbing (the ``_`` hooks).
 """
@@ -53,12 +53,11 @@ class NodeControl(Protocol):
 
 @dataclass(frozen=True)
 class ObserveResult:
-    """Answer of observe-by-seqno (kv_engine OBSERVE_SEQNO; seed 001 "How front end clients ensure
-    mutations are persisted / replicated").
+    """Answer of observe-by-seqno (kv_engine OBSERVE_SEQNO; docs/cluster.md "Observe by seqno").
 
     ``replicated_seqnos[node]`` is the end of the last complete snapshot the replica received on the active's
-    current history (seed 001: wait for "a complete snapshot ... where the high snapshot sequence # is >=
-    the client's"), ``replica_persisted_seqnos[node]`` the same once persisted. When the client's vbuuid is
+    current history (a replica holds a write once it holds a complete snapshot ending at or above its seqno),
+    ``replica_persisted_seqnos[node]`` the same once persisted. When the client's vbuuid is
     not the current one, ``failed_over`` is True, ``old_vbuuid`` is the client's vbuuid and ``last_seqno``
     the last seqno of that branch kept in the current history (kv_engine format 1; 0 when the branch is
     unknown): a write above it was lost -- "re-check the document".
@@ -106,7 +105,7 @@ class ClusterManager(ABC):
         #: the monotonic clock (seconds) of the manager's timeouts, chosen by whoever builds the cluster
         #: (docs/engine.md "Clocks and randomness")
         self._monotonic = monotonic
-        #: the partition-state CAS the manager last saw per (node, vbucket) (seed 001 step 4)
+        #: the partition-state CAS the manager last saw per (node, vbucket) (docs/cluster.md "Partition-state CAS" step 4)
         self._state_cas: dict[tuple[str, int], int] = {}
         #: vbuckets whose front-end writes are stopped (graceful failover in progress)
         self._blocked: set[int] = set()
@@ -114,10 +113,10 @@ class ClusterManager(ABC):
         self.stale_cas_retries = 0
         #: vbuckets a graceful failover made active again because a write slipped in after the catch-up
         self.graceful_reactivations = 0
-        #: vbucket -> nodes whose stream of it the rebalance mover drives (engine/rebalance.py), not the map
+        #: vbucket -> nodes whose stream of it the rebalance mover drives (engine/cluster/rebalance.py), not the map
         self._moving: dict[int, set[str]] = {}
         #: vbucket -> its post-move chain while a rebalance moves it (kv_engine's second replication chain:
-        #: a sync write then needs a majority of the map's chain and of this one; seed 004 x seed 003)
+        #: a sync write then needs a majority of the map's chain and of this one; docs/durability.md "Sync writes during a rebalance")
         self._second_chains: dict[int, list[str | None]] = {}
         #: the rebalance in progress, if any
         self._rebalance: Rebalance | None = None
@@ -160,12 +159,12 @@ class ClusterManager(ABC):
         if self._rebalance is not None:
             self._rebalance.abort(reason)
 
-    # ------------------------------------------------------------------ rebalance (engine/rebalance.py)
+    # ------------------------------------------------------------------ rebalance (engine/cluster/rebalance.py)
     def start_rebalance(
         self, add: Sequence[str] = (), remove: Sequence[str] = (), *,
         progress: Callable[[RebalanceProgress], None] | None = None,
     ) -> Rebalance:
-        """Start moving vbuckets to the map over the new node set (seed 003); see :meth:`rebalance`."""
+        """Start moving vbuckets to the map over the new node set (docs/rebalance.md); see :meth:`rebalance`."""
         raise UnknownCommand(f"{type(self).__name__}: rebalance is implemented for the in-process cluster")
 
     @property
@@ -174,7 +173,7 @@ class ClusterManager(ABC):
         return self._rebalance
 
     # ------------------------------------------------------------------ the rebalance's cluster interface
-    # engine.rebalance.RebalanceCluster: all the mover uses of the manager (docs/rebalance.md).
+    # engine.cluster.rebalance.RebalanceCluster: all the mover uses of the manager (docs/rebalance.md).
     def node_up(self, name: str) -> bool:
         return self._is_up(name)
 
@@ -268,7 +267,7 @@ class ClusterManager(ABC):
         progress: Callable[[RebalanceProgress], None] | None = None, max_rounds: int = 1_000_000,
     ) -> RebalanceProgress:
         """Rebalance ``add`` in and ``remove`` out, moving vbuckets by DCP takeover while writes continue
-        (seed 003; engine/rebalance.py), and wait until it is done. ``progress`` is called after every step.
+        (docs/rebalance.md; engine/cluster/rebalance.py), and wait until it is done. ``progress`` is called after every step.
         TemporaryFailure when it stopped (a node went down, a takeover kept failing)."""
         reb = self.start_rebalance(add, remove, progress=progress)
         for _ in range(max_rounds):
@@ -321,10 +320,10 @@ class ClusterManager(ABC):
     def _active_control(self, vbucket: int) -> NodeControl:
         return self._control(self.active_node(vbucket))
 
-    # ------------------------------------------------------------------ partition states (seed 001 CAS)
+    # ------------------------------------------------------------------ partition states (state CAS)
     def _set_state(self, name: str, vbucket: int, state: VBucketState) -> None:
         """Send a state command with the CAS last seen; on a stale CAS record the current one and retry
-        (seed 001 "How ns_server and ep-engine guarantee ordering of partition state transitions", 4-6)."""
+        (docs/cluster.md "Partition-state CAS", steps 4-6)."""
         node = self._control(name)
         key = (name, vbucket)
         for _ in range(3):
@@ -384,7 +383,7 @@ class ClusterManager(ABC):
     def failover(self, name: str, *, graceful: bool = False, max_pump_rounds: int = 10_000) -> FailoverReport:
         """Fail node ``name`` over and remove it from the map.
 
-        Hard (seed 001 "How ns_server performs failover"): each vbucket active on the node is promoted on the
+        Hard (docs/cluster.md "Hard failover"): each vbucket active on the node is promoted on the
         surviving replica with the highest last complete snapshot; kv_engine adds a failover entry there
         (items of a partial snapshot above it are rolled back first). Graceful: the node must be up; writes
         to its actives stop, replication runs until every live replica persisted the active's high seqno,
@@ -470,7 +469,7 @@ class ClusterManager(ABC):
         self._after_failover(name)
         return FailoverReport(name, graceful, self._map.revision, promoted, entries, lost, rounds)
 
-    # ------------------------------------------------------------------ observe (seed 001 durability polling)
+    # ------------------------------------------------------------------ observe (docs/cluster.md "Observe by seqno")
     def observe_seqno(self, vbucket: int, vbuuid: int) -> ObserveResult:
         """Observe by seqno on the active of ``vbucket`` (NotMyVBucket / TemporaryFailure like a write).
 
@@ -508,8 +507,7 @@ class ClusterManager(ABC):
     def is_replicated(self, token: MutationToken, replicas: int | None = None, persisted: bool = False) -> bool:
         """True when the write of ``token`` is still in the active's history and at least ``replicas``
         replicas (default: every replica slot of the chain) hold it in a complete snapshot -- persisted
-        there and on the active when ``persisted``. Seed 001 "How front end clients ensure mutations are
-        replicated or persisted on a replica"."""
+        there and on the active when ``persisted`` (docs/cluster.md "Observe by seqno")."""
         r = self.observe_seqno(token.vbucket, token.vbuuid)
         if r.failed_over and (r.last_seqno is None or token.seqno > r.last_seqno):
             return False

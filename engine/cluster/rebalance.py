@@ -1,23 +1,23 @@
-"""Rebalance: moving vbuckets between nodes with DCP takeover (seed 003 "Rebalance", ns_server's vbucket mover
-and EBucketMigrator; kv_engine takeover streams in engine/takeover.py).
+"""Rebalance: moving vbuckets between nodes with DCP takeover (docs/rebalance.md; ns_server's vbucket mover
+and EBucketMigrator; kv_engine takeover streams in engine/dcp/takeover.py).
 
-Pieces, named for the seed's nouns:
+Pieces, named for the vbucket-move design's nouns:
 
 * :class:`RebalanceCluster` -- everything the mover uses of the cluster manager (a Protocol that
-  :class:`~engine.manager.ClusterManager` implements with public methods; docs/rebalance.md "The cluster
+  :class:`~engine.cluster.manager.ClusterManager` implements with public methods; docs/rebalance.md "The cluster
   interface").
 * :func:`plan_rebalance` -- the planner, pure: the current map and the node changes give a
   :class:`RebalancePlan` (node set, target chains, the moves); no cluster, clock or RNG.
 * :func:`plan_chains` -- the new map over the new node set, moving as few copies as possible (ns_server's
   ``mb_map``: keep what can stay, balance actives and replicas to within one vbucket per node).
-* :class:`MigratorConnection` -- one **named connection** between the mover and both sides (seed 003 "Initial
-  Stream Handshake" step 1): a producer connection on the source node and a consumer on the destination, with
+* :class:`MigratorConnection` -- one **named connection** between the mover and both sides (docs/rebalance.md "The
+  mover", handshake step 1): a producer connection on the source node and a consumer on the destination, with
   the same name; opening a name that exists closes the old connection first (its messages are refused).
   ``add_stream`` requests are **pipelined with opaques and answered out of order** (step 2): each one runs the
   stream request / rollback loop (steps 3-6) one request per :meth:`MigratorConnection.process` round, so a
   stream that must roll back completes after one submitted later; results are matched by opaque.
   ``close_stream`` closes both sides at once and answers immediately ("Closing Streams").
-* :class:`VBucketMove` -- one vbucket's move (seed 003 "Moving Data", "VBucket Takeover"): build the new copies
+* :class:`VBucketMove` -- one vbucket's move (docs/rebalance.md "The mover": moving data, takeover): build the new copies
   from the current active over the mover's connections; poll the takeover estimate until fewer than 1000 items
   are left; wait until the new copies persisted the active's seqno ("Wait For Persistence"); stop front-end
   writes (TMPFAIL, as kv_engine answers during a takeover) and wait until every copy of the new chain holds the
@@ -64,7 +64,7 @@ MAX_TAKEOVER_ATTEMPTS: Final = 5
 # ---------------------------------------------------------------------- what the mover needs of the cluster
 class RebalanceCluster(Protocol):
     """What the rebalance mover needs from the cluster manager, and all it uses of it
-    (:class:`~engine.manager.ClusterManager` implements it; docs/rebalance.md "The cluster interface")."""
+    (:class:`~engine.cluster.manager.ClusterManager` implements it; docs/rebalance.md "The cluster interface")."""
 
     def vbucket_map(self) -> VBucketMap:
         """The current map."""
@@ -79,7 +79,7 @@ class RebalanceCluster(Protocol):
     def node_control(self, name: str) -> NodeControl:
         """The node's state commands and ``vbucket_info`` (seqnos, persistence); TemporaryFailure when down.
         The in-process mover needs a :class:`~engine.bucket.Bucket` here, the process mover a
-        :class:`~engine.remote.RemoteNode`."""
+        :class:`~engine.network.remote.RemoteNode`."""
         ...
 
     def set_vbucket_state(self, name: str, vbucket: int, state: VBucketState) -> None:
@@ -286,15 +286,15 @@ class _PendingAdd:
 
 
 class MigratorConnection:
-    """A named connection between the mover and both sides (module docstring; seed 003)."""
+    """A named connection between the mover and both sides (module docstring; docs/rebalance.md "The mover")."""
 
     def __init__(self, name: str, source: Bucket, destination: Bucket, opaques: Iterable[int],
                  consumer_name: str | None = None) -> None:
         self.name = name
-        # Seed 003: "If a connection with the name given already exists then that connection will be closed
-        # immediately" -- Bucket.dcp_producer closes a producer of the same name.
+        # A name stands for one connection: opening an existing name closes the old connection first
+        # (docs/rebalance.md "The mover") -- Bucket.dcp_producer closes a producer of the same name.
         self.producer = source.dcp_producer(name)
-        # Seed 004: with ``consumer_name`` (the destination node) the connection enables sync writes like the
+        # Sync replication (docs/durability.md "Sync writes during a rebalance"): with ``consumer_name`` (the destination node) the connection enables sync writes like the
         # map's replication: prepares / commits / aborts reach the new copies and they seqno-ack as that node
         # (the acks count once the node is in the vbucket's second chain).
         self.consumer = DcpConsumer(name, destination, self.producer, consumer_name=consumer_name)
@@ -311,7 +311,7 @@ class MigratorConnection:
             raise TemporaryFailure(f"connection {self.name!r} is closed")
 
     def add_stream(self, vbucket: int, *, takeover: bool = False) -> int:
-        """Submit an add-stream (seed 003 step 2); returns its opaque. The answer comes later from
+        """Submit an add-stream (docs/rebalance.md "The mover", handshake step 2); returns its opaque. The answer comes later from
         :meth:`completions`, possibly after answers to requests submitted after it."""
         self._check()
         opaque = next(self._opaques)
@@ -353,7 +353,7 @@ class MigratorConnection:
         return sorted(self._pending)
 
     def close_stream(self, vbucket: int) -> None:
-        """Seed 003 "Closing Streams": both sides close at once (the consumer refuses anything still on the
+        """Closing a stream (docs/rebalance.md "The mover"): both sides close at once (the consumer refuses anything still on the
         wire for it); the answer is immediate."""
         for opaque in [o for o, r in self._pending.items() if r.vbucket == vbucket]:
             del self._pending[opaque]
@@ -376,7 +376,7 @@ class MigratorConnection:
         if self.closed:
             return 0
         n = self.consumer.step(max_messages)
-        # seed 004: what a flush made durable is acked too (persist levels), as the map's connections do
+        # sync replication: what a flush made durable is acked too (persist levels), as the map's connections do
         self.consumer.acknowledge_seqnos()
         return n
 
@@ -455,7 +455,7 @@ class RebalanceProgress:
 
 class Rebalance:
     """A running rebalance (ns_server's orchestrator + vbucket mover) over an in-process
-    :class:`~engine.cluster.Cluster`: the mover holds the named connections itself. :meth:`step` does a bounded
+    :class:`~engine.cluster.local.Cluster`: the mover holds the named connections itself. :meth:`step` does a bounded
     amount of work; the cluster's ``pump`` calls it. :class:`ProcessRebalance` is the node-process variant."""
 
     def __init__(
@@ -505,7 +505,7 @@ class Rebalance:
         return conn
 
     def _feed(self, move: VBucketMove) -> None:
-        """Submit the add-streams of the fed copies (seed 003 "Initial Stream Handshake")."""
+        """Submit the add-streams of the fed copies (docs/rebalance.md "The mover", the stream handshake)."""
         for n in move.fed:
             move.fed[n] = self.connection(move.source, n).add_stream(move.vbucket)
 
@@ -518,7 +518,7 @@ class Rebalance:
             except EngineError:
                 # A message the consumer could not apply (e.g. a takeover state change refused): the
                 # connection is replaced (same name: the old one is closed) and the moves re-add their
-                # streams; takeover moves check both sides' states and revert (seed 003).
+                # streams; takeover moves check both sides' states and revert (docs/rebalance.md "The mover").
                 conn.close()
 
     def _collect(self, move: VBucketMove) -> bool:
@@ -672,14 +672,14 @@ class Rebalance:
         if move.phase is MovePhase.BUILD:
             move.phase = MovePhase.BACKFILL
         if move.phase is MovePhase.BACKFILL:
-            # Seed 003 "Moving Data" 1: fewer than 1000 items left -> almost up to date.
+            # docs/rebalance.md "The mover", backfill phase: fewer than 1000 items left -> almost up to date.
             if any(e >= ALMOST_CAUGHT_UP_ITEMS for e in estimates):
                 return
             move.persist_target = src.vbucket_info(vb).high_seqno
             move.phase = MovePhase.PERSIST
             self._set_second_chain(move)
         if move.phase is MovePhase.PERSIST:
-            # Seed 003 "Moving Data" 2: wait for persistence of the new copies up to that seqno.
+            # Persist phase (ns_server's "wait for persistence"): the new copies persist up to that seqno.
             if any(c.node_control(n).vbucket_info(vb).snapshot_persisted < move.persist_target for n in move.fed):
                 return
             c.block_writes(vb)  # front-end writes answer TMPFAIL from here to the map change
@@ -709,7 +709,7 @@ class Rebalance:
         ended_ok = self._takeover_result(move)
         if ended_ok is None:
             return
-        # The stream ended (OK after the active message) or failed: seed 003 -- check the states of both
+        # The stream ended (OK after the active message) or failed: the mover checks the states of both
         # sides; anything but (dead, active) goes back to the original states.
         old = c.node_control(move.source).vbucket_info(vb).state
         new = c.node_control(move.target).vbucket_info(vb).state
@@ -722,7 +722,8 @@ class Rebalance:
         self._revert(move)
 
     def _revert(self, move: VBucketMove) -> None:
-        """Seed 003: put both sides back to their original states (old active, new replica) and retry."""
+        """Put both sides back to their original states (old active, new replica) and retry (docs/rebalance.md
+        "The mover", takeover phase)."""
         c = self.cluster
         vb = move.vbucket
         self.reverts += 1

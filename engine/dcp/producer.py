@@ -82,7 +82,7 @@ class DcpProducer:
         self.paused = False
         self.bytes_sent = 0
         self.items_sent = 0
-        #: DCP control ``enable_sync_writes`` (seed 004): prepares / commits / aborts are sent as such; without
+        #: DCP control ``enable_sync_writes`` (docs/durability.md "DCP"): prepares / commits / aborts are sent as such; without
         #: it they are hidden and a commit arrives as a plain mutation. ``consumer_name`` (kv_engine DCP control
         #: of the same name) names the replica node whose seqno-acks this connection carries.
         self.sync_writes = False
@@ -107,7 +107,7 @@ class DcpProducer:
     ) -> list[FailoverEntry]:
         """Open a stream; returns the vbucket's failover log (newest first) on OK.
 
-        Checks in kv_engine's order (dcp-reference.md "Stream request"): NOT_MY_VBUCKET, FROM_LATEST,
+        Checks in the order of kv_engine ``DcpProducer::streamRequest`` (docs/rollback.md for the rollback check): NOT_MY_VBUCKET, FROM_LATEST,
         start > end, snapshot range, duplicate stream, rollback, TO_LATEST / DISK_ONLY, start > high.
         ``failover_log`` (the client's whole log, newest first) enables the product's common-ancestor
         rollback decision instead of kv_engine's newest-vbuuid-only rule (docs/rollback.md).
@@ -216,7 +216,7 @@ class DcpProducer:
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         return list(self.bucket.vbucket(vbucket).failover.entries)
 
-    # ------------------------------------------------------------------ sync replication (seed 004)
+    # ------------------------------------------------------------------ sync replication (docs/durability.md)
     def control(self, key: str, value: str) -> None:
         """DCP control (kv_engine ``DcpProducer::control``): ``enable_sync_writes`` = ``true``/``false`` and
         ``consumer_name``; unknown keys: :class:`InvalidArgument`. Sync writes must be enabled before the

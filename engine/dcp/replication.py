@@ -1,10 +1,10 @@
 """The replica side of DCP: a consumer connection feeding replica vbuckets from an active node's producer.
 
 kv_engine counterparts: ``dcp/consumer.cc`` (``DcpConsumer``) and ``dcp/passive_stream.cc`` (``PassiveStream``).
-Seed 001 "How KV mutations flow into Replicas": the replica preserves the master's seqnos and persists in seqno
-order. The rules applied (``/work/shared/dcp-reference.md``):
+The replica keeps the active's seqnos and persists in seqno order. The rules applied (docs/cluster.md
+"Replication (the replica side of DCP)"; kv_engine's DCP client rules):
 
-* **Stream request from the replica's own position** ("Client rules"): start = the replica's high seqno,
+* **Stream request from the replica's own position**: start = the replica's high seqno,
   vbuuid = its newest failover entry, snapshot = the current, possibly partial, snapshot's marker range.
   The request also carries the replica's whole failover log (the product's common-ancestor extension,
   docs/rollback.md), so a replica whose newest branch the producer never saw need not go back to 0.
@@ -148,7 +148,7 @@ class DcpConsumer:
         self.rollbacks = 0
         self.messages = 0
         self.takeover_states = 0
-        #: synchronous replication (seed 004): with a consumer name (the replica node) the connection enables
+        #: synchronous replication (docs/durability.md "Life of a sync write"): with a consumer name (the replica node) the connection enables
         #: sync writes (kv_engine DCP controls ``enable_sync_writes`` and ``consumer_name``), receives prepares,
         #: commits and aborts, and seqno-acks its replica's high prepared seqno back on the connection.
         self.consumer_name = consumer_name
@@ -210,10 +210,11 @@ class DcpConsumer:
                               f"{MAX_ROLLBACKS_PER_REQUEST} rollbacks")
 
     def request_stream(self, vbucket: int, *, takeover: bool = False) -> list[FailoverEntry] | None:
-        """One stream request from the replica's own position (seed 003 "Initial Stream Handshake" step 3):
+        """One stream request from the replica's own position (docs/rebalance.md "The mover",
+        handshake step 3):
         the producer's failover log on OK (replaced into the replica, step 6), ``None`` after a ROLLBACK the
-        replica executed (step 5: request again). ``takeover`` sets the TAKEOVER flag (seed 003 "VBucket
-        Takeover"). The rebalance mover (engine/cluster/rebalance.py) drives the loop itself so its add-stream
+        replica executed (step 5: request again). ``takeover`` sets the TAKEOVER flag (docs/rebalance.md
+        "The takeover stream (engine side)"). The rebalance mover (engine/cluster/rebalance.py) drives the loop itself so its add-stream
         requests complete out of order."""
         if self.is_open(vbucket):
             raise InvalidArgument(f"{self.name}: a stream for vbucket {vbucket} is already open")
@@ -266,7 +267,7 @@ class DcpConsumer:
                 self._seqno_ack(vb)
         return len(msgs)
 
-    # ------------------------------------------------------------------ seqno acks (seed 004)
+    # ------------------------------------------------------------------ seqno acks (docs/durability.md)
     def _seqno_ack(self, vbucket: int) -> bool:
         if self.consumer_name is None or not self.is_open(vbucket) or self.producer.closed:
             return False
@@ -327,7 +328,8 @@ class DcpConsumer:
 
     def _takeover_state(self, m: SetVBucketStateMessage) -> None:
         """kv_engine ``DcpConsumer::setVBucketState`` of a takeover: pending first, then active with
-        ``transfer`` (no failover entry); each is acknowledged once executed (seed 003 "VBucket Takeover")."""
+        ``transfer`` (no failover entry); each is acknowledged once executed (docs/rebalance.md "The takeover stream
+        (engine side)")."""
         target = self.replica
         if not isinstance(target, TakeoverTarget):
             raise InvalidArgument(f"{self.name}: the replica side cannot change vbucket states")

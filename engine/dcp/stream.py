@@ -5,7 +5,8 @@ backfill, engine/dcp/backfill.py) -> in-memory (point-in-time snapshots read fro
 dead. A stream whose cursor was dropped under memory pressure goes back to backfilling from ``last_read + 1``;
 it does not end.
 
-Snapshot rules (dcp-reference.md "Streams, checkpoints, snapshot markers"):
+Snapshot rules (kv_engine ``ActiveStream`` / ``CheckpointManager``; docs/engine.md "Snapshots, de-duplication and
+consistency"):
 
 * disk marker = DISK|CHK, start = min(requested snap start, backfill start) on the first marker, end = the
   backfill end (the persisted seqno when the backfill was scheduled); the disk snapshot is the consistent state
@@ -13,7 +14,7 @@ Snapshot rules (dcp-reference.md "Streams, checkpoints, snapshot markers"):
 * memory marker = MEMORY, plus CHK at a checkpoint boundary or after a phase change; the first marker's start
   is min(requested snap start, first seqno);
 * every marker precedes its items; items are in seqno order; the snapshot that contains the end seqno is sent
-  whole, then the stream ends with OK (seed 000 "Stream End").
+  whole, then the stream ends with OK (kv_engine ``ActiveStream::endStream``; docs/engine.md "Terms").
 
 A stream buffers one batch of whole snapshots in its ready queue (as kv_engine's readyQ does), so a snapshot
 stays consistent even if the consumer pauses it through flow control mid-snapshot.
@@ -289,7 +290,7 @@ class ActiveStream:
             items = seg.items
             send_end = seg.end
             if hide:
-                # seed 004 / kv_engine: a client that did not enable sync writes never sees prepares or
+                # kv_engine (docs/durability.md "DCP"): a client that did not enable sync writes never sees prepares or
                 # aborts; the commit reaches it as a plain mutation at the commit's seqno. Its marker ends at
                 # the last visible seqno (max visible seqno); a snapshot with nothing visible is not sent.
                 items = [it for it in items if it.op < 3]

@@ -1,7 +1,7 @@
 """DCP takeover streams (kv_engine ``dcp/active_stream.cc``: ``takeoverSendPhase`` / ``takeoverWaitPhase``).
 
 A stream requested with the ``TAKEOVER`` flag (0x01) moves its vbucket's active role to the consumer without a
-new failover entry (dcp-reference.md "Takeover"; seed 003 "VBucket Takeover"):
+new failover entry (docs/rebalance.md "The takeover stream (engine side)"):
 
 1. **takeover-send**: the stream sends what the vbucket holds, every snapshot marker carrying the ``ACK`` flag
    (0x08); the consumer acknowledges each marker once applied (kv_engine ``snapshotMarkerAckReceived``);
@@ -32,7 +32,7 @@ from engine.dcp.stream import (
 from engine.exceptions import InvalidArgument
 from engine.kv.vbucket import VBucketState
 
-#: seed 003 "Moving Data": under this many items left the new vbucket is "almost up to date"
+#: ns_server's vbucket mover (docs/rebalance.md "The mover", backfill phase): under this many items left the new vbucket is "almost up to date"
 ALMOST_CAUGHT_UP_ITEMS: Final = 1000
 
 
@@ -80,7 +80,7 @@ class TakeoverStream(ActiveStream):
         if self.state is StreamState.DEAD or self.phase is TakeoverPhase.WAIT:
             return
         if self.takeover_state is VBucketState.ACTIVE and self.vb.state is not VBucketState.DEAD:
-            # The mover reverted the takeover (seed 003: original states back): never hand the active role
+            # The mover reverted the takeover (original states back, docs/rebalance.md "The mover"): never hand the active role
             # over now -- the stream ends and the consumer's copy stays a replica.
             self.end_stream(StreamEndReason.STATE_CHANGED)
             return

@@ -1,17 +1,18 @@
-"""The checkpoint manager: the per-vbucket in-memory write queue (seed 001 "Write Queue", seed 002 cursors).
+"""The checkpoint manager: the per-vbucket in-memory write queue and its cursors (kv_engine ``CheckpointManager``;
+docs/engine.md "Snapshots, de-duplication and consistency").
 
 kv_engine (``checkpoint_manager.cc``) rules implemented here:
 
 * Items are queued in seqno order into the single **open** checkpoint; earlier checkpoints are **closed**.
 * The open checkpoint **de-duplicates**: queuing a key already present in it removes the older entry (a hole
-  is left so cursor positions stay valid; cursors simply skip holes) -- seed 002 "Deduplication".
+  is left so cursor positions stay valid; cursors simply skip holes) -- docs/engine.md "Snapshots, de-duplication and consistency".
 * A new checkpoint is opened when the open one reaches its item-count or byte limit (closed checkpoints
   never de-duplicate, so a consumer reading a closed checkpoint to its end sees a consistent snapshot).
 * **Cursors**: one for persistence, one per DCP stream. A closed checkpoint is freed once every cursor has
   moved past it. DCP cursors may be **dropped** under memory pressure; their streams go back to backfilling
-  from disk (seed 002 "cursor dropping").
+  from disk (kv_engine cursor dropping; docs/engine.md "Memory quota").
 * A cursor always reads a checkpoint *to its current end* in one go: cutting a checkpoint in the middle could
-  split a de-duplicated key from its newer version and expose an inconsistent state (seed 002).
+  split a de-duplicated key from its newer version and expose an inconsistent state (docs/engine.md "Snapshots, de-duplication and consistency").
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class CheckpointManager:
             assert old is not None
             if item.op >= 3 or old.op >= 3 or item.prepared or old.prepared:
                 # kv_engine: prepares, commits and aborts never de-duplicate (a prepare replaced in the open
-                # checkpoint would hide it from replicas): a new checkpoint instead (seed 004).
+                # checkpoint would hide it from replicas): a new checkpoint instead (docs/durability.md "DCP").
                 self.create_checkpoint()
                 return self.queue(item)
             ck.items[old_pos] = None

@@ -1,10 +1,10 @@
-"""Synchronous replication (seed 004, kv_engine ``engines/ep/src/durability/``): durability levels, the
+"""Synchronous replication (docs/durability.md, kv_engine ``engines/ep/src/durability/``): durability levels, the
 active durability monitor and the passive (replica) side.
 
 A sync write is a **prepare** (``Op.PREPARE`` / ``Op.PREPARE_DELETION``) queued in the vbucket's checkpoint and
 kept in ``VBucket.prepares`` -- never in the hash table readers see -- until it is **committed** (a
 MUTATION / DELETION item whose ``prepared`` is the prepare's seqno, at a seqno of its own) or **aborted** (an
-``Op.ABORT`` item). The rules (dcp-reference.md "Synchronous replication"):
+``Op.ABORT`` item). The rules (kv_engine ``active_durability_monitor.cc`` / ``passive_durability_monitor.cc``; docs/durability.md):
 
 * levels none 0, majority 1, majority-and-persist-on-master 2, persist-to-majority 3; anything else is
   DURABILITY_INVALID_LEVEL (0xa0);
@@ -61,7 +61,7 @@ MAX_CHAIN: Final = 4
 
 
 class Level(IntEnum):
-    """Durability levels (seed 004 "Packet Changes", kv_engine ``cb::durability::Level``)."""
+    """Durability levels (docs/durability.md "Levels and timeouts", kv_engine ``cb::durability::Level``)."""
 
     NONE = 0
     MAJORITY = 1

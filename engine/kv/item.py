@@ -1,7 +1,7 @@
 """Items: the immutable unit a vbucket stores, queues in checkpoints, persists and streams over DCP.
 
-Seed 001 ("Immutable Values"): a value assigned to the hash table is immutable and shared by the write queue,
-the flusher and every stream. An :class:`Item` is created for every accepted change and never modified
+A value assigned to the hash table is immutable and shared by the write queue, the flusher and every stream
+(docs/engine.md "Decisions and differences from kv_engine", item as message). An :class:`Item` is created for every accepted change and never modified
 afterwards, so a DCP stream can hand the very object to its consumer as the mutation / deletion /
 expiration message (kv_engine's ``MutationResponse`` wraps a ``queued_item`` the same way).
 """
@@ -146,7 +146,7 @@ class Item:
     def dcp_size(self) -> int:
         """Bytes this item costs in DCP flow control (header + extras + key + value)."""
         if self.prepared:
-            # a commit / abort (seed 004): DCP_COMMIT / DCP_ABORT carry the two seqnos and the key only. A
+            # a commit / abort (docs/durability.md "Node processes"): DCP_COMMIT / DCP_ABORT carry the two seqnos and the key only. A
             # client without sync writes receives a commit as a larger mutation and acks more: harmless.
             return DCP_COMPLETION_OVERHEAD + len(self.key)
         v = self.value

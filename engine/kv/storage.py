@@ -1,4 +1,4 @@
-"""Durable storage by seqno: SQLite in WAL mode (the couchstore role in seed 001).
+"""Durable storage by seqno: SQLite in WAL mode (the role of kv_engine's ``KVStore``: couchstore / magma).
 
 Layout: one database per bucket.
 
@@ -11,10 +11,11 @@ Layout: one database per bucket.
   purge seqno, max CAS and ``history_start`` (below it, older versions may have been purged).
 * ``meta`` -- the clean-shutdown marker.
 * ``snapshots`` -- for replica vbuckets, the end seqno of every complete snapshot received from the active and
-  persisted: the consistent points a replica can roll back to (dcp-reference.md "Client rules": roll back to a
+  persisted: the consistent points a replica can roll back to (docs/cluster.md "Replication": roll back to a
   snapshot boundary <= the rollback seqno; the items of a partial snapshot are an inconsistent state).
 
-Every flush is one transaction: a disk snapshot with its seqno range (seed 002 "Disk Snapshots").
+Every flush is one transaction: a disk snapshot with its seqno range (docs/engine.md "Snapshots, de-duplication and
+consistency").
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ class Storage:
                 (vb, tombstones_upto, tombstone_before),
             ).fetchone()
             db.execute(
-                # tombstones and aborts; a prepare in flight is never purged (seed 004)
+                # tombstones and aborts; a prepare in flight is never purged (docs/durability.md)
                 "DELETE FROM items WHERE vb=? AND superseded IS NULL AND op IN (1, 2, 5) AND seqno<=? AND expiry<?",
                 (vb, tombstones_upto, tombstone_before),
             )

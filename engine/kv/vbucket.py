@@ -183,17 +183,16 @@ class VBucket:
         self._on_dirty = on_dirty
         self.dirty = False  # has items the flusher has not read; set here, cleared by the flusher
         self.expirations = 0
-        # Replica side (engine/replication.py). Snapshot markers received and not yet wholly persisted, as
+        # Replica side (engine/dcp/replication.py). Snapshot markers received and not yet wholly persisted, as
         # [base, start, end]: the marker's items are those with seqno > base (base = high seqno when it arrived).
         self.replica_snaps: deque[list[int]] = deque()
-        #: end of the last complete snapshot received / received and persisted (seed 001: durability waits for
-        #: "a complete snapshot from the master where the high snapshot sequence # is >= the client's")
+        #: end of the last complete snapshot received / received and persisted (docs/cluster.md "Observe by
+        #: seqno": a replica holds a write once a complete snapshot ending at or above its seqno arrived)
         self.snapshot_complete = high_seqno
         self.snapshot_persisted = high_seqno
-        #: partition-state CAS (seed 001 "How ns_server and ep-engine guarantee ordering of partition state
-        #: transitions"); set by the bucket
+        #: partition-state CAS (docs/cluster.md "Partition-state CAS"); set by the bucket
         self.state_cas = 0
-        #: synchronous replication (seed 004, engine/durability.py): the prepares in flight by key (never in
+        #: synchronous replication (docs/durability.md, engine/kv/durability.py): the prepares in flight by key (never in
         #: ``ht``: invisible to readers), the active durability monitor, and whether this vbucket ever queued
         #: a prepare / abort (streams without sync writes then filter them)
         self.prepares: dict[bytes, Item] = {}
@@ -207,7 +206,7 @@ class VBucket:
     def next_cas(self) -> int:
         """The CAS of the next item this vbucket writes (kv_engine ``HLC::nextHLC``): the hybrid logical
         clock's time in ns (from the injected ``hlc_clock``) with the low 16 bits free for a counter, never
-        going backwards. Used by the durability monitor for prepares (engine/durability.py)."""
+        going backwards. Used by the durability monitor for prepares (engine/kv/durability.py)."""
         now = self.hlc_clock() & ~0xFFFF
         cas = self.max_cas + 1 if now <= self.max_cas else now
         self.max_cas = cas
@@ -230,7 +229,7 @@ class VBucket:
 
     def queue_item(self, item: Item) -> None:
         """Make ``item`` the key's current item (hash table) and queue it in the checkpoint (a commit of a
-        prepare goes here, engine/durability.py ``commit_prepare``)."""
+        prepare goes here, engine/kv/durability.py ``commit_prepare``)."""
         self.ht[item.key] = item
         self.enqueue(item)
 
@@ -355,7 +354,7 @@ class VBucket:
     def _sync_write_in_progress(self, key: bytes) -> None:
         from engine.exceptions import SyncWriteInProgress
 
-        # seed 004 / kv_engine: a write to a key with a prepare in flight answers SYNC_WRITE_IN_PROGRESS.
+        # kv_engine (docs/durability.md): a write to a key with a prepare in flight answers SYNC_WRITE_IN_PROGRESS.
         raise SyncWriteInProgress(f"key {key!r} has a sync write in progress")
 
     def delete(self, key: bytes, cas: int = 0) -> MutationResult:
@@ -478,7 +477,7 @@ class VBucket:
             raise InvalidArgument(
                 f"vbucket {self.id}: {item!r} not in ({self.high_seqno}, {end}] of the open snapshot")
         key = item.key
-        if item.op >= Op.PREPARE:  # a prepare or an abort (seed 004 synchronous replication)
+        if item.op >= Op.PREPARE:  # a prepare or an abort (synchronous replication, docs/durability.md)
             from engine.kv.durability import passive_apply
 
             return passive_apply(self, item, end)
@@ -524,8 +523,8 @@ class VBucket:
         return it
 
     def replica_position(self) -> tuple[int, int, int]:
-        """``(start, snap_start, snap_end)`` for this replica's stream request (dcp-reference.md "Client
-        rules": start = last seqno, snapshot = the current, possibly partial, snapshot's marker range)."""
+        """``(start, snap_start, snap_end)`` for this replica's stream request (docs/cluster.md
+        "Replication": start = last seqno, snapshot = the current, possibly partial, snapshot's marker range)."""
         high = self.high_seqno
         snaps = self.replica_snaps
         if snaps and snaps[-1][1] <= high < snaps[-1][2]:

@@ -4,7 +4,7 @@ Every vbucket state record becomes a :class:`VBucket` with its failover log, per
 bookkeeping; then the current version of every key is loaded into the hash tables (no value eviction: every
 document is resident, docs/engine.md).
 
-The failover log (dcp-reference.md "Failover table"): a new vbucket gets an entry at 0; opening after an
+The failover log (kv_engine ``Warmup`` and ``FailoverTable``; docs/rollback.md "The failover log"): a new vbucket gets an entry at 0; opening after an
 **unclean** shutdown (no clean-shutdown marker) adds an entry to every active vbucket at the last persisted
 snapshot end if the persisted high seqno equals it, else at its start. A clean close adds none.
 """

@@ -234,7 +234,7 @@ class ProcessCluster(ClusterManager):
                         sources[src] = (s.host, s.port, vbs)
             with contextlib.suppress(NodeUnavailable):
                 node.require().set_replication(sources)
-        # seed 004: every live active gets its replication chain from the map (ns_server sends it with
+        # sync replication (docs/durability.md): every live active gets its replication chain from the map (ns_server sends it with
         # setVBucketState), so sync writes count the right majority
         for vb, chain in enumerate(self._map.chains):
             a = chain[0]

@@ -15,7 +15,7 @@ __all__ = ["ProcessRebalance"]
 
 
 class ProcessRebalance(Rebalance):
-    """The rebalance over node processes (engine/process_cluster.py). A node's consumers are its own
+    """The rebalance over node processes (engine/network/process_cluster.py). A node's consumers are its own
     replication links (``replication:<src>-><dst>``, the named connection on both sides): the mover feeds
     a copy by adding its vbucket to the destination's links (SET_REPLICATION), polls ``stats dcp-vbtakeover``
     on the source, and starts the takeover with DCP_ADD_STREAM(TAKEOVER) on the destination, whose link

@@ -6,7 +6,7 @@ Every frame has a 24-byte big-endian header (``include/memcached/protocol_binary
     (response) u16 | body length u32 | opaque u32 | cas u64
 
 followed by extras, key and value. Requests have magic 0x80, responses 0x81. A request with flexible framing
-extras (seed 004: durability) has magic 0x08: the key length field is then framing-extras length u8 | key
+extras (durability, docs/durability.md "Node processes") has magic 0x08: the key length field is then framing-extras length u8 | key
 length u8, and the framing extras come first in the body. DCP messages the producer pushes
 (snapshot marker, mutation, deletion, expiration, stream end) are *requests* sent by the server, as in kv_engine.
 Extras layouts are kv_engine's; see docs/cluster.md "Node processes" for the subset and the private opcodes.
@@ -51,7 +51,7 @@ REQ_MAGIC: Final = 0x80
 RES_MAGIC: Final = 0x81
 #: kv_engine ``cb::mcbp::Magic::AltClientRequest``: a request with flexible framing extras
 ALT_REQ_MAGIC: Final = 0x08
-#: flexible frame info id of durability requirements (level u8 [+ timeout u16]), seed 004
+#: flexible frame info id of durability requirements (level u8 [+ timeout u16]), docs/durability.md
 FRAME_DURABILITY: Final = 0x01
 #: a frame larger than this is refused (kv_engine's max packet size is 30 MiB + header)
 MAX_BODY: Final = 32 * 1024 * 1024
@@ -80,7 +80,7 @@ class Opcode(IntEnum):
     DCP_NOOP = 0x5C
     DCP_BUFFER_ACKNOWLEDGEMENT = 0x5D
     DCP_CONTROL = 0x5E
-    # synchronous replication (seed 004; kv_engine numbers)
+    # synchronous replication (docs/durability.md; kv_engine numbers)
     DCP_PREPARE = 0x60
     DCP_SEQNO_ACKNOWLEDGED = 0x61
     DCP_COMMIT = 0x62
@@ -228,7 +228,7 @@ def frame_from(header: tuple[int, int, int, int, int, int, int, int, int], body:
                  opaque, cas)
 
 
-# ---------------------------------------------------------------------- flexible framing (seed 004)
+# ---------------------------------------------------------------------- flexible framing (docs/durability.md)
 def encode_durability_frame(durability: Durability) -> bytes:
     """The durability frame info (id 0x01): level, plus the 16-bit timeout when not the bucket default."""
     level = int(durability.level)
@@ -341,7 +341,7 @@ def error_from(frame: Frame, vbucket: int = 0) -> EngineError:
 # ---------------------------------------------------------------------- DCP messages
 def encode_dcp_message(m: Message, opaque: int, *, sync: bool = False) -> bytes:
     """A DCP message the producer pushes, as kv_engine encodes it (server -> client request). ``sync``: the
-    connection enabled sync writes (seed 004): a commit is DCP_COMMIT (key, prepared and commit seqnos, no
+    connection enabled sync writes (docs/durability.md "DCP"): a commit is DCP_COMMIT (key, prepared and commit seqnos, no
     value), prepares DCP_PREPARE, aborts DCP_ABORT; without it a commit is a plain mutation / deletion."""
     if type(m) is Item:
         v = m.value or b""

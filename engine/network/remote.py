@@ -194,7 +194,7 @@ class RemoteNode:
     @staticmethod
     def _error(f: Frame, vbucket: int, cas: int) -> Exception:
         if f.opcode == Opcode.SET_VBUCKET_STATE and f.status == Status.KEY_EEXISTS:
-            return StateCasMismatch(vbucket, f.cas, cas)  # seed 001 step 6: the current CAS comes back
+            return StateCasMismatch(vbucket, f.cas, cas)  # docs/cluster.md "Partition-state CAS" step 6: the current CAS comes back
         return error_from(f, vbucket)
 
     # ------------------------------------------------------------------ front end
@@ -208,7 +208,7 @@ class RemoteNode:
     def set(self, key: bytes | str, value: bytes | str, *, vbucket: int, cas: int = 0, flags: int = 0,
             expiry: int = 0, durability: Durability | None = None) -> MutationResult:
         """SET; the answer carries the mutation token (as after HELLO MutationSeqno). With ``durability`` a
-        sync write (seed 004: magic 0x08, durability frame info), answered once committed."""
+        sync write (docs/durability.md "Node processes": magic 0x08, durability frame info), answered once committed."""
         k = key.encode() if isinstance(key, str) else bytes(key)
         v = value.encode() if isinstance(value, str) else bytes(value)
         framing = encode_durability_frame(durability) if durability is not None and durability.level else b""
@@ -245,7 +245,7 @@ class RemoteNode:
         _fmt, vb, uuid, persisted, current = OBSERVE0.unpack(f.value)
         return NodeObserve(vb, uuid, persisted, current)
 
-    # ------------------------------------------------------------------ vbucket states (seed 001 CAS)
+    # ------------------------------------------------------------------ vbucket states (state CAS)
     def state_cas(self, vbucket: int) -> int:
         (f,) = self._call(Opcode.GET_VBUCKET_STATE, vbucket=vbucket)
         return f.cas
@@ -296,7 +296,7 @@ class RemoteNode:
         self._call(Opcode.SET_REPLICATION, value=orjson.dumps({"sources": body}), datatype=0x01)
 
     def add_stream_takeover(self, source: str, vbucket: int) -> None:
-        """DCP_ADD_STREAM with the TAKEOVER flag (seed 003 "VBucket Takeover"): the node's replication link
+        """DCP_ADD_STREAM with the TAKEOVER flag (docs/rebalance.md "Node processes"): the node's replication link
         from ``source`` re-requests ``vbucket`` as a takeover stream; answers at once (OK or an error)."""
         self._call(Opcode.DCP_ADD_STREAM, vbucket=vbucket, key=source.encode(), extras=U32.pack(0x01))
 
@@ -464,7 +464,7 @@ class RemoteDcpProducer:
             self.sync_writes = value == "true"
 
     def seqno_acknowledged(self, vbucket: int, seqno: int) -> int:
-        """DCP_SEQNO_ACKNOWLEDGED (seed 004; no answer, as kv_engine). Returns 0: the commits happen on the
+        """DCP_SEQNO_ACKNOWLEDGED (docs/durability.md; no answer, as kv_engine). Returns 0: the commits happen on the
         node."""
         if not self._conn.closed:
             self._conn.send(request(Opcode.DCP_SEQNO_ACKNOWLEDGED, extras=U64.pack(seqno), vbucket=vbucket))

@@ -2,7 +2,7 @@
 
 ``python -m engine.network.server --data-dir D --port P --num-vbuckets V [--name n0]`` prints ``READY port=<port>``
 once it listens. kv_engine counterparts: the memcached front end (GET / SET / DELETE / OBSERVE_SEQNO / STAT),
-``SET_VBUCKET_STATE`` with the partition-state CAS of seed 001, DCP producer connections (``dcp/producer.cc``:
+``SET_VBUCKET_STATE`` with the partition-state CAS (docs/cluster.md "Partition-state CAS"), DCP producer connections (``dcp/producer.cc``:
 stream request -> OK + failover log / ROLLBACK / errors, then pushed markers, mutations, deletions,
 expirations and stream ends, flow control by buffer acks), and the replica side: the node pulls its replica
 vbuckets from the active nodes with :class:`~engine.dcp.replication.DcpConsumer` over
@@ -157,7 +157,7 @@ class ReplicationLink(threading.Thread):
         self.errors = 0
         self.rollbacks = 0
         self.messages = 0
-        #: vbuckets to re-request as takeover streams (DCP_ADD_STREAM with TAKEOVER, seed 003)
+        #: vbuckets to re-request as takeover streams (DCP_ADD_STREAM with TAKEOVER, docs/rebalance.md)
         self._takeovers: set[int] = set()
         self._lock = threading.Lock()
         self.takeovers = 0
@@ -194,7 +194,7 @@ class ReplicationLink(threading.Thread):
                 continue
             self.connects += 1
             try:
-                # seed 004: replication enables sync writes and seqno-acks as this node
+                # sync replication (docs/durability.md): replication enables sync writes and seqno-acks as this node
                 consumer = self.consumer = DcpConsumer(self.name, target, producer,
                                                        consumer_name=self.server.name)
             except (EngineError, OSError):
@@ -317,7 +317,7 @@ class NodeServer:
                     log.warning("flush failed: %s", e)
                 self.kick()
             if not self.bucket.closed and self.bucket.process_durability_timeouts():
-                self.kick()  # the durability timeout task (seed 004): aborts to send
+                self.kick()  # the durability timeout task (kv_engine DurabilityTimeoutTask): aborts to send
 
     async def _watch_parent(self) -> None:
         # A node started by a cluster manager dies with it (no orphan processes after a test failure).
@@ -442,7 +442,7 @@ class NodeServer:
             self._need(f, 8, key=True)
             flags, expiry = SET_EXTRAS.unpack(f.extras)
             durability = decode_framing(f.framing) if f.framing else None
-            if durability is not None:  # seed 004: a sync write, answered once committed (or ambiguous)
+            if durability is not None:  # a sync write (docs/durability.md), answered once committed (or ambiguous)
                 sw = b.set(f.key, f.value, cas=f.cas, flags=flags, expiry=expiry, datatype=f.datatype or None,
                            vbucket=vb, durability=durability)
                 r = await self._completed(sw)
@@ -528,7 +528,7 @@ class NodeServer:
             conn.wake.set()
             return None  # kv_engine sends no answer to a buffer ack
         if op == Opcode.DCP_SEQNO_ACKNOWLEDGED:
-            # seed 004: the consumer's replica acks its high prepared seqno; kv_engine sends no answer
+            # DCP_SEQNO_ACKNOWLEDGED: the consumer's replica acks its high prepared seqno; kv_engine sends no answer
             self._need(f, 8)
             p.seqno_acknowledged(f.vbucket, U64.unpack(f.extras)[0])
             self.kick()
@@ -564,7 +564,7 @@ class NodeServer:
         return response(op, value=encode_failover_log(entries), opaque=f.opaque)
 
     def _add_stream(self, f: Frame) -> bytes:
-        # DCP_ADD_STREAM (seed 003): here only with TAKEOVER, naming the source node whose replication link
+        # DCP_ADD_STREAM (docs/rebalance.md "Node processes"): here only with TAKEOVER, naming the source node whose replication link
         # carries the vbucket (this node's consumers are its own outbound links); answered at once.
         self._need(f, 4, key=True)
         (flags,) = U32.unpack(f.extras)
@@ -580,8 +580,8 @@ class NodeServer:
     def _observe(self, f: Frame) -> bytes:
         # kv_engine OBSERVE_SEQNO: format 0 (vbuuid, persisted, current) or, when the client's vbuuid is not
         # the current one, format 1 adding the old vbuuid and the last seqno of that branch in the history.
-        # A replica answers with the end of its last complete snapshot received / persisted (seed 001: a
-        # replica "has" a seqno once it holds a complete snapshot at or above it).
+        # A replica answers with the end of its last complete snapshot received / persisted (docs/cluster.md
+        # "Observe by seqno": a replica "has" a seqno once it holds a complete snapshot at or above it).
         if len(f.value) != 8:
             raise ProtocolError("OBSERVE_SEQNO needs an 8-byte vbuuid body")
         (uuid,) = U64.unpack(f.value)
@@ -638,7 +638,7 @@ class NodeServer:
         else:
             new_cas = b.set_vbucket_state(f.vbucket, state, cas=cas)
         if topology is not None:
-            # kv_engine: ns_server sends the replication chain with setVBucketState (seed 004)
+            # kv_engine: ns_server sends the replication chain with setVBucketState (docs/durability.md)
             b.set_replication_topology(f.vbucket, topology[0], topology[1] if len(topology) > 1 else None)
         self.kick()
         return response(f.opcode, value=body, opaque=f.opaque, cas=new_cas)

@@ -49,7 +49,7 @@ def make_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
     is closed (uncleanly: SIGKILL for node processes) after the test, also when it failed.
 
     The test module chooses the kind and its defaults: ``CLUSTER = ProcessCluster`` for node processes
-    (default: the in-process :class:`~engine.cluster.Cluster`), ``CLUSTER_DEFAULTS = {...}`` for the options
+    (default: the in-process :class:`~engine.cluster.local.Cluster`), ``CLUSTER_DEFAULTS = {...}`` for the options
     every cluster of the module gets unless the call overrides them (default: ``seed=3``)."""
     kind = getattr(request.module, "CLUSTER", Cluster)
     defaults: dict[str, Any] = dict(getattr(request.module, "CLUSTER_DEFAULTS", {"seed": 3}))

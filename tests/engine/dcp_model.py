@@ -1,6 +1,7 @@
 """A reference DCP consumer for tests: applies whole snapshots only, resumes, and rolls back exactly.
 
-It is the client seed 002 asks for ("never expose a partial snapshot") and seed 001 "How clients roll back":
+It is the client docs/engine.md "Snapshots, de-duplication and consistency" asks for (never expose a partial
+snapshot) and docs/rollback.md describes:
 committed state is kept per vbucket with its history at every snapshot boundary, so a ROLLBACK(s) restores the
 state at the newest boundary <= s.
 """

@@ -24,7 +24,7 @@ def test_open_checkpoint_deduplicates() -> None:
     assert cur is not None
     segs = m.read(cur)
     assert [(s.start, s.end) for s in segs] == [(1, 3)]
-    assert [it.seqno for it in segs[0].items] == [2, 3]  # seed 002: 1 was de-duplicated
+    assert [it.seqno for it in segs[0].items] == [2, 3]  # docs/engine.md "Snapshots, de-duplication and consistency": 1 was de-duplicated
 
 
 def test_dedup_sets_prev_seqno_for_the_flusher() -> None:

@@ -1,6 +1,6 @@
 """Clocks and RNGs are injected (docs/engine.md "Clocks and randomness"): the same seed and the same fake clock
 give the same vbuuids, CAS values and rebalance decisions; the rebalance planner is a pure function
-(engine/rebalance.py ``plan_rebalance``; docs/rebalance.md "The cluster interface")."""
+(engine/cluster/rebalance.py ``plan_rebalance``; docs/rebalance.md "The cluster interface")."""
 
 from __future__ import annotations
 

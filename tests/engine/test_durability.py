@@ -1,4 +1,4 @@
-"""Synchronous replication rules (seed 004, engine/kv/durability.py), one test per rule: majority math, every
+"""Synchronous replication rules (docs/durability.md, engine/kv/durability.py), one test per rule: majority math, every
 error code, invisible until commit for GET and DCP, no de-duplication of prepares, replicas ack only complete
 snapshots (persist levels: persisted), timeout -> abort + ambiguous and the abort never visible, a write to a
 key with a prepare in flight, storage / warmup / rollback with prepares."""

@@ -1,4 +1,4 @@
-"""Synchronous replication on the in-process cluster (seed 004 proof 2, engine side): an acknowledged MAJORITY
+"""Synchronous replication on the in-process cluster (sync-replication proof 2, engine side; docs/durability.md "What survives what"): an acknowledged MAJORITY
 write survives hard failover of its active (the promoted prepare is re-committed, never aborted by timeout); a
 timed-out write is ambiguous and never half-visible; a 1-replica chain after failover cannot meet a majority."""
 

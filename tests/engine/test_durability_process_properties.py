@@ -1,4 +1,4 @@
-"""Seed 004 proof 3 on node processes (slow): hypothesis schedules of sync writes of every level, paused
+"""Sync-replication proof 3 (docs/durability.md) on node processes (slow): hypothesis schedules of sync writes of every level, paused
 replication, stopped persistence, SIGKILL + restart and one SIGKILL + hard failover, on a ProcessCluster of 3
 nodes with 2 replicas (real TCP, replication threads seqno-acking over DCP). Zero lost acknowledged durable
 writes (PERSIST_TO_MAJORITY always; the in-memory levels when no node other than the failed-over one crashed

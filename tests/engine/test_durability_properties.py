@@ -1,4 +1,4 @@
-"""Hypothesis campaign (seed 004 proof 3): random schedules of sync writes (all levels, short and default
+"""Hypothesis campaign (sync-replication proof 3; docs/durability.md): random schedules of sync writes (all levels, short and default
 timeouts), plain writes, partial pumps (some connections, a few messages, with or without flushing), single-node
 flushes, clock ticks (timeouts), crashes and restarts, and one hard failover, on the deterministic in-process
 cluster with a ManualClock. A hard failover happens only while every other node is up (one failure at a

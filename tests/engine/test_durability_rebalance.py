@@ -1,4 +1,4 @@
-"""Synchronous replication across a rebalance (seed 004 x seed 003, issue 6 proof 3) on the in-process cluster.
+"""Synchronous replication across a rebalance (docs/durability.md "Sync writes during a rebalance", issue 6 proof 3) on the in-process cluster.
 
 kv_engine rules checked here: the mover's streams enable sync writes, so prepares / commits / aborts reach the
 new copies and they seqno-ack; during a move the active's topology has a second chain (the post-move one,
@@ -211,7 +211,7 @@ def test_reverted_takeover_keeps_the_prepare(tmp_path: Path, after_dead: bool) -
                 reb.step()
             assert src.vbucket(vb).state is VBucketState.DEAD
             assert move.phase is MovePhase.TAKEOVER
-        reb._revert(move)  # the mover puts the original states back (seed 003)
+        reb._revert(move)  # the mover puts the original states back (docs/rebalance.md "The mover")
         assert src.vbucket(vb).state is VBucketState.ACTIVE
         assert c.node(move.target).require_bucket().vbucket(vb).state is VBucketState.REPLICA
         # dead for a moment: the waiter was answered ambiguous; else it still waits

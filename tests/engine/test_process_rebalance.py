@@ -1,4 +1,4 @@
-"""Rebalance of a cluster of node processes (engine/network/process_rebalance.py ProcessRebalance, seed 003): takeover streams
+"""Rebalance of a cluster of node processes (engine/network/process_rebalance.py ProcessRebalance, docs/rebalance.md "Node processes"): takeover streams
 over TCP (markers with ACK, DCP_SET_VBUCKET_STATE and their acks as DCP responses), DCP_ADD_STREAM(TAKEOVER) on
 the destination, ``stats dcp-vbtakeover`` on the source; a node rebalanced in and another out while writes
 continue; a DCP client over TCP following the map never rolls back."""

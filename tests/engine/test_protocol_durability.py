@@ -1,4 +1,4 @@
-"""Seed 004 on the wire (engine/network/protocol.py): alt requests (magic 0x08) with the durability frame info, and
+"""Synchronous replication on the wire (engine/network/protocol.py, docs/durability.md "Node processes"): alt requests (magic 0x08) with the durability frame info, and
 the DCP sync-replication messages (kv_engine opcodes 0x60-0x63): round trips (hypothesis) and bad input."""
 
 from __future__ import annotations

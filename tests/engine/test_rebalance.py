@@ -1,4 +1,4 @@
-"""Rebalance (engine/cluster/rebalance.py; seed 003): the planner, named connections with pipelined add-streams
+"""Rebalance (engine/cluster/rebalance.py; docs/rebalance.md): the planner, named connections with pipelined add-streams
 answered out of order, the stream request / rollback loop, takeover moves with the state check and revert, and
 whole rebalances in and out of the in-process cluster under writes."""
 
@@ -136,7 +136,7 @@ def test_add_streams_are_answered_out_of_order_matched_by_opaque(make_cluster) -
     conn.process()
     bad = conn.answer(o)
     assert bad is not None and not bad.ok and isinstance(bad.error, NotMyVBucket)
-    # Close stream answers at once; a reused name closes the old connection (seed 003).
+    # Close stream answers at once; a reused name closes the old connection (docs/rebalance.md "The mover").
     conn.close_stream(vb_ok)
     assert conn.stream_state(vb_ok) == (False, None)
     again = MigratorConnection("rebalance:n0->n1", a, b, itertools.count(200))
@@ -229,7 +229,7 @@ def test_rebalance_blocking_call_with_progress_callback(make_cluster) -> None:
 
 
 def test_takeover_state_mismatch_is_reverted_and_retried(make_cluster) -> None:
-    """Seed 003: after the takeover the mover checks both sides; on a mismatch both go back to their original
+    """docs/rebalance.md "The mover": after the takeover the mover checks both sides; on a mismatch both go back to their original
     states and the takeover runs again."""
     c = make_cluster(nodes=2, replicas=0, num_vbuckets=4)
     writer = Writer(c)

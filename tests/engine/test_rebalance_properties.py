@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) over random schedules mixing rebalances (engine/cluster/rebalance.py, seed 003) with
+"""Property tests (hypothesis) over random schedules mixing rebalances (engine/cluster/rebalance.py, docs/rebalance.md) with
 writes, partial pumps, crashes, restarts, hard and graceful failovers on the in-process cluster.
 
 Invariants (on top of test_cluster_properties.py's (a) clients converge, (b) writes observed replicated and

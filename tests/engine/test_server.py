@@ -126,7 +126,7 @@ def test_state_commands_carry_the_partition_state_cas(spawn) -> None:
     new = c.set_vbucket_state(0, VBucketState.REPLICA, cas=cas)
     assert new != cas and c.vbucket_state(0) is VBucketState.REPLICA and c.state_cas(0) == new
     with pytest.raises(StateCasMismatch) as stale:
-        c.set_vbucket_state(0, VBucketState.DEAD, cas=cas)  # seed 001 step 6: rejected with the current CAS
+        c.set_vbucket_state(0, VBucketState.DEAD, cas=cas)  # docs/cluster.md "Partition-state CAS" step 6: rejected with the current CAS
     assert stale.value.current_cas == new and stale.value.retriable
     assert c.vbucket_state(0) is VBucketState.REPLICA
     entry = c.promote(0, cas=new)  # replica -> active: a failover entry (kv_engine promotion)

@@ -1,4 +1,4 @@
-"""Seed 004 over TCP: node processes (engine/network/server.py) take sync writes in the durability frame info
+"""Synchronous replication over TCP (docs/durability.md "Node processes"): node processes (engine/network/server.py) take sync writes in the durability frame info
 (magic 0x08), answer them once committed, replicate prepares / commits to a replica process that seqno-acks
 over DCP, and answer the 0xa0-0xa3 errors as typed exceptions (engine/network/remote.py)."""
 

@@ -1,4 +1,4 @@
-"""engine.storage schema versions: a file of the previous schema version (version 0: the tables before files
+"""engine.kv.storage schema versions: a file of the previous schema version (version 0: the tables before files
 carried ``PRAGMA user_version``) opens, migrates forward and keeps its data; a newer version is refused."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""DCP takeover streams (engine/dcp/takeover.py, kv_engine takeover-send / takeover-wait; seed 003 "VBucket
-Takeover"): markers with ACK, SET_VBUCKET_STATE pending -> old vbucket dead and drained -> active -> stream end
+"""DCP takeover streams (engine/dcp/takeover.py, kv_engine takeover-send / takeover-wait; docs/rebalance.md
+"The takeover stream (engine side)"): markers with ACK, SET_VBUCKET_STATE pending -> old vbucket dead and drained -> active -> stream end
 OK; no failover entry; the consumer side (engine/dcp/replication.py)."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def test_takeover_moves_the_active_role_without_a_failover_entry(pair) -> None:
     assert isinstance(stream, TakeoverStream)
     assert p.takeover_stats(VB)["estimate"] == 10
     conn.drain()
-    # Both sides: old dead, new active, the same history and failover log (no new entry: seed 003 / kv_engine
-    # "Takeover (rebalance) -> no entry").
+    # Both sides: old dead, new active, the same history and failover log (no new entry: kv_engine's
+    # FailoverTable gets none on a takeover, docs/rebalance.md).
     assert a.vbucket(VB).state is VBucketState.DEAD
     assert b.vbucket(VB).state is VBucketState.ACTIVE
     assert b.failover_log(VB) == log_before == a.failover_log(VB)

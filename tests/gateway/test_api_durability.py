@@ -1,4 +1,4 @@
-"""The HTTP API's durability parameter (seed 004): sync writes on PUT / DELETE with every level, and a JSON
+"""The HTTP API's durability parameter (docs/durability.md "HTTP API"): sync writes on PUT / DELETE with every level, and a JSON
 error for every bad or failing one -- DURABILITY_INVALID_LEVEL 400, DURABILITY_IMPOSSIBLE 503,
 SYNC_WRITE_IN_PROGRESS 409, SYNC_WRITE_AMBIGUOUS 504 (docs/durability.md "HTTP")."""
 

@@ -1,4 +1,4 @@
-"""Seed 004 proof 2 with the gateway publishing to Kafka: a MAJORITY write acknowledged to the client survives
+"""Sync-replication proof 2 (docs/durability.md "What survives what") with the gateway publishing to Kafka: a MAJORITY write acknowledged to the client survives
 hard failover of its active -- in the new active, in Kafka (read back by the reference TopicReplica) and in
 ``connectors.replicate.Replicator``'s replica; timed-out writes are ambiguous and never half-visible: readers,
 Kafka and the Replicator see all of such a write or none of it."""

@@ -1,12 +1,12 @@
-"""The gateway through a rebalance with synchronous replication (issue 6, seeds 003 + 004, real broker): 3 nodes /
+"""The gateway through a rebalance with synchronous replication (issue 6, docs/rebalance.md "Sync writes during a rebalance", real broker): 3 nodes /
 1 replica, n3 rebalanced in then n1 out (and, in the second parametrization, a hard failover of a node after
 the rebalance) while a writer mixes plain writes with sync writes at every level (durable deletes too, some
 timing out by the ManualClock) and the publisher pumps into Kafka.
 
 The gateway's DCP connection does not enable sync writes (kv_engine ``DcpProducer``: prepares and aborts are
 sent only to a consumer that negotiated ``enable_sync_writes``; a commit reaches it as a plain mutation /
-deletion), so Kafka never holds a prepare, and a write answered SYNC_WRITE_AMBIGUOUS (seed 004 "Ambiguous
-Response") is either fully present or fully absent -- in the actives, in Kafka and in the Replicator."""
+deletion), so Kafka never holds a prepare, and a write answered SYNC_WRITE_AMBIGUOUS (docs/durability.md "Errors
+(engine, HTTP)") is either fully present or fully absent -- in the actives, in Kafka and in the Replicator."""
 
 from __future__ import annotations
 

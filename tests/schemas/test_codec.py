@@ -1,4 +1,4 @@
-"""The Kafka record format (gateway/records.py, docs/record-format.md): encoding, decoding, validation."""
+"""The Kafka record format (schemas/codec.py, docs/record-format.md): encoding, decoding, validation."""
 
 from __future__ import annotations
 
@@ -627,7 +627,7 @@ def test_encoding_10k_data_records() -> None:
 
 
 def test_sync_items_are_refused_by_the_encoder() -> None:
-    # seed 004: prepares and aborts never reach the gateway; if one did, it is a typed error, not a record
+    # docs/durability.md "DCP": prepares and aborts never reach the gateway; if one did, it is a typed error, not a record
     enc = RecordEncoder(ValueFormat.AVRO)
     for op in (Op.PREPARE, Op.PREPARE_DELETION, Op.ABORT):
         with pytest.raises(InvalidArgument):

@@ -1,4 +1,4 @@
-"""Fuzz of the Kafka record decoders (gateway/records.py ``decode``, ``read_change``, ``read_control``: the
+"""Fuzz of the Kafka record decoders (schemas/codec.py ``decode``, ``read_change``, ``read_control``: the
 paths the gateway's recovery, ``dcpgw tail`` and the client library read records with): random keys, values
 and headers raise only the typed :class:`RecordFormatError` (the fast paths return None), never another
 exception."""

@@ -1,7 +1,7 @@
 """Failover log: kv_engine FailoverTable rules, needsRollback, and the client-log rollback point.
 
-References: /work/shared/dcp-reference.md "Failover table" and "needsRollback"; seed 001 "Finding
-RollbackSeq/StartSeq from the failover logs" (worked examples); docs/rollback.md (mapping and differences).
+References: kv_engine ``engines/ep/src/failover-table.cc`` (``FailoverTable``, ``needsRollback``); docs/rollback.md
+(the rules, the UPR specification's worked examples, the mapping and the differences).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def pairs(log: FailoverLog) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# needs_rollback: one test per kv_engine rule (dcp-reference.md "needsRollback -- exact order")
+# needs_rollback: one test per kv_engine rule (docs/rollback.md "kv_engine's `needsRollback`", in that order)
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -153,16 +153,16 @@ def test_rollback_point_rejects_out_of_range() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Seed 001 "Finding RollbackSeq/StartSeq from the failover logs": every worked example
+# The UPR design specification's worked examples (docs/rollback.md): every one
 # --------------------------------------------------------------------------------------------------------
 #
-# Mapping of the seed's table form to stream-request fields (docs/rollback.md "Seed examples"):
+# Mapping of the specification's table form to stream-request fields (docs/rollback.md "The UPR specification's worked examples as stream requests"):
 # * "seen through seq T"            -> start_seqno = T
 # * "snapshot at S" (last complete) -> if S == T: snap_start = snap_end = T (snapshot complete);
 #                                      else snap_start = S, snap_end = OPEN_END: the client is inside the
-#                                      snapshot after S; in the seed the marker follows the snapshot, so its
+#                                      snapshot after S; in the specification the marker follows the snapshot, so its
 #                                      end is unknown -- take it beyond every seqno of the example.
-# * server sentinel ffffffff        -> high_seqno = HIGH >= snap_end (the seed's sentinel stands for "the
+# * server sentinel ffffffff        -> high_seqno = HIGH >= snap_end (the specification's sentinel stands for "the
 #                                      server holds everything the client saw"); the answer is the same for
 #                                      any larger high.
 # * client sentinel 00000000        -> not sent: the snapshot fields above carry it.
@@ -179,7 +179,7 @@ class SeedCase:
     client: tuple[tuple[int, int], ...]
     snapshot_at: int  # S
     seen_through: int  # T
-    seed_answer: int  # the seed's RollbackSeq/StartSeq
+    seed_answer: int  # the specification's RollbackSeq/StartSeq
     expected: int | None  # what rollback_point answers
 
     def request(self, high: int = HIGH) -> tuple[int, int, list[FailoverEntry], int, int, int]:
@@ -283,7 +283,7 @@ def test_seed_example_5_kv_engine_difference_when_snapshot_ends_in_shared_histor
 
 
 def test_seed_server_sentinel_is_not_the_server_high() -> None:
-    """The seed's server sentinel is the client's seen-through seqno; kv_engine uses the server's high.
+    """The UPR specification's server sentinel is the client's seen-through seqno; kv_engine uses the server's high.
 
     A server on the same branch but behind the client (e.g. a replica) makes the client roll back.
     """

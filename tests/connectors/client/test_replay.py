@@ -1,5 +1,5 @@
 """VBucketReplayer (the pure per-vbucket core): snapshot atomicity, duplicates, resumed snapshots,
-rollback records, failover-log divergence and every seed 001 "Finding RollbackSeq/StartSeq" example."""
+rollback records, failover-log divergence and every worked example of the UPR design specification (docs/rollback.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from schemas.failover_log import FailoverEntry as E
 from schemas.records import DecodedRecord, RecordType, ValueFormat
 
 CAFEBABE, DEADBEEF, BA5EBA11 = 0xCAFEBABE, 0xDEADBEEF, 0xBA5EBA11
-HIGH = 100  # the engine's high seqno in the failover-log record (the seed's server sentinel)
-OPEN_END = 100  # end of the snapshot the client is inside (unknown in the seed's tables)
+HIGH = 100  # the engine's high seqno in the failover-log record (the UPR specification's server sentinel)
+OPEN_END = 100  # end of the snapshot the client is inside (unknown in the specification's tables)
 
 
 def rec(t: RecordType, seqno: int, snap: tuple[int, int], vbuuid: int = CAFEBABE, key: bytes | None = None,
@@ -155,9 +155,9 @@ def test_deterministic_replay_from_saved_state() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Seed 001 "Finding RollbackSeq/StartSeq from the failover logs" at the client level.
+# The UPR design specification's worked examples (docs/rollback.md) at the client level.
 #
-# Mapping (as in tests/engine/test_failover_log.py): the client's log is the failover-log record it saw
+# Mapping (as in tests/schemas/test_failover_log.py): the client's log is the failover-log record it saw
 # first; "snapshot at S" = the last complete snapshot it applied ([1, S], S > 0); "seen through T" = the data
 # it buffered of the next snapshot [S+1, OPEN_END]; the server's log arrives in a failover-log record with
 # the server's high seqno HIGH. The client's restart point is the Rollback event's ``restart_seqno`` when
@@ -173,7 +173,7 @@ class SeedCase:
     snapshot_at: int
     seen_through: int
     seed_answer: int
-    client_answer: int  # what the replayer does (differs from the seed only in example 5, see below)
+    client_answer: int  # what the replayer does (differs from the specification only in example 5, see below)
 
 
 SEED_CASES = [
@@ -182,10 +182,10 @@ SEED_CASES = [
     SeedCase("3 no failover, snapshot 6, seen 7", ((CAFEBABE, 0),), ((CAFEBABE, 0),), 6, 7, 7, 7),
     SeedCase("4 deadbeef at 5, snapshot 6, seen 7", ((DEADBEEF, 5), (CAFEBABE, 0)), ((CAFEBABE, 0),),
              6, 7, 5, 5),
-    # Example 5: the seed restarts from the last complete snapshot (6). The gateway resumes an incomplete
+    # Example 5: the specification restarts from the last complete snapshot (6). The gateway resumes an incomplete
     # snapshot itself (repeated snapshot start), and the buffered seqno 7 is shared history (branch point 8),
     # so the client keeps its buffer: restart point 7, no rollback (kv_engine's answer when the open snapshot
-    # lies in the shared history, tests/engine/test_failover_log.py example 5).
+    # lies in the shared history, tests/schemas/test_failover_log.py example 5).
     SeedCase("5 deadbeef at 8, snapshot 6, seen 7", ((DEADBEEF, 8), (CAFEBABE, 0)), ((CAFEBABE, 0),),
              6, 7, 6, 7),
     SeedCase("6 deadbeef at 8, client ba5eba11 at 7, snapshot 7, seen 9", ((DEADBEEF, 8), (CAFEBABE, 0)),
