@@ -491,6 +491,9 @@ class GatewaySettings(BaseSettings):
     health_delivery_stall_s: PositiveSeconds = 5.0
     #: /health/ready: not ready once a vbucket with records pending has made no progress for this long
     health_vbucket_stall_s: PositiveSeconds = 30.0
+    #: SIGTERM / SIGINT: how long ``dcpgw up`` waits for Kafka's delivery reports and checkpoints before it
+    #: drops what is still queued and exits (docs/reliability.md "Fault campaign", bounded stop)
+    shutdown_timeout_s: float = Field(default=10.0, gt=0, le=300)
     #: publish only persisted items (flush the engine before every DCP step): a crash of the process then
     #: never needs a rollback record (docs/gateway.md)
     rollback_mitigation: bool = True

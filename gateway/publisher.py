@@ -228,6 +228,8 @@ class Publisher:
         self.restreams = 0
         #: oversize control records published in place of records Kafka refused as too large
         self.oversize_records = 0
+        #: :meth:`purge` ran: delivery reports are ignored
+        self._closing = False
 
     @property
     def bucket(self) -> Bucket:
@@ -729,6 +731,8 @@ class Publisher:
                 waiting.popleft()
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if self._closing:
+            return  # purged at shutdown: nothing is acknowledged any more
         part = msg.partition()
         q = self._inflight.get(part) if part is not None else None
         if not q:
@@ -861,7 +865,20 @@ class Publisher:
         return {vb: src.node_of(p) for vb, p in enumerate(self._owner) if p is not None and not p.closed}
 
     def close(self, timeout: float = 10.0) -> None:
-        self.flush(timeout)
+        """Wait up to ``timeout`` seconds for outstanding deliveries, then drop what librdkafka still holds
+        (:meth:`purge`) and close the DCP connection(s). Bounded whatever the broker does (paused, gone, lost
+        its log): what was not acknowledged is not in the checkpoints and is published again after a restart
+        (docs/reliability.md "Fault campaign")."""
+        if self.flush(timeout):
+            self.purge()
         self._owner = [None] * len(self._owner)
         self._held.clear()
         self.source.close()
+
+    def purge(self) -> None:
+        """Drop every record librdkafka still queues or has in flight, without waiting, so that destroying
+        the producer never waits for a broker; their delivery reports are not served (nothing of them is
+        acknowledged)."""
+        self._closing = True
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self.kafka.purge(in_queue=True, in_flight=True, blocking=False)

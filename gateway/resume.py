@@ -9,6 +9,7 @@ not the previous process lived to checkpoint it. End of partition is detected wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -242,9 +243,16 @@ class CheckpointWriter:
         self._p.poll(0)
 
     def flush(self, timeout: float = 10.0) -> int:
+        """Wait up to ``timeout`` seconds for the checkpoints to be delivered; what is still queued then is
+        dropped (a lost checkpoint only means a longer tail replay at the next start). Returns how many
+        were not delivered."""
         deadline = time.monotonic() + timeout
         while self.pending and time.monotonic() < deadline:
             self.write({})
             if self.pending:
                 self._p.poll(0.05)
-        return int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)
+        left = int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)
+        if left:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                self._p.purge(in_queue=True, in_flight=True, blocking=False)
+        return left

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from engine.data_dir import DataDirLock, Layout, check_layout
 from engine.rebalance import Rebalance
 from gateway.client_log import ClientLog, with_client_log
 from gateway.config import GatewaySettings
-from gateway.exceptions import Backpressure, GatewayError
+from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
 from gateway.health import Readiness, UnackedWrites
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
@@ -117,24 +118,22 @@ class GatewayService:
             self._release_data_dir()
             raise
         client = self._client_config()
-        loop = asyncio.get_running_loop()
         # Unreachable Kafka: one BrokerError naming the address within kafka_connect_timeout_s, before
         # anything else waits on it (docs/reliability.md).
-        await loop.run_in_executor(None, wait_for_kafka, client, s.kafka_connect_timeout_s)
+        await self._kafka_call(wait_for_kafka, client, s.kafka_connect_timeout_s)
         if s.cluster_nodes > 1:
             self.cluster = self._open_cluster()
         else:
             self.bucket = Bucket(s.engine_config())
         nparts = s.create_topic_partitions or s.num_vbuckets
         needed = s.max_record_bytes()
-        partitions = await loop.run_in_executor(
-            None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor, 30.0, needed)
+        partitions = await self._kafka_call(
+            ensure_topics, client, self.topic, nparts, s.topic_replication_factor, 30.0, needed)
         # docs/reliability.md "Large documents": an existing topic may refuse large records; records above its
         # limit (or above Kafka's default when the broker does not say) are produced alone on their partition
-        topic_limit = await loop.run_in_executor(None, topic_record_limit, client, self.topic, needed)
+        topic_limit = await self._kafka_call(topic_record_limit, client, self.topic, needed)
         large = DEFAULT_LARGE_RECORD_BYTES if topic_limit is None else min(topic_limit, needed) - 1024
-        positions = await loop.run_in_executor(
-            None, recover_positions, client, self.topic, partitions, s.num_vbuckets)
+        positions = await self._kafka_call(recover_positions, client, self.topic, partitions, s.num_vbuckets)
         origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
         assert origin is not None
         self.publisher = Publisher(
@@ -176,6 +175,42 @@ class GatewayService:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
         log.info("gateway up: topic %s (%d partitions), http://%s:%d", self.topic, partitions, s.http_host,
                  self.http_port)
+
+    async def _kafka_call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` -- a blocking Kafka call of the start-up (metadata, topic creation, reading the
+        checkpoints and partition tails) -- on a daemon thread, abandoned when a stop is requested first
+        (SIGTERM / SIGINT during start-up): :class:`StartupInterrupted`. A daemon thread, not the loop's
+        executor: the process exits without joining it (docs/reliability.md "Fault campaign", bounded stop)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+        def run() -> None:
+            try:
+                value, ok = fn(*args), True
+            except BaseException as e:  # handed to the awaiting coroutine
+                value, ok = e, False
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, ok, value)
+
+        if self._stopping.is_set():
+            raise StartupInterrupted("stopped during start-up")
+        threading.Thread(target=run, name=f"dcpgw-{getattr(fn, '__name__', 'kafka')}", daemon=True).start()
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not fut.done():
+            fut.cancel()
+            raise StartupInterrupted("stopped during start-up")
+        return fut.result()
 
     def _open_cluster(self) -> Cluster:
         """The cluster under ``data_dir``: reopened when its map is there, else created with
@@ -411,13 +446,19 @@ class GatewayService:
         if setup is not None:  # its worker thread finishes the engine it opens (bounded); rebalance() closes it
             with contextlib.suppress(BaseException):
                 await asyncio.wait([setup])
+        # Bounded whatever the broker does (docs/reliability.md "Fault campaign"): the deliveries get most of
+        # shutdown_timeout_s, the last checkpoints the rest; then what librdkafka still holds is dropped, so
+        # destroying the clients waits for no broker.
+        budget = self.settings.shutdown_timeout_s
+        deadline = time.monotonic() + budget
         if self.runner is not None:
-            await self.runner.cleanup()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.runner.cleanup(), timeout=max(0.1, budget * 0.2))
         if self.publisher is not None:
-            self.publisher.close(timeout=10)
+            self.publisher.close(timeout=max(0.0, deadline - time.monotonic() - budget * 0.2))
             self._checkpoint()
         if self.checkpoints is not None:
-            self.checkpoints.flush()
+            self.checkpoints.flush(timeout=max(0.0, deadline - time.monotonic()))
         if self.bucket is not None:
             self.bucket.close(clean=True)
         if self.cluster is not None:
