@@ -101,6 +101,24 @@ class PublishError(GatewayError):
     """Kafka refused a record permanently (the gateway stops; restart resumes from the partition tail)."""
 
 
+class TopicLost(PublishError):
+    """The topic lost records Kafka had acknowledged (docs/reliability.md "Fault campaign", topic truncated):
+    a partition's delivery report carried an offset at or below one already acknowledged, or the partition
+    or topic no longer exists. The service republishes every vbucket from seqno 0 after a rollback record
+    to 0 (:class:`Publisher` with ``rollback_to_zero``)."""
+
+
+class ProducerFailed(PublishError):
+    """librdkafka's idempotent producer hit a fatal error (e.g. the broker lost its producer state: out-of-order
+    sequence). The service opens a new publisher from the positions Kafka acknowledged (docs/reliability.md
+    "Fault campaign")."""
+
+
+#: delivery errors that say the partition (or the whole topic) the gateway was producing to is gone
+_TOPIC_GONE: Final = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
+                                KafkaError.UNKNOWN_TOPIC_OR_PART})
+
+
 @dataclass(slots=True)
 class _Inflight:
     vbucket: int
@@ -162,6 +180,7 @@ class Publisher:
         on_event: Callable[[str, int, int], None] | None = None,
         oversize_policy: OversizePolicy = "skip",
         large_record_bytes: int = DEFAULT_LARGE_RECORD_BYTES,
+        rollback_to_zero: bool = False,
     ) -> None:
         self.source: DcpSource = make_source(source, connection_name, flow_control_bytes)
         self.is_cluster = self.source.is_cluster
@@ -230,6 +249,17 @@ class Publisher:
         self.oversize_records = 0
         #: :meth:`purge` ran: delivery reports are ignored
         self._closing = False
+        #: every vbucket's stream starts with a rollback record to 0 (the topic lost its log: TopicLost)
+        self.rollback_to_zero = rollback_to_zero
+        #: why the topic is known to have lost acknowledged records (None: it has not); pump() raises TopicLost
+        self.lost: str | None = None
+        #: the producer's fatal error (None: none); pump() raises ProducerFailed
+        self.fatal: str | None = None
+        #: per partition, the highest offset Kafka acknowledged (a lower one later means the log was lost)
+        self._last_offset: dict[int, int] = {}
+        for vb, p in self.sent.items():
+            part = partition_for(vb, num_partitions)
+            self._last_offset[part] = max(self._last_offset.get(part, -1), p.offset)
 
     @property
     def bucket(self) -> Bucket:
@@ -269,7 +299,7 @@ class Publisher:
     def open_stream(self, vb: int) -> None:
         pos = self.sent[vb]
         use_saved = self.stream_from.startswith("saved-offset") and not pos.is_fresh
-        if self.stream_from == "beginning" and not pos.is_fresh:
+        if self.rollback_to_zero or (self.stream_from == "beginning" and not pos.is_fresh):
             # A deliberate replay over a topic that already has this vbucket's records: tell consumers with a
             # rollback record to 0, so the re-sent history is not mistaken for duplicates.
             self._publish_rollback(vb, 0)
@@ -392,9 +422,11 @@ class Publisher:
         them after the step could empty ``inflight`` right after a step the full buffer held back, and a
         caller waiting for "0 moved, nothing in flight" would stop with items still to send).
         """
+        self._raise_lost()
         if self.error is not None:
             raise PublishError(f"publishing stopped: {self.error}") from self.error
         self.kafka.poll(0)
+        self._raise_lost()  # a delivery report just served says the topic lost its log
         if self._refusals or self._blocked:
             self._after_poll()
         if self.error is not None:  # a delivery report just served said a record was lost
@@ -415,6 +447,12 @@ class Publisher:
         if msgs:
             self._publish(msgs)
         return len(msgs)
+
+    def _raise_lost(self) -> None:
+        if self.lost is not None:
+            raise TopicLost(self.lost)
+        if self.fatal is not None:
+            raise ProducerFailed(self.fatal)
 
     def _pump_cluster(self, max_messages: int) -> int:
         assert self._topo is not None, "open() first"
@@ -620,6 +658,9 @@ class Publisher:
             err = e.args[0]
             if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
                 return f"{err.name()}: {err.str()}"
+            if isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL):
+                self.fatal = f"{err.name()}: {err.str()}"
+                raise ProducerFailed(self.fatal) from e
             raise
         self.records_sent += 1
         self.bytes_sent += len(rec.value or b"") + len(rec.key or b"")
@@ -731,8 +772,8 @@ class Publisher:
                 waiting.popleft()
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if self._closing:
-            return  # purged at shutdown: nothing is acknowledged any more
+        if self._closing or self.lost is not None or self.fatal is not None:
+            return  # purged at shutdown / the topic lost its log: nothing is acknowledged any more
         part = msg.partition()
         q = self._inflight.get(part) if part is not None else None
         if not q:
@@ -749,14 +790,27 @@ class Publisher:
                 self.errors += 1
                 self._fail_vbucket(entry.vbucket, entry, f"Kafka refused a batch as too large: {reason}")
             return
+        if err is not None and (err.fatal() or err.code() == KafkaError._FATAL):
+            self.fatal = f"{err.name()}: {err.str()}"
+            return
+        if err is not None and err.code() in _TOPIC_GONE:
+            self.lost = (f"partition {part} of {self.topic} is gone ({err.name()}) after Kafka acknowledged "
+                         f"records up to offset {self._last_offset.get(part or 0, -1)} there")
+            return
         if err is not None:
             self.errors += 1
             self.error = KafkaException(err)
             log.error("record for vbucket %d not delivered: %s", entry.vbucket, err)
             return
-        self.records_acked += 1
         offset = msg.offset()
-        assert offset is not None  # delivered records have offsets
+        assert offset is not None and part is not None  # delivered records have offsets
+        if offset <= self._last_offset.get(part, -1):
+            # offsets of a partition only grow: the broker lost the log the gateway had published there
+            self.lost = (f"partition {part} of {self.topic} lost its log: Kafka acknowledged a record at "
+                         f"offset {offset} after acknowledging offset {self._last_offset[part]}")
+            return
+        self._last_offset[part] = offset
+        self.records_acked += 1
         self._ack(entry, offset)
         # filtered items queued behind this record are acknowledged with it
         while q and q[0].filtered:

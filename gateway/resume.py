@@ -137,8 +137,10 @@ def _consumer(client_config: dict[str, Any]) -> Consumer:
 
 def _read_to_end(
     consumer: Consumer, assignment: list[TopicPartition], on_message: Callable[[Any], None],
-    timeout: float = 120.0,
+    timeout: float = 120.0, ends: dict[int, int] | None = None,
 ) -> None:
+    """Read every assigned partition to its end; ``ends`` (when given) gets each partition's end offset (the
+    high watermark the fetch carried: correct even where ListOffsets is stale, docs/kafka-compat.md)."""
     if not assignment:
         return
     consumer.assign(assignment)
@@ -153,6 +155,9 @@ def _read_to_end(
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     pending.discard((m.topic(), m.partition()))
+                    part, end = m.partition(), m.offset()
+                    if ends is not None and part is not None and end is not None:
+                        ends[part] = end
                     continue
                 raise BrokerError(f"reading {m.topic()}[{m.partition()}]: {err}")
             on_message(m)
@@ -181,9 +186,13 @@ def load_checkpoints(client_config: dict[str, Any], topic: str) -> dict[int, Pub
 
 def replay_tail(
     client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
-    positions: dict[int, PublishPosition],
+    positions: dict[int, PublishPosition], lost: dict[int, str] | None = None,
 ) -> dict[int, PublishPosition]:
-    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions."""
+    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions.
+
+    ``lost`` (when given) gets the vbuckets whose checkpointed offset is at or beyond their partition's end,
+    with why: the topic lost records Kafka had acknowledged (docs/reliability.md "Fault campaign", topic
+    truncated)."""
     pos = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(num_vbuckets)}
     start: dict[int, int] = {}
     for vb, p in pos.items():
@@ -204,18 +213,28 @@ def replay_tail(
         p.apply(rec, m.offset())
         replayed += 1
 
+    ends: dict[int, int] = {}
     try:
-        _read_to_end(c, [TopicPartition(topic, part, off) for part, off in sorted(start.items())], take)
+        _read_to_end(c, [TopicPartition(topic, part, off) for part, off in sorted(start.items())], take,
+                     ends=ends)
     finally:
         c.close()
+    if lost is not None:
+        for vb, p in sorted(positions.items()):
+            end = ends.get(partition_for(vb, num_partitions))
+            if end is not None and p.offset >= end:
+                lost[vb] = (f"partition {partition_for(vb, num_partitions)} of {topic} ends at offset {end}, "
+                            f"but vbucket {vb}'s checkpoint says Kafka acknowledged offset {p.offset}")
     log.info("replayed %d records of %s after the checkpoints", replayed, topic)
     return pos
 
 
 def recover_positions(
     client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
+    lost: dict[int, str] | None = None,
 ) -> dict[int, PublishPosition]:
-    return replay_tail(client_config, topic, num_partitions, num_vbuckets, load_checkpoints(client_config, topic))
+    return replay_tail(client_config, topic, num_partitions, num_vbuckets, load_checkpoints(client_config, topic),
+                       lost)
 
 
 class CheckpointWriter:
@@ -226,6 +245,7 @@ class CheckpointWriter:
 
     def __init__(self, producer_config: dict[str, Any], topic: str) -> None:
         self.topic = checkpoint_topic_name(topic)
+        self._conf = producer_config
         self._p = Producer(producer_config)
         self.written = 0
         #: positions not yet handed to librdkafka (its queue was full), newest per vbucket
@@ -238,9 +258,23 @@ class CheckpointWriter:
                 self._p.produce(self.topic, self.pending[vb].to_json(), str(vb).encode(), partition=0)
             except BufferError:
                 break
+            except KafkaException as e:
+                self._renew(e)
+                break
             del self.pending[vb]
             self.written += 1
         self._p.poll(0)
+
+    def _renew(self, e: KafkaException) -> None:
+        """A fatal error of the idempotent producer (e.g. the broker lost its state: out-of-order sequence): a
+        new producer; the positions not handed over stay pending. Anything else is raised."""
+        err = e.args[0] if e.args else None
+        if not isinstance(err, KafkaError) or not (err.fatal() or err.code() == KafkaError._FATAL):
+            raise e
+        log.warning("checkpoint producer failed (%s): a new one takes over", err)
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self._p.purge(in_queue=True, in_flight=True, blocking=False)
+        self._p = Producer(self._conf)
 
     def flush(self, timeout: float = 10.0) -> int:
         """Wait up to ``timeout`` seconds for the checkpoints to be delivered; what is still queued then is
@@ -251,7 +285,11 @@ class CheckpointWriter:
             self.write({})
             if self.pending:
                 self._p.poll(0.05)
-        left = int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)
+        try:
+            left = int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)
+        except KafkaException as e:  # a fatal error of the idempotent producer (the broker lost its state)
+            log.warning("checkpoints not flushed: %s", e)
+            left = len(self._p) + len(self.pending)
         if left:
             with contextlib.suppress(KafkaException, RuntimeError):
                 self._p.purge(in_queue=True, in_flight=True, blocking=False)
