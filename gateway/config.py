@@ -642,6 +642,11 @@ class GatewaySettings(BaseSettings):
             "linger.ms": self.producer_linger_ms,
             "batch.size": self.producer_batch_size,
             "compression.type": self.producer_compression,
+            # never let a produce recreate a topic the broker lost: the gateway creates its topics itself
+            # (partition count, limits) and republishes when the topic lost its log (docs/reliability.md
+            # "Fault campaign"); a vanished topic fails deliveries after this instead of the default 30 s
+            "allow.auto.create.topics": False,
+            "topic.metadata.propagation.max.ms": 10_000,
         })
         return conf
 
