@@ -66,7 +66,7 @@ from gateway.records import RecordType
 
 FAULT_KINDS = ("kill", "broker_pause", "broker_restart", "disk_full", "slow_consumer", "consumer_kill",
                "failover", "rebalance")
-_WEIGHTS = {"kill": 2.0, "broker_pause": 3.0, "broker_restart": 0.4, "disk_full": 2.0, "slow_consumer": 2.0,
+_WEIGHTS = {"kill": 2.0, "broker_pause": 3.0, "broker_restart": 0.12, "disk_full": 2.0, "slow_consumer": 2.0,
             "consumer_kill": 0.75, "failover": 2.0, "rebalance": 1.5}
 #: fault kinds only a cluster session (dcpgw up --nodes 3) has
 CLUSTER_FAULTS = frozenset({"failover", "rebalance"})
@@ -1015,12 +1015,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--histories", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--per-session", type=int, default=10, help="histories per set of processes")
+    p.add_argument("--per-session", type=int, default=25, help="histories per set of processes")
     p.add_argument("--mode", choices=("mixed", "single", "cluster"), default="mixed")
     p.add_argument("--faults", default=",".join(FAULT_KINDS), help="fault kinds to draw from (comma-separated)")
     p.add_argument("--vbuckets", type=int, default=8)
     p.add_argument("--keys", type=int, default=48, help="keys per session")
-    p.add_argument("--write-seconds", type=float, nargs=2, default=(0.8, 1.8))
+    p.add_argument("--write-seconds", type=float, nargs=2, default=(0.5, 1.2))
     p.add_argument("--durable-prob", type=float, default=0.2)
     p.add_argument("--large-prob", type=float, default=0.01)
     p.add_argument("--large-bytes", type=int, nargs=2, default=None, help="size range of large values")
