@@ -145,19 +145,39 @@ def _read_to_end(
         return
     consumer.assign(assignment)
     pending = {(tp.topic, tp.partition) for tp in assignment}
+    #: partitions nothing was read from yet, with the offset they were assigned at
+    unread: dict[tuple[str | None, int | None], int] = {(tp.topic, tp.partition): tp.offset for tp in assignment}
     deadline = time.monotonic() + timeout
     while pending:
         if time.monotonic() > deadline:
             raise BrokerError(f"timed out reading {len(pending)} partitions to their end")
         msgs = consumer.consume(10_000, 0.5)
+        if not msgs:
+            # A start offset beyond the partition's end (the topic lost its log): Kafka answers
+            # OFFSET_OUT_OF_RANGE (reset, then EOF), some brokers (Tansu) only empty fetches that never reach
+            # EOF; the high watermark those fetches carried says where the end is.
+            for key, start in list(unread.items()):
+                if key not in pending:
+                    continue
+                topic, part = key
+                if topic is None or part is None:
+                    continue
+                with contextlib.suppress(KafkaException):
+                    _lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, part), cached=True)
+                    if 0 <= hi < start:
+                        pending.discard(key)
+                        if ends is not None:
+                            ends[part] = hi
         for m in msgs:
+            if m.error() is None:
+                unread.pop((m.topic(), m.partition()), None)
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     pending.discard((m.topic(), m.partition()))
-                    part, end = m.partition(), m.offset()
-                    if ends is not None and part is not None and end is not None:
-                        ends[part] = end
+                    eof_part, end = m.partition(), m.offset()
+                    if ends is not None and eof_part is not None and end is not None:
+                        ends[eof_part] = end
                     continue
                 raise BrokerError(f"reading {m.topic()}[{m.partition()}]: {err}")
             on_message(m)

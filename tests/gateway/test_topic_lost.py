@@ -152,3 +152,44 @@ def urllib_text(url: str) -> str:
 
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
+
+
+def test_start_finds_the_checkpoints_beyond_the_partition_end(broker: EmbeddedTansuBroker, tmp_path: Path) -> None:
+    """The data topic lost its log while the gateway was down (here: deleted, the checkpoint topic kept): the
+    next start sees checkpointed offsets at or beyond the partitions' ends and republishes from seqno 0."""
+    from confluent_kafka.admin import AdminClient
+
+    data = tmp_path / "data"
+    data.mkdir()
+    gw = GatewayProc(broker, data, "gone")
+    gw.start()
+    keys = [f"doc{i}" for i in range(100)]
+    try:
+        assert call(gw.url + "/docs/_bulk", "POST", bulk_body(0, 100, "before"))[0] == 200
+        for i in range(0, 30):
+            assert call(gw.url + f"/docs/doc{i}", "DELETE")[0] == 200
+        gw.wait_caught_up()
+        time.sleep(0.5)  # a checkpoint interval (0.2 s) after the last acknowledgement
+    finally:
+        gw.stop()
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap_servers})
+    for f in admin.delete_topics(["dcp.gone"], operation_timeout=10).values():
+        f.result()
+    wait_for(lambda: "dcp.gone" not in admin.list_topics(timeout=5).topics, 10, "the topic deleted")
+    gw.start()
+    try:
+        gw.wait_caught_up()
+        assert "dcpgw_topic_truncations_total 1.0" in urllib_text(gw.url + "/metrics")
+        wait_for(lambda: call(gw.url + "/health/ready")[0] == 200, 30, "/health/ready 200 after the republish")
+        engine = _engine(gw, keys)
+        assert len(engine) == 70
+    finally:
+        gw.stop()
+    recs = read_topic(broker.bootstrap_servers, "dcp.gone")
+    firsts: dict[int, object] = {}
+    for _p, _o, r in recs:
+        firsts.setdefault(r.vbucket, r)
+    assert firsts and all(r.type is RecordType.ROLLBACK and r.snap_end == 0 for r in firsts.values())
+    replica = TopicReplica()
+    replica.apply_all(recs)
+    assert {k.decode(): json.loads(v) for k, (v, _vb) in replica.state().items()} == engine
