@@ -62,10 +62,16 @@ from bench.chaos_model import (
     Write,
 )
 from gateway.broker import EmbeddedTansuBroker
+from schemas.records import RecordType
 
-FAULT_KINDS = ("kill", "broker_pause", "broker_restart", "disk_full", "slow_consumer", "consumer_kill")
-_WEIGHTS = {"kill": 2.0, "broker_pause": 3.0, "broker_restart": 0.25, "disk_full": 2.0, "slow_consumer": 2.0,
-            "consumer_kill": 0.75}
+FAULT_KINDS = ("kill", "broker_pause", "broker_restart", "disk_full", "slow_consumer", "consumer_kill",
+               "failover", "rebalance")
+_WEIGHTS = {"kill": 1.5, "broker_pause": 3.0, "broker_restart": 0.12, "disk_full": 2.0, "slow_consumer": 2.0,
+            "consumer_kill": 0.75, "failover": 2.0, "rebalance": 1.5}
+#: fault kinds only a cluster session (dcpgw up --nodes 3) has
+CLUSTER_FAULTS = frozenset({"failover", "rebalance"})
+#: the largest value the HTTP API accepts (Couchbase's 20 MiB), less room for the JSON around it
+HUGE_BYTES = 20 * 1024 * 1024 - 64
 #: the keys of the JSON line, in this order (the contract of issue 16), then the extra ones
 KEYS = ("histories", "faults", "acked", "acked_durable", "lost_durable", "divergent", "duplicates", "max_api_ms")
 HTTP_TIMEOUT = 10.0
@@ -206,6 +212,10 @@ class Totals:
     stop_hangs: int = 0
     broker_loss_unrecovered: int = 0
     max_durable_ms: float = 0.0
+    large_acked: int = 0
+    large_in_topic: int = 0
+    topic_truncations: int = 0
+    admin_refused: int = 0
     rollback_records: int = 0
     oversize_records: int = 0
     sessions: int = 0
@@ -215,6 +225,7 @@ class Totals:
     def failed(self, ready_real: bool) -> bool:
         return bool(self.lost_durable or self.divergent or self.duplicates or self.invariant_violations
                     or self.lost_plain_outside_window or self.lost_published or self.restart_failures
+                    or self.stop_hangs or self.broker_loss_unrecovered
                     or (ready_real and (self.health_untruthful or self.not_ready_after_recovery)))
 
     def to_json(self, **extra: Any) -> dict[str, Any]:
@@ -224,7 +235,8 @@ class Totals:
             "divergent": self.divergent, "duplicates": self.duplicates, "max_api_ms": round(self.max_api_ms, 1)}
         for k in ("ambiguous", "lost_plain_in_window", "lost_plain_outside_window", "lost_published",
                   "invariant_violations", "health_untruthful", "not_ready_after_recovery", "restart_failures",
-                  "stop_hangs", "broker_loss_unrecovered", "rollback_records", "oversize_records", "sessions"):
+                  "stop_hangs", "broker_loss_unrecovered", "rollback_records", "oversize_records", "large_acked",
+                  "large_in_topic", "topic_truncations", "admin_refused", "sessions"):
             out[k] = getattr(self, k)
         out["max_durable_ms"] = round(self.max_durable_ms, 1)
         out["seconds"] = round(self.seconds, 1)
@@ -256,6 +268,8 @@ class Session:
             "DCPGW_TOPIC_PREFIX": self.prefix,
             "DCPGW_EXPIRY_PAGER_INTERVAL_S": "1",
             "DCPGW_CHECKPOINT_INTERVAL_S": "0.5",
+            # readiness: delivery_stalled after this (docs/reliability.md "Fault campaign", readiness)
+            "DCPGW_HEALTH_DELIVERY_STALL_S": str(camp.args.ready_threshold_s),
         })
         self.env = env
         args = [sys.executable, "-m", "gateway.cli", "up", "--no-progress"]
@@ -271,6 +285,9 @@ class Session:
         self.records: dict[int, list[Any]] = {}
         self.consumer: Any = None
         self.kills: list[float] = []  # monotonic times of SIGKILLs of the gateway
+        self.failovers: list[float] = []  # monotonic times of hard failovers (a node's memory is lost)
+        self.out_nodes: list[str] = []
+        self.truncations_seen = 0  # nodes a failover / rebalance took out of the map, to add back
         self.next_wid = 0
         self.ready_path = "/health"
         self.broken = False
@@ -331,7 +348,21 @@ class Session:
                                   "enable.auto.commit": False, "enable.partition.eof": False,
                                   "auto.offset.reset": "earliest", "topic.metadata.refresh.interval.ms": 1000,
                                   "log_level": 0})
-        self.consumer.assign([TopicPartition(self.topic, p, 0) for p in range(self.camp.args.vbuckets)])
+        # the partitions the topic has now (a broker that lost its log may have recreated it with fewer)
+        from confluent_kafka.admin import AdminClient
+
+        parts: list[int] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                md = AdminClient({"bootstrap.servers": self.camp.bootstrap, "allow.auto.create.topics": False}
+                                 ).list_topics(self.topic, timeout=2)
+                t = md.topics.get(self.topic)
+                if t is not None and t.error is None and t.partitions:
+                    parts = sorted(t.partitions)
+                    break
+            time.sleep(0.2)
+        self.consumer.assign([TopicPartition(self.topic, p, 0) for p in parts or range(self.camp.args.vbuckets)])
         self.replay = TopicReplay()
         self.rollbacks_seen = 0
         self.records = {}
@@ -351,6 +382,8 @@ class Session:
                 if m.error() is not None:
                     continue
                 hdrs = dict(m.headers() or [])
+                if len(m.value() or b"") > 1_000_000:
+                    self.camp.totals.large_in_topic += 1
                 if hdrs.get("dcp.type") == b"oversize":
                     self.camp.totals.oversize_records += 1
                     continue
@@ -407,13 +440,15 @@ class History:
     # -- plan
     def plan(self) -> None:
         rng, a = self.rng, self.camp.args
-        kinds = [k for k in FAULT_KINDS if k in a.faults]
+        cluster = getattr(self.s, "cluster", False)
+        kinds = [k for k in FAULT_KINDS if k in a.faults and (cluster or k not in CLUSTER_FAULTS)]
         weights = [_WEIGHTS[k] for k in kinds]
         n = rng.randint(1, 3) if kinds else 0
         used: set[str] = set()
         for _ in range(n):
             k = rng.choices(kinds, weights)[0]
-            if k in used or (k == "kill" and "disk_full" in used) or (k == "disk_full" and "kill" in used):
+            if k in used or (k == "kill" and "disk_full" in used) or (k == "disk_full" and "kill" in used) \
+                    or (k in CLUSTER_FAULTS and used & CLUSTER_FAULTS):
                 continue
             used.add(k)
             start = rng.uniform(0.1, 0.7) * self.duration
@@ -485,6 +520,27 @@ class History:
                 s.rep.start()
             with self.lock:
                 del self.active[kind]
+        elif kind in ("failover", "rebalance"):
+            # docs/reliability.md "Fault campaign": the cluster's nodes are in-process; a hard failover (the
+            # node's memory is lost to the cluster) or a rebalance out, and the node rebalanced back in after
+            node = self.pick_node()
+            if node is None:
+                self.t.admin_refused += 1
+                with self.lock:
+                    del self.active[kind]
+                return
+            if kind == "failover":
+                st, _body = self.admin("POST", "/cluster/failover", {"node": node, "graceful": False})
+                if st == 200:
+                    s.failovers.append(time.monotonic())
+            else:
+                st, _body = self.admin("POST", "/cluster/rebalance", {"remove": [node]})
+            if st not in (200, 202):
+                self.t.admin_refused += 1
+                with self.lock:
+                    del self.active[kind]
+                return
+            s.out_nodes.append(node)
 
     def end_fault(self, kind: str) -> None:
         s, camp = self.s, self.camp
@@ -500,8 +556,42 @@ class History:
                 resource.prlimit(s.gw.pid, resource.RLIMIT_FSIZE, (hard, hard))
         elif kind == "slow_consumer" and s.rep is not None:
             s.rep.signal(signal.SIGCONT)
+        elif kind in ("failover", "rebalance"):
+            self.heal(5.0)
         with self.lock:
             self.windows.append((start, time.monotonic(), kind))
+
+    def admin(self, method: str, path: str, body: Any = None) -> tuple[int | None, Any]:
+        h = Http(self.s.port)
+        try:
+            st, raw, _ms, _h = h.call(method, path, json.dumps(body).encode() if body is not None else None)
+        finally:
+            h.close()
+        try:
+            return st, json.loads(raw) if raw else None
+        except ValueError:
+            return st, None
+
+    def pick_node(self) -> str | None:
+        """A node of the vbucket map when all three are in it and no rebalance runs (else None)."""
+        st, m = self.admin("GET", "/cluster/map")
+        if st != 200 or not isinstance(m, dict) or len(m.get("nodes", [])) < 3:
+            return None
+        st, r = self.admin("GET", "/cluster/rebalance")
+        if st == 200 and isinstance(r, dict) and r.get("state") in ("running", "preparing"):
+            return None
+        return str(self.rng.choice(sorted(m["nodes"])))
+
+    def heal(self, budget_s: float) -> None:
+        """Rebalance the nodes the faults took out back in (retried while a rebalance runs)."""
+        s = self.s
+        deadline = time.monotonic() + budget_s
+        while s.out_nodes and time.monotonic() < deadline and not s.broken:
+            st, _body = self.admin("POST", "/cluster/rebalance", {"add": list(s.out_nodes)})
+            if st in (200, 202):
+                s.out_nodes.clear()
+                return
+            time.sleep(0.2)
 
     def in_fault(self, t: float) -> bool:
         with self.lock:
@@ -596,19 +686,24 @@ class History:
             self._settle(w, st, body, ms, now)
             return
         size = rng.randint(20, 400)
-        if rng.random() < a.large_prob:
-            size = rng.randint(*self.camp.large_range)
+        large = rng.random() < a.large_prob
+        if large:
+            size = HUGE_BYTES if rng.random() < a.huge_prob else rng.randint(*self.camp.large_range)
         exp = rng.choice((2, 3)) if rng.random() < 0.08 else 0
         if exp:
             q += ("&" if q else "?") + f"expiry={exp}"
         w = self._new(kind, False, size, exp, now)
         self._record(key, w)
-        st, body, ms, _h = h.call("PUT", f"/docs/{key}{q}", w.value())
+        st, body, ms, _h = h.call("PUT", f"/docs/{key}{q}", w.value(), timeout=60 if large else HTTP_TIMEOUT)
         self._settle(w, st, body, ms, now)
+        if large and w.outcome == ACKED:
+            self.t.large_acked += 1
 
     # -- run
     def run(self) -> dict[str, Any]:
         s = self.s
+        if s.out_nodes:
+            self.heal(3.0)  # a node a fault took out (its rebalance back in was refused then)
         t0 = time.monotonic()
         ft = threading.Thread(target=self._fault_thread, args=(t0,), daemon=True)
         pt = threading.Thread(target=self._probe_thread, daemon=True)
@@ -631,17 +726,15 @@ class History:
         for kind in list(self.active):
             self.end_fault(kind)
         if self.broker_lost and not s.broken:
-            # The broker lost every topic: the gateway is restarted (it recreates them and republishes the
-            # engine's state), the Replicator and the replay start over.
-            if not s.gw.stop():
-                self.t.stop_hangs += 1
-                self.camp.defect(f"history {self.n}: dcpgw up did not stop within 15 s of SIGTERM after a "
-                                 "broker restart")
+            # The broker lost every topic. The running gateway must find out by itself and republish every
+            # vbucket from seqno 0 behind a rollback record to 0 (docs/reliability.md "Fault campaign", topic
+            # truncated). The campaign's own replay reads the new topic from its start. The Replicator is
+            # started over on a new database: the client library does not notice that the topic's offsets
+            # started again (docs/reliability.md "Fault campaign", found and not fixed).
             if s.rep is not None:
                 s.rep.kill()
-            if s.start_gateway():
-                s.start_replicator()
-                s.open_consumer()
+            s.start_replicator()
+            s.open_consumer()
         self.stop_probe.set()
         pt.join()
         result = self.check() if not s.broken else {"broken": True}
@@ -687,19 +780,25 @@ class History:
         if not ready:
             self.t.not_ready_after_recovery += 1
             self.camp.defect(f"history {self.n}: {s.ready_path} not 200 {a.recovery_s:.0f}s after the faults ended")
-        # readiness during long broker pauses (docs/reliability.md "Fault campaign")
+        # readiness during long broker pauses (docs/reliability.md "Fault campaign"): once records wait longer
+        # than health_delivery_stall_s (+ slack), not one 200
+        slack = a.ready_slack_s
+        acks = sorted(w.acked_at for kh in s.keys.values() for w in kh.writes if w.outcome == ACKED)
         for start, end, kind in self.windows:
-            if kind != "broker_pause" or end - start < a.ready_threshold_s + 2:
+            lo, hi = start + a.ready_threshold_s + slack, end - 0.2
+            if kind != "broker_pause" or hi <= lo:
                 continue
-            seen = [st for t, st, _ms in self.probes if start + a.ready_threshold_s + 1 <= t <= end]
-            if seen and all(st == 200 for st in seen):
+            if not any(start - 1.0 <= t <= hi - a.ready_threshold_s - slack for t in acks):
+                continue  # nothing was pending long enough to be stalled
+            ok = [t for t, st, _ms in self.probes if lo <= t <= hi and st == 200]
+            if ok:
                 self.t.health_untruthful += 1
-                self.camp.defect(f"history {self.n}: {s.ready_path} answered 200 throughout a {end - start:.1f}s "
-                                 "broker pause")
+                self.camp.defect(f"history {self.n}: {s.ready_path} answered 200 {ok[0] - start:.1f}s into a "
+                                 f"{end - start:.1f}s broker pause (health_delivery_stall_s {a.ready_threshold_s:g})")
         # the engine, the replay, the Replicator: equal (eventually)
         engine: dict[str, bytes | None] | None = None
         diff: set[str] = set()
-        deadline = time.monotonic() + (a.converge_s / 2 if self.broker_lost else a.converge_s)
+        deadline = time.monotonic() + a.converge_s
         while True:
             engine = self.engine_state(h)
             s.consume(0.1)
@@ -723,12 +822,10 @@ class History:
                              + " | ".join(list(s.gw.tail)[-3:]))
             return {"unreadable": True}
         if diff and self.broker_lost:
-            # Tansu keeps nothing across a restart: what the topic holds after it is reported, not counted as
-            # divergence (docs/reliability.md "Fault campaign", broker_restart)
             self.t.broker_loss_unrecovered += 1
             self.camp.defect(f"history {self.n}: after the broker lost its log, {len(diff)} documents never reached "
-                             f"the rebuilt topic / Replicator; dcpgw up stderr: " + " | ".join(list(s.gw.tail)[-3:]))
-            diff = set()
+                             f"the rebuilt topic / Replicator; dcpgw up stderr: " + " | ".join(list(s.gw.tail)[-3:])
+                             + "; dcpgw replicate stderr: " + " | ".join(list(s.rep.tail)[-6:] if s.rep else []))
         if diff:
             self.t.divergent += len(diff)
             k = sorted(diff)[0]
@@ -759,6 +856,7 @@ class History:
         from gateway.invariants import check_partition, data_positions
 
         for part, recs in s.records.items():
+            recs = _since_rollback_to_zero(recs)
             try:
                 check_partition(recs)
             except InvariantViolation as e:
@@ -768,6 +866,13 @@ class History:
             if dup:
                 self.t.duplicates += dup
                 self.camp.defect(f"history {self.n}: partition {part}: {dup} duplicate (vbuuid, seqno) records")
+        st, raw, _ms, _h = h.call("GET", "/metrics", timeout=5)
+        if st == 200:
+            for line in raw.decode("utf-8", "replace").splitlines():
+                if line.startswith("dcpgw_topic_truncations_total "):
+                    v = int(float(line.split()[1]))
+                    self.t.topic_truncations += v - s.truncations_seen if v >= s.truncations_seen else v
+                    s.truncations_seen = v
         self.t.rollback_records += s.replay.rollbacks - s.rollbacks_seen
         s.rollbacks_seen = s.replay.rollbacks
         h.close()
@@ -777,6 +882,8 @@ class History:
         a = self.camp.args
         window = a.plain_window_ms / 1000
         in_window = any(w.acked_at <= k <= w.acked_at + window for k in self.s.kills)
+        # a hard failover loses what the failed node had not replicated yet: plain writes (docs/durability.md)
+        failed_over = any(w.acked_at <= k <= w.acked_at + window for k in self.s.failovers)
         what = f"{key} write {w.wid} ({w.kind}{', delete' if w.deleted else ''}, acked {w.acked_at:.3f})"
         if w.vbucket is not None and (w.vbucket, w.vbuuid, w.seqno) in published:
             self.t.lost_published += 1
@@ -785,12 +892,25 @@ class History:
             self.t.lost_durable += 1
             self.camp.defect(f"history {self.n}: acknowledged durable {what} lost"
                              + ("" if self.s.kills else " without any kill"))
-        elif w.kind == MAJORITY or in_window:
+        elif w.kind == MAJORITY or in_window or failed_over:
             self.t.lost_plain_in_window += 1
         else:
             self.t.lost_plain_outside_window += 1
             self.camp.defect(f"history {self.n}: acknowledged plain {what} lost outside the {a.plain_window_ms} ms "
                              f"window (kills at {[round(k, 3) for k in self.s.kills]})")
+
+
+def _since_rollback_to_zero(recs: list[Any]) -> list[Any]:
+    """A partition's (offset, record) pairs without, per vbucket, what came before its last rollback record to
+    0: such a record tells consumers to drop everything of the vbucket (the gateway republishes from seqno 0
+    after the topic lost its log, and what the broker kept of the lost log's tail precedes it)."""
+    cut: dict[int, int] = {}
+    for i, (_o, r) in enumerate(recs):
+        if r.type is RecordType.ROLLBACK and r.snap_end == 0:
+            cut[r.vbucket] = i
+    if not cut:
+        return recs
+    return [x for i, x in enumerate(recs) if i >= cut.get(x[1].vbucket, -1)]
 
 
 def _short(v: bytes | None) -> str:
@@ -867,7 +987,9 @@ class Campaign:
                         hist = History(s, h, random.Random(f"{self.seed}/{h}"))
                         before = (self.totals.lost_durable, self.totals.divergent, self.totals.duplicates)
                         hist.run()
-                        retire = hist.broker_lost  # a fresh session (topic, processes) after the broker lost its log
+                        # a fresh session after the broker lost its log: the histories after it in the same
+                        # session took ~20 s each to converge (cost, not correctness)
+                        retire = hist.broker_lost
                         h += 1
                         self.totals.histories += 1
                         after = (self.totals.lost_durable, self.totals.divergent, self.totals.duplicates)
@@ -895,18 +1017,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--histories", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--per-session", type=int, default=10, help="histories per set of processes")
+    p.add_argument("--per-session", type=int, default=25, help="histories per set of processes")
     p.add_argument("--mode", choices=("mixed", "single", "cluster"), default="mixed")
     p.add_argument("--faults", default=",".join(FAULT_KINDS), help="fault kinds to draw from (comma-separated)")
     p.add_argument("--vbuckets", type=int, default=8)
     p.add_argument("--keys", type=int, default=48, help="keys per session")
-    p.add_argument("--write-seconds", type=float, nargs=2, default=(0.8, 1.8))
+    p.add_argument("--write-seconds", type=float, nargs=2, default=(0.5, 1.2))
     p.add_argument("--durable-prob", type=float, default=0.2)
     p.add_argument("--large-prob", type=float, default=0.01)
     p.add_argument("--large-bytes", type=int, nargs=2, default=None, help="size range of large values")
+    p.add_argument("--huge-prob", type=float, default=0.05,
+                   help="of the large values, the share that are 20 MiB (the API's limit)")
     p.add_argument("--plain-window-ms", type=float, default=1000.0,
                    help="an acknowledged plain write may be lost only when a kill -9 follows within this")
-    p.add_argument("--ready-threshold-s", type=float, default=5.0)
+    p.add_argument("--ready-threshold-s", type=float, default=2.0,
+                   help="the gateways' health_delivery_stall_s (readiness turns 503 after it during a pause)")
+    p.add_argument("--ready-slack-s", type=float, default=1.5)
     p.add_argument("--long-pause-prob", type=float, default=0.03)
     p.add_argument("--recovery-s", type=float, default=30.0)
     p.add_argument("--converge-s", type=float, default=20.0)

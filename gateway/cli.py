@@ -334,9 +334,14 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
         loop.add_signal_handler(sig, svc.request_stop)
     try:
         await svc.start()
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(Exception):
             await svc.stop()  # close what start() opened (engine files, Kafka clients)
+        from gateway.exceptions import StartupInterrupted
+
+        if isinstance(e, StartupInterrupted):  # SIGTERM / SIGINT while waiting for Kafka: a normal stop
+            typer.echo("dcpgw: stopped during start-up", err=True)
+            return
         raise
     http_url = f"http://{settings.http_host}:{svc.http_port}"
     state = {"bootstrap_servers": bootstrap, "http_url": http_url, "topic": svc.topic, "pid": os.getpid(),

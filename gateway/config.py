@@ -415,6 +415,9 @@ class GatewaySettings(BaseSettings):
     health_delivery_stall_s: PositiveSeconds = 5.0
     #: /health/ready: not ready once a vbucket with records pending has made no progress for this long
     health_vbucket_stall_s: PositiveSeconds = 30.0
+    #: SIGTERM / SIGINT: how long ``dcpgw up`` waits for Kafka's delivery reports and checkpoints before it
+    #: drops what is still queued and exits (docs/reliability.md "Fault campaign", bounded stop)
+    shutdown_timeout_s: float = Field(default=10.0, gt=0, le=300)
     #: publish only persisted items (flush the engine before every DCP step): a crash of the process then
     #: never needs a rollback record (docs/gateway.md)
     rollback_mitigation: bool = True
@@ -563,6 +566,11 @@ class GatewaySettings(BaseSettings):
             "linger.ms": self.producer_linger_ms,
             "batch.size": self.producer_batch_size,
             "compression.type": self.producer_compression,
+            # never let a produce recreate a topic the broker lost: the gateway creates its topics itself
+            # (partition count, limits) and republishes when the topic lost its log (docs/reliability.md
+            # "Fault campaign"); a vanished topic fails deliveries after this instead of the default 30 s
+            "allow.auto.create.topics": False,
+            "topic.metadata.propagation.max.ms": 10_000,
         })
         return conf
 

@@ -94,3 +94,8 @@ class Backpressure(GatewayError):
                          f"(max_unacked_bytes {limit}); retry later")
         self.unacked_bytes = unacked_bytes
         self.limit = limit
+
+
+class StartupInterrupted(GatewayError):
+    """SIGTERM / SIGINT arrived while ``dcpgw up`` was still starting (waiting for Kafka): it stops without
+    waiting for the pending call (docs/reliability.md "Fault campaign", bounded stop)."""

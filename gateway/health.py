@@ -96,6 +96,9 @@ class Readiness:
         #: the last failure of the pump or the flusher, as a reason (``storage_failed: ...`` for the engine's
         #: storage), cleared by the next successful round
         self.pump_error: str | None = None
+        #: ``topic_truncated: ...`` from the moment the topic is found to have lost acknowledged records until
+        #: every vbucket was republished (docs/reliability.md "Fault campaign")
+        self.topic_truncated: str | None = None
         #: per vbucket: (acknowledged seqno seen last, monotonic time it last moved or started to lag)
         self._progress: dict[int, tuple[int, float]] = {}
         self.stalled: list[int] = []
@@ -150,6 +153,8 @@ class Readiness:
             return ["starting: the publisher is not running yet"]
         if pub.error is not None:
             out.append(f"publish_failed: {pub.error}")
+        if self.topic_truncated is not None:
+            out.append(self.topic_truncated)
         if not engine_up:
             out.append("engine_down: no engine bucket is open")
         if self.pump_error is not None:

@@ -42,8 +42,15 @@ class GatewayMetrics:
                              "health_vbucket_stall_s", registry=r)
         self.unacked_bytes = Gauge("dcpgw_unacked_write_bytes", "Bytes of accepted writes not yet acknowledged "
                                    "by Kafka (writes answer 503 above max_unacked_bytes)", registry=r)
+        self.truncations = Counter("dcpgw_topic_truncations", "Times the topic was found to have lost records "
+                                   "Kafka had acknowledged (every vbucket republished from seqno 0)", registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
                       "oversize": 0}
+        self._last = (time.monotonic(), 0)
+
+    def new_publisher(self) -> None:
+        """The service replaced its publisher (whose counts start at 0 again): count from there."""
+        self._seen = dict.fromkeys(self._seen, 0)
         self._last = (time.monotonic(), 0)
 
     def collect_health(self, oldest_age: float, stalled: int, unacked_bytes: int) -> None:

@@ -104,6 +104,24 @@ class PublishError(GatewayError):
     """Kafka refused a record permanently (the gateway stops; restart resumes from the partition tail)."""
 
 
+class TopicLost(PublishError):
+    """The topic lost records Kafka had acknowledged (docs/reliability.md "Fault campaign", topic truncated):
+    a partition's delivery report carried an offset at or below one already acknowledged, or the partition
+    or topic no longer exists. The service republishes every vbucket from seqno 0 after a rollback record
+    to 0 (:class:`Publisher` with ``rollback_to_zero``)."""
+
+
+class ProducerFailed(PublishError):
+    """librdkafka's idempotent producer hit a fatal error (e.g. the broker lost its producer state: out-of-order
+    sequence). The service opens a new publisher from the positions Kafka acknowledged (docs/reliability.md
+    "Fault campaign")."""
+
+
+#: delivery errors that say the partition (or the whole topic) the gateway was producing to is gone
+_TOPIC_GONE: Final = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
+                                KafkaError.UNKNOWN_TOPIC_OR_PART})
+
+
 @dataclass(slots=True)
 class _Inflight:
     vbucket: int
@@ -165,6 +183,7 @@ class Publisher:
         on_event: Callable[[str, int, int], None] | None = None,
         oversize_policy: OversizePolicy = "skip",
         large_record_bytes: int = DEFAULT_LARGE_RECORD_BYTES,
+        rollback_to_zero: bool = False,
     ) -> None:
         self.source: DcpSource = make_source(source, connection_name, flow_control_bytes)
         self.is_cluster = self.source.is_cluster
@@ -231,6 +250,19 @@ class Publisher:
         self.restreams = 0
         #: oversize control records published in place of records Kafka refused as too large
         self.oversize_records = 0
+        #: :meth:`purge` ran: delivery reports are ignored
+        self._closing = False
+        #: every vbucket's stream starts with a rollback record to 0 (the topic lost its log: TopicLost)
+        self.rollback_to_zero = rollback_to_zero
+        #: why the topic is known to have lost acknowledged records (None: it has not); pump() raises TopicLost
+        self.lost: str | None = None
+        #: the producer's fatal error (None: none); pump() raises ProducerFailed
+        self.fatal: str | None = None
+        #: per partition, the highest offset Kafka acknowledged (a lower one later means the log was lost)
+        self._last_offset: dict[int, int] = {}
+        for vb, p in self.sent.items():
+            part = partition_for(vb, num_partitions)
+            self._last_offset[part] = max(self._last_offset.get(part, -1), p.offset)
 
     @property
     def bucket(self) -> Bucket:
@@ -270,7 +302,7 @@ class Publisher:
     def open_stream(self, vb: int) -> None:
         pos = self.sent[vb]
         use_saved = self.stream_from.startswith("saved-offset") and not pos.is_fresh
-        if self.stream_from == "beginning" and not pos.is_fresh:
+        if self.rollback_to_zero or (self.stream_from == "beginning" and not pos.is_fresh):
             # A deliberate replay over a topic that already has this vbucket's records: tell consumers with a
             # rollback record to 0, so the re-sent history is not mistaken for duplicates.
             self._publish_rollback(vb, 0)
@@ -393,9 +425,11 @@ class Publisher:
         them after the step could empty ``inflight`` right after a step the full buffer held back, and a
         caller waiting for "0 moved, nothing in flight" would stop with items still to send).
         """
+        self._raise_lost()
         if self.error is not None:
             raise PublishError(f"publishing stopped: {self.error}") from self.error
         self.kafka.poll(0)
+        self._raise_lost()  # a delivery report just served says the topic lost its log
         if self._refusals or self._blocked:
             self._after_poll()
         if self.error is not None:  # a delivery report just served said a record was lost
@@ -416,6 +450,12 @@ class Publisher:
         if msgs:
             self._publish(msgs)
         return len(msgs)
+
+    def _raise_lost(self) -> None:
+        if self.lost is not None:
+            raise TopicLost(self.lost)
+        if self.fatal is not None:
+            raise ProducerFailed(self.fatal)
 
     def _pump_cluster(self, max_messages: int) -> int:
         assert self._topo is not None, "open() first"
@@ -621,6 +661,9 @@ class Publisher:
             err = e.args[0]
             if isinstance(err, KafkaError) and err.code() in _TOO_LARGE:
                 return f"{err.name()}: {err.str()}"
+            if isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL):
+                self.fatal = f"{err.name()}: {err.str()}"
+                raise ProducerFailed(self.fatal) from e
             raise
         self.records_sent += 1
         self.bytes_sent += len(rec.value or b"") + len(rec.key or b"")
@@ -732,6 +775,8 @@ class Publisher:
                 waiting.popleft()
 
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if self._closing or self.lost is not None or self.fatal is not None:
+            return  # purged at shutdown / the topic lost its log: nothing is acknowledged any more
         part = msg.partition()
         q = self._inflight.get(part) if part is not None else None
         if not q:
@@ -748,14 +793,27 @@ class Publisher:
                 self.errors += 1
                 self._fail_vbucket(entry.vbucket, entry, f"Kafka refused a batch as too large: {reason}")
             return
+        if err is not None and (err.fatal() or err.code() == KafkaError._FATAL):
+            self.fatal = f"{err.name()}: {err.str()}"
+            return
+        if err is not None and err.code() in _TOPIC_GONE:
+            self.lost = (f"partition {part} of {self.topic} is gone ({err.name()}) after Kafka acknowledged "
+                         f"records up to offset {self._last_offset.get(part or 0, -1)} there")
+            return
         if err is not None:
             self.errors += 1
             self.error = KafkaException(err)
             log.error("record for vbucket %d not delivered: %s", entry.vbucket, err)
             return
-        self.records_acked += 1
         offset = msg.offset()
-        assert offset is not None  # delivered records have offsets
+        assert offset is not None and part is not None  # delivered records have offsets
+        if offset <= self._last_offset.get(part, -1):
+            # offsets of a partition only grow: the broker lost the log the gateway had published there
+            self.lost = (f"partition {part} of {self.topic} lost its log: Kafka acknowledged a record at "
+                         f"offset {offset} after acknowledging offset {self._last_offset[part]}")
+            return
+        self._last_offset[part] = offset
+        self.records_acked += 1
         self._ack(entry, offset)
         # filtered items queued behind this record are acknowledged with it
         while q and q[0].filtered:
@@ -864,7 +922,20 @@ class Publisher:
         return {vb: src.node_of(p) for vb, p in enumerate(self._owner) if p is not None and not p.closed}
 
     def close(self, timeout: float = 10.0) -> None:
-        self.flush(timeout)
+        """Wait up to ``timeout`` seconds for outstanding deliveries, then drop what librdkafka still holds
+        (:meth:`purge`) and close the DCP connection(s). Bounded whatever the broker does (paused, gone, lost
+        its log): what was not acknowledged is not in the checkpoints and is published again after a restart
+        (docs/reliability.md "Fault campaign")."""
+        if self.flush(timeout):
+            self.purge()
         self._owner = [None] * len(self._owner)
         self._held.clear()
         self.source.close()
+
+    def purge(self) -> None:
+        """Drop every record librdkafka still queues or has in flight, without waiting, so that destroying
+        the producer never waits for a broker; their delivery reports are not served (nothing of them is
+        acknowledged)."""
+        self._closing = True
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self.kafka.purge(in_queue=True, in_flight=True, blocking=False)

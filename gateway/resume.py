@@ -23,6 +23,7 @@ not the previous process lived to checkpoint it. End of partition is detected wi
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 import uuid
@@ -261,22 +262,47 @@ def _consumer(client_config: dict[str, Any]) -> Consumer:
 
 def _read_to_end(
     consumer: Consumer, assignment: list[TopicPartition], on_message: Callable[[Any], None],
-    timeout: float = 120.0,
+    timeout: float = 120.0, ends: dict[int, int] | None = None,
 ) -> None:
+    """Read every assigned partition to its end; ``ends`` (when given) gets each partition's end offset (the
+    high watermark the fetch carried: correct even where ListOffsets is stale, docs/kafka-compat.md)."""
     if not assignment:
         return
     consumer.assign(assignment)
     pending = {(tp.topic, tp.partition) for tp in assignment}
+    #: partitions nothing was read from yet, with the offset they were assigned at
+    unread: dict[tuple[str | None, int | None], int] = {(tp.topic, tp.partition): tp.offset for tp in assignment}
     deadline = time.monotonic() + timeout
     while pending:
         if time.monotonic() > deadline:
             raise BrokerError(f"timed out reading {len(pending)} partitions to their end")
         msgs = consumer.consume(10_000, 0.5)
+        if not msgs:
+            # A start offset beyond the partition's end (the topic lost its log): Kafka answers
+            # OFFSET_OUT_OF_RANGE (reset, then EOF), some brokers (Tansu) only empty fetches that never reach
+            # EOF; the high watermark those fetches carried says where the end is.
+            for key, start in list(unread.items()):
+                if key not in pending:
+                    continue
+                topic, part = key
+                if topic is None or part is None:
+                    continue
+                with contextlib.suppress(KafkaException):
+                    _lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, part), cached=True)
+                    if 0 <= hi < start:
+                        pending.discard(key)
+                        if ends is not None:
+                            ends[part] = hi
         for m in msgs:
+            if m.error() is None:
+                unread.pop((m.topic(), m.partition()), None)
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     pending.discard((m.topic(), m.partition()))
+                    eof_part, end = m.partition(), m.offset()
+                    if ends is not None and eof_part is not None and end is not None:
+                        ends[eof_part] = end
                     continue
                 raise BrokerError(f"reading {m.topic()}[{m.partition()}]: {err}")
             on_message(m)
@@ -305,9 +331,13 @@ def load_checkpoints(client_config: dict[str, Any], topic: str) -> dict[int, Pub
 
 def replay_tail(
     client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
-    positions: dict[int, PublishPosition],
+    positions: dict[int, PublishPosition], lost: dict[int, str] | None = None,
 ) -> dict[int, PublishPosition]:
-    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions."""
+    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions.
+
+    ``lost`` (when given) gets the vbuckets whose checkpointed offset is at or beyond their partition's end,
+    with why: the topic lost records Kafka had acknowledged (docs/reliability.md "Fault campaign", topic
+    truncated)."""
     pos = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(num_vbuckets)}
     start: dict[int, int] = {}
     for vb, p in pos.items():
@@ -328,18 +358,28 @@ def replay_tail(
         p.apply(rec, m.offset())
         replayed += 1
 
+    ends: dict[int, int] = {}
     try:
-        _read_to_end(c, [TopicPartition(topic, part, off) for part, off in sorted(start.items())], take)
+        _read_to_end(c, [TopicPartition(topic, part, off) for part, off in sorted(start.items())], take,
+                     ends=ends)
     finally:
         c.close()
+    if lost is not None:
+        for vb, p in sorted(positions.items()):
+            end = ends.get(partition_for(vb, num_partitions))
+            if end is not None and p.offset >= end:
+                lost[vb] = (f"partition {partition_for(vb, num_partitions)} of {topic} ends at offset {end}, "
+                            f"but vbucket {vb}'s checkpoint says Kafka acknowledged offset {p.offset}")
     log.info("replayed %d records of %s after the checkpoints", replayed, topic)
     return pos
 
 
 def recover_positions(
     client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
+    lost: dict[int, str] | None = None,
 ) -> dict[int, PublishPosition]:
-    return replay_tail(client_config, topic, num_partitions, num_vbuckets, load_checkpoints(client_config, topic))
+    return replay_tail(client_config, topic, num_partitions, num_vbuckets, load_checkpoints(client_config, topic),
+                       lost)
 
 
 class CheckpointWriter:
@@ -350,6 +390,7 @@ class CheckpointWriter:
 
     def __init__(self, producer_config: dict[str, Any], topic: str) -> None:
         self.topic = checkpoint_topic_name(topic)
+        self._conf = producer_config
         self._p = producer(producer_config)
         self.written = 0
         #: positions not yet handed to librdkafka (its queue was full), newest per vbucket
@@ -362,20 +403,43 @@ class CheckpointWriter:
                 self._p.produce(self.topic, self.pending[vb].to_json(), str(vb).encode(), partition=0)
             except BufferError:
                 break
+            except KafkaException as e:
+                self._renew(e)
+                break
             del self.pending[vb]
             self.written += 1
         self._p.poll(0)
 
+    def _renew(self, e: KafkaException) -> None:
+        """A fatal error of the idempotent producer (e.g. the broker lost its state: out-of-order sequence): a
+        new producer; the positions not handed over stay pending. Anything else is raised."""
+        err = e.args[0] if e.args else None
+        if not isinstance(err, KafkaError) or not (err.fatal() or err.code() == KafkaError._FATAL):
+            raise e
+        log.warning("checkpoint producer failed (%s): a new one takes over", err)
+        with contextlib.suppress(KafkaException, RuntimeError):
+            self._p.purge(in_queue=True, in_flight=True, blocking=False)
+        self._p = producer(self._conf)
+
     def flush(self, timeout: float = 10.0) -> int:
         """Hand every pending position to librdkafka, waiting for room in its queue, and wait for their
-        acknowledgements, all within ``timeout`` seconds. Returns how many are neither acknowledged nor sent."""
+        acknowledgements, all within ``timeout`` seconds; what is still queued then is dropped (a lost checkpoint
+        only means a longer tail replay at the next start). Returns how many were not delivered."""
         deadline = time.monotonic() + timeout
         for vb in list(self.pending):
             try:
                 produce_blocking(self._p, self.topic, self.pending[vb].to_json(), str(vb).encode(), partition=0,
                                  timeout=max(0.0, deadline - time.monotonic()))
-            except BufferError:
+            except (BufferError, KafkaException):  # no room in time, or the producer failed (fatal error)
                 break
             del self.pending[vb]
             self.written += 1
-        return int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)
+        try:
+            left = int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)
+        except KafkaException as e:  # a fatal error of the idempotent producer (the broker lost its state)
+            log.warning("checkpoints not flushed: %s", e)
+            left = len(self._p) + len(self.pending)
+        if left:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                self._p.purge(in_queue=True, in_flight=True, blocking=False)
+        return left

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -25,15 +26,17 @@ from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
 from engine.kv.data_dir import DataDirLock, Layout, check_layout
 from gateway.config import GatewaySettings
-from gateway.exceptions import Backpressure, GatewayError
+from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
 from gateway.health import Readiness, UnackedWrites
 from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.metrics import GatewayMetrics
-from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, Publisher
+from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, ProducerFailed, Publisher, TopicLost
 from gateway.resume import (
     CheckpointWriter,
+    PublishPosition,
     ensure_topics,
     recover_positions,
+    replay_tail,
     topic_record_limit,
     wait_for_kafka,
 )
@@ -84,6 +87,9 @@ class GatewayService:
         self.readiness = Readiness(settings.health_delivery_stall_s, settings.health_vbucket_stall_s)
         #: librdkafka's log lines and errors of every client of this process, rate-limited
         self.client_log = ClientLog()
+        #: times the topic was found to have lost acknowledged records (and was republished from seqno 0)
+        self.truncations = 0
+        self._large_record_bytes = DEFAULT_LARGE_RECORD_BYTES
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
@@ -119,37 +125,29 @@ class GatewayService:
             self._release_data_dir()
             raise
         client = self._client_config()
-        loop = asyncio.get_running_loop()
         # Unreachable Kafka: one BrokerError naming the address within kafka_connect_timeout_s, before
         # anything else waits on it (docs/reliability.md).
-        await loop.run_in_executor(None, wait_for_kafka, client, s.kafka_connect_timeout_s)
+        await self._kafka_call(wait_for_kafka, client, s.kafka_connect_timeout_s)
         if s.cluster_nodes > 1:
             self.cluster = self._open_cluster()
         else:
             self.bucket = Bucket(s.engine_config())
         nparts = s.create_topic_partitions or s.num_vbuckets
         needed = s.max_record_bytes()
-        partitions = await loop.run_in_executor(
-            None, ensure_topics, client, self.topic, nparts, s.topic_replication_factor, 30.0, needed)
+        partitions = await self._kafka_call(
+            ensure_topics, client, self.topic, nparts, s.topic_replication_factor, 30.0, needed)
         # docs/reliability.md "Large documents": an existing topic may refuse large records; records above its
         # limit (or above Kafka's default when the broker does not say) are produced alone on their partition
-        topic_limit = await loop.run_in_executor(None, topic_record_limit, client, self.topic, needed)
+        topic_limit = await self._kafka_call(topic_record_limit, client, self.topic, needed)
         large = DEFAULT_LARGE_RECORD_BYTES if topic_limit is None else min(topic_limit, needed) - 1024
-        positions = await loop.run_in_executor(
-            None, recover_positions, client, self.topic, partitions, s.num_vbuckets)
-        origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
-        assert origin is not None
-        self.publisher = Publisher(
-            origin, {**self._producer_config(), "error_cb": self._on_kafka_error}, self.topic, partitions,
-            RecordEncoder(ValueFormat(s.value_format)), positions,
-            stream_from=s.stream_from,
-            key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
-            flow_control_bytes=s.flow_control_buffer_bytes,
-            rollback_mitigation=s.rollback_mitigation,
-            connection_name=f"dcpgw:{s.bucket}",
-            oversize_policy=s.oversize_policy,
-            large_record_bytes=max(1, large),
-        )
+        lost: dict[int, str] = {}
+        positions = await self._kafka_call(recover_positions, client, self.topic, partitions, s.num_vbuckets, lost)
+        self._large_record_bytes = max(1, large)
+        if lost:
+            # the checkpoints say Kafka acknowledged records the topic no longer has: republish from 0
+            self._topic_lost(f"{len(lost)} vbucket(s), e.g. {next(iter(lost.values()))}")
+            positions = {}
+        self.publisher = self._new_publisher(partitions, positions, rollback_to_zero=bool(lost))
         self.checkpoints = CheckpointWriter(self._producer_config(), self.topic)
         self.publisher.open()
         from gateway.api import JsonAppRunner, build_app  # local: api imports this module for typing
@@ -178,6 +176,108 @@ class GatewayService:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
         log.info("gateway up: topic %s (%d partitions), http://%s:%d", self.topic, partitions, s.http_host,
                  self.http_port)
+
+    def _new_publisher(self, partitions: int, positions: dict[int, PublishPosition], *,
+                       rollback_to_zero: bool) -> Publisher:
+        s = self.settings
+        origin: Bucket | Cluster | None = self.cluster if self.cluster is not None else self.bucket
+        assert origin is not None
+        return Publisher(
+            origin, {**self._producer_config(), "error_cb": self._on_kafka_error}, self.topic, partitions,
+            RecordEncoder(ValueFormat(s.value_format)), positions,
+            stream_from=s.stream_from,
+            key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
+            flow_control_bytes=s.flow_control_buffer_bytes,
+            rollback_mitigation=s.rollback_mitigation,
+            connection_name=f"dcpgw:{s.bucket}",
+            oversize_policy=s.oversize_policy,
+            large_record_bytes=self._large_record_bytes,
+            rollback_to_zero=rollback_to_zero,
+        )
+
+    def _topic_lost(self, why: str) -> None:
+        """Say loudly that the topic lost records Kafka had acknowledged (docs/reliability.md "Fault campaign",
+        topic truncated): a log line, ``/health/ready`` reason ``topic_truncated`` until the republish caught
+        up, the counter ``dcpgw_topic_truncations``."""
+        self.truncations += 1
+        self.metrics.truncations.inc()
+        self.readiness.topic_truncated = f"topic_truncated: {why}; republishing every vbucket from seqno 0"
+        log.error("topic %s lost records Kafka had acknowledged (%s): republishing every vbucket from seqno 0 "
+                  "after a rollback record to 0, so that consumers converge to the engine", self.topic, why)
+
+    async def _reopen(self, e: TopicLost | ProducerFailed) -> None:
+        """The running publisher cannot go on: drop it (nothing it still holds is acknowledged), set the topic
+        up again (the broker may have recreated it, with another partition count) and open a new publisher.
+
+        * :class:`TopicLost` (the topic lost records Kafka had acknowledged): every vbucket from seqno 0 behind
+          a rollback record to 0;
+        * :class:`ProducerFailed` (a fatal error of the idempotent producer): from the positions Kafka
+          acknowledged, replayed as at a start -- which finds a lost log too (the checkpoint offset beyond
+          the partition's end)."""
+        old = self.publisher
+        assert old is not None
+        old.purge()
+        old.close(timeout=0)
+        if self.checkpoints is not None:
+            self.checkpoints.pending.clear()
+        self.checkpoints = CheckpointWriter(self._producer_config(), self.topic)  # its producer may be failed too
+        s = self.settings
+        client = self._client_config()
+        partitions = await self._kafka_call(
+            ensure_topics, client, self.topic, s.create_topic_partitions or s.num_vbuckets,
+            s.topic_replication_factor, 30.0, s.max_record_bytes())
+        positions: dict[int, PublishPosition] = {}
+        if isinstance(e, TopicLost):
+            self._topic_lost(str(e))
+        else:
+            log.error("the Kafka producer failed (%s): a new one resumes from the positions Kafka acknowledged", e)
+            lost: dict[int, str] = {}
+            acked = {vb: p.copy() for vb, p in old.acked.items()}
+            positions = await self._kafka_call(replay_tail, client, self.topic, partitions, s.num_vbuckets, acked,
+                                               lost)
+            if lost:
+                self._topic_lost(f"{len(lost)} vbucket(s), e.g. {next(iter(lost.values()))}")
+                positions = {}
+        pub = self._new_publisher(partitions, positions, rollback_to_zero=not positions)
+        pub.open()
+        self.publisher = pub
+        self.metrics.new_publisher()
+
+    async def _kafka_call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` -- a blocking Kafka call of the start-up (metadata, topic creation, reading the
+        checkpoints and partition tails) -- on a daemon thread, abandoned when a stop is requested first
+        (SIGTERM / SIGINT during start-up): :class:`StartupInterrupted`. A daemon thread, not the loop's
+        executor: the process exits without joining it (docs/reliability.md "Fault campaign", bounded stop)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+        def run() -> None:
+            try:
+                value, ok = fn(*args), True
+            except BaseException as e:  # handed to the awaiting coroutine
+                value, ok = e, False
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(settle, ok, value)
+
+        if self._stopping.is_set():
+            raise StartupInterrupted("stopped during start-up")
+        threading.Thread(target=run, name=f"dcpgw-{getattr(fn, '__name__', 'kafka')}", daemon=True).start()
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not fut.done():
+            fut.cancel()
+            raise StartupInterrupted("stopped during start-up")
+        return fut.result()
 
     def _open_cluster(self) -> Cluster:
         """The cluster under ``data_dir``: reopened when its map is there, else created with
@@ -301,6 +401,20 @@ class GatewayService:
                     n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
                     if cluster.rebalance_running is not None:
                         n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
+            except (TopicLost, ProducerFailed) as e:
+                try:
+                    await self._reopen(e)
+                except StartupInterrupted:
+                    return  # stopping
+                except Exception:
+                    log.exception("republishing after the topic lost its log failed; retried in a second")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), timeout=1.0)
+                    continue
+                pub = self.publisher
+                assert pub is not None
+                acked = pub.records_acked
+                continue
             except Exception as e:
                 if pub.error is not None:
                     log.error("publishing stopped: %s", pub.error)
@@ -341,6 +455,10 @@ class GatewayService:
             self.unacked.release(pub)
             # librdkafka's repeat counts whose window ended (else logged only when the message recurs)
             self.client_log.flush_due()
+            if self.readiness.topic_truncated is not None and not pub.lost and pub.lag()[0] == 0 \
+                    and not pub.inflight:
+                log.info("topic %s: republished every vbucket from seqno 0", self.topic)
+                self.readiness.topic_truncated = None
             if self.readiness.broker_error is not None:
                 kafka = pub.kafka
                 try:
@@ -415,13 +533,19 @@ class GatewayService:
         if setup is not None:  # its worker thread finishes the engine it opens (bounded); rebalance() closes it
             with contextlib.suppress(BaseException):
                 await asyncio.wait([setup])
+        # Bounded whatever the broker does (docs/reliability.md "Fault campaign"): the deliveries get most of
+        # shutdown_timeout_s, the last checkpoints the rest; then what librdkafka still holds is dropped, so
+        # destroying the clients waits for no broker.
+        budget = self.settings.shutdown_timeout_s
+        deadline = time.monotonic() + budget
         if self.runner is not None:
-            await self.runner.cleanup()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.runner.cleanup(), timeout=max(0.1, budget * 0.2))
         if self.publisher is not None:
-            self.publisher.close(timeout=10)
+            self.publisher.close(timeout=max(0.0, deadline - time.monotonic() - budget * 0.2))
             self._checkpoint()
         if self.checkpoints is not None:
-            self.checkpoints.flush()
+            self.checkpoints.flush(timeout=max(0.0, deadline - time.monotonic()))
         if self.bucket is not None:
             self.bucket.close(clean=True)
         if self.cluster is not None:

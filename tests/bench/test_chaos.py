@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_short_campaign_loses_nothing_durable_and_converges(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.chaos", "--histories", "4", "--seed", "7", "--per-session", "2",
-         "--work-dir", str(tmp_path), "--faults", "kill,broker_pause,disk_full,slow_consumer,consumer_kill"],
+        [sys.executable, "-m", "bench.chaos", "--histories", "4", "--seed", "5", "--per-session", "2",
+         "--work-dir", str(tmp_path), "--large-prob", "0.03",
+         "--faults", "kill,broker_pause,disk_full,slow_consumer,consumer_kill,failover,rebalance"],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
@@ -31,6 +32,8 @@ def test_short_campaign_loses_nothing_durable_and_converges(tmp_path: Path) -> N
     assert out["acked"] > 0 and out["acked_durable"] > 0
     assert (out["lost_durable"], out["divergent"], out["duplicates"]) == (0, 0, 0), proc.stderr[-3000:]
     assert out["invariant_violations"] == 0 and out["lost_plain_outside_window"] == 0, out["defects"]
+    assert out["health_untruthful"] == 0 and out["not_ready_after_recovery"] == 0, out["defects"]
+    assert out["stop_hangs"] == 0 and out["ready_endpoint"] == "/health/ready"
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
