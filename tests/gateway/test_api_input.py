@@ -21,9 +21,8 @@ import gateway.api
 from gateway.broker import Broker
 from gateway.openapi import described, document
 from gateway.service import GatewayService
-from tests.gateway.test_api import expect_error
-from tests.gateway.test_api import run as run_single
-from tests.gateway.test_cluster_api import run as run_cluster
+from tests.gateway.api_harness import expect_error, run_cluster
+from tests.gateway.api_harness import run as run_single
 
 
 def engine_state(svc: GatewayService) -> list[tuple[str, int, int]]:

@@ -10,7 +10,6 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from gateway.resume import ensure_topics, recover_positions
 from gateway.service import GatewayService
 from schemas.codec import RecordEncoder
 from schemas.records import DecodedRecord, RecordType
+from tests.gateway.api_harness import Scenario, run_service
 from tests.gateway.kafka_util import read_topic
 
 NVB = 4
@@ -67,19 +67,8 @@ def check_topic(bootstrap: str, topic: str) -> list[tuple[int, int, DecodedRecor
 
 
 # ------------------------------------------------------------------------------------------ the service
-def run(broker: Broker, tmp: Path, bucket: str,
-        scenario: Callable[[GatewayService, str, aiohttp.ClientSession], Awaitable[None]], **overrides: Any) -> None:
-    async def main() -> None:
-        s = load_settings(None, data_dir=tmp / "data", bucket=bucket, num_vbuckets=NVB, http_port=0, **overrides)
-        svc = GatewayService(s, broker.bootstrap_servers)
-        await svc.start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
-        finally:
-            await svc.stop()
-
-    asyncio.run(main())
+def run(broker: Broker, tmp: Path, bucket: str, scenario: Scenario, **overrides: Any) -> None:
+    run_service(broker, tmp, scenario, bucket=bucket, num_vbuckets=NVB, **overrides)
 
 
 async def settled(svc: GatewayService, timeout: float = 60.0) -> None:
