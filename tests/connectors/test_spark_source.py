@@ -15,9 +15,8 @@ pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip i
 from engine import Bucket, BucketConfig  # noqa: E402
 from gateway.broker import Broker  # noqa: E402
 from schemas.records import RecordType  # noqa: E402
-from tests.connectors.test_processes import replicate_process  # noqa: E402
 from tests.gateway.kafka_util import read_topic  # noqa: E402
-from tests.gateway.test_gateway_process import NVB, GatewayProc, docs  # noqa: E402
+from tests.gateway.processes import NVB, GatewayProc, docs, replicate_process  # noqa: E402
 from tests.harness import Harness, harnesses  # noqa: E402
 
 # One SparkSession (a JVM) per worker process: under pytest-xdist, `--dist loadgroup` keeps these on one worker.

@@ -275,7 +275,7 @@ def test_sigint_stops_dcpgw_up_during_a_rebalance(kafka_broker: Broker, tmp_path
     import signal
     import urllib.request
 
-    from tests.gateway.test_gateway_process import GatewayProc
+    from tests.gateway.processes import GatewayProc
 
     data = tmp_path / "data"
     data.mkdir()
