@@ -390,7 +390,7 @@ def test_cluster_hard_failover_spark_table_equals_new_actives(spark: Any, kafka_
     """Issue 5, proof 1 for Spark: three nodes, one replica, the gateway following the map (mitigation off); a
     streaming query materializes items the lagging replicas lack; the node is killed and hard-failed over, the
     gateway publishes rollback records; the table (and the Replicator) end equal to the new actives' state."""
-    from tests.gateway.test_cluster import ClusterHarness
+    from tests.harness import ClusterHarness
 
     h = ClusterHarness(kafka_broker, tmp_path / "c", rollback_mitigation=False)
     table, chk = tmp_path / "table", tmp_path / "chk"
