@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import time
 
-from engine import NotMyVBucket, RollbackRequired, StreamEnd, StreamEndReason, TemporaryFailure
+from engine import NotMyVBucket, RollbackRequired, TemporaryFailure
 from engine.network.process_cluster import ProcessCluster
 from engine.network.remote import RemoteDcpProducer
+from tests.engine.cluster_model import MapFollower
 from tests.engine.dcp_model import SnapshotConsumer
 
 
-class ProcessClusterClient:
+class ProcessClusterClient(MapFollower):
     """``cluster_model.ClusterClient`` over the network: a snapshot-aware DCP client (``SnapshotConsumer``)
     streaming every vbucket from its active node process. When a stream ends other than OK, or its node's
     connection drops (SIGKILL), it falls back to its last committed snapshot boundary, reloads the map and
@@ -31,12 +32,7 @@ class ProcessClusterClient:
             with contextlib.suppress(NotMyVBucket, TemporaryFailure):
                 src[1].close_stream(vb)
             src[1].discard_stream(vb)
-        st = self.consumer.vbs[vb]
-        st.open = False
-        st.pending.clear()
-        st.marker = None
-        b = st.history[-1][0]
-        st.position.seqno = st.position.snap_start = st.position.snap_end = b
+        self._rewind(vb)
 
     def _drop(self, node: str) -> None:
         p = self.producers.pop(node, None)
@@ -62,17 +58,7 @@ class ProcessClusterClient:
         for node in list(self.producers):
             if self.producers[node].closed or node not in self.cluster.nodes or not self.cluster.node(node).up:
                 self._drop(node)
-        for vb, st in self.consumer.vbs.items():
-            src = self.source.get(vb)
-            if st.open and src is not None:
-                if not src[1].closed and vbmap.active(vb) == src[0]:
-                    continue
-                self._reset(vb)
-            elif not st.open and vb in self.source:
-                self._reset(vb)
-            node = vbmap.active(vb)
-            if node is None:
-                continue
+        for vb, st, node in self._streams_to_open(vbmap):
             p = self._producer(node)
             if p is None:
                 continue
@@ -105,13 +91,7 @@ class ProcessClusterClient:
             except TemporaryFailure:
                 self._drop(node)
                 continue
-            for m in msgs:
-                src = self.source.get(m.vbucket)
-                if src is None or src[1] is not p:
-                    continue  # the tail of a stream this client already moved away from
-                self.consumer.handle(m)
-                if isinstance(m, StreamEnd) and m.reason is not StreamEndReason.OK:
-                    self._reset(m.vbucket)
+            self._deliver(p, msgs)
             moved += len(msgs)
         return moved
 
