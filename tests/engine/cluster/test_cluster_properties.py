@@ -145,7 +145,7 @@ class Harness:
         c.close()
 
 
-#: raise for a longer campaign: CLUSTER_PROP_EXAMPLES=5000 pytest tests/engine/test_cluster_properties.py -s
+#: raise for a longer campaign: CLUSTER_PROP_EXAMPLES=5000 pytest tests/engine/cluster/test_cluster_properties.py -s
 MAX_EXAMPLES = int(os.environ.get("CLUSTER_PROP_EXAMPLES", "150"))
 STATS = {"runs": 0, "failovers": 0, "checked": 0, "rollbacks": 0, "replica_rollbacks": 0}
 

@@ -403,7 +403,7 @@ class Campaign:
         self.c.close(clean=False)
 
 
-#: raise for a longer campaign: PROCESS_PROP_EXAMPLES=100 pytest tests/engine/test_process_cluster.py -s
+#: raise for a longer campaign: PROCESS_PROP_EXAMPLES=100 pytest tests/engine/network/test_process_cluster.py -s
 MAX_EXAMPLES = int(os.environ.get("PROCESS_PROP_EXAMPLES", "12"))
 STATS = {"runs": 0, "writes": 0, "kills": 0, "lagging_crashes": 0, "failovers": 0, "acked_checked": 0, "client_rollbacks": 0,
          "divergent_consumers": 0, "lost_acked_writes": 0}
