@@ -49,6 +49,13 @@ def run_cluster(broker: Broker, tmp: Path, scenario: Scenario, **overrides: Any)
     run_service(broker, tmp, scenario, bucket=f"cl{uuid.uuid4().hex[:8]}", num_vbuckets=NVB, **opts)
 
 
+def engine_state(svc: GatewayService) -> list[tuple[str, int, int]]:
+    """(node, vbucket, high seqno) of every live copy: any write changes it."""
+    buckets = ([("bucket", svc.bucket)] if svc.bucket is not None else
+               [(name, n.bucket) for name, n in sorted(svc.cluster.nodes.items()) if n.bucket is not None])  # type: ignore[union-attr]
+    return [(name, vb, b.vbucket_info(vb).high_seqno) for name, b in buckets for vb in range(svc.settings.num_vbuckets)]
+
+
 async def expect_error(resp: aiohttp.ClientResponse, status: int, code: str | None = None) -> dict[str, Any]:
     assert resp.status == status, await resp.text()
     assert resp.content_type == "application/json"
