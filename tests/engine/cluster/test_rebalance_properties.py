@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import InvalidArgument, KeyNotFound, NotMyVBucket, TemporaryFailure
-from tests.engine.cluster.test_cluster_properties import _BUILDERS as CLUSTER_OPS
-from tests.engine.cluster.test_cluster_properties import KEYS, Harness
+from tests.engine.cluster.schedules import _BUILDERS as CLUSTER_OPS
+from tests.engine.cluster.schedules import KEYS, Harness
 
 _OPS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     **CLUSTER_OPS,

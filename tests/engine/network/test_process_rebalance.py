@@ -20,8 +20,8 @@ from engine import NotMyVBucket, TemporaryFailure, VBucketState
 from engine.cluster.rebalance import RebalanceProgress
 from engine.exceptions import InvalidArgument
 from engine.network.process_cluster import ProcessCluster
-from tests.engine.network.test_process_cluster import _OPS as _PC_OPS
-from tests.engine.network.test_process_cluster import Campaign
+from tests.engine.network.process_campaign import _OPS as _PC_OPS
+from tests.engine.network.process_campaign import Campaign
 from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
 
 NVB = 8
