@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -191,5 +191,6 @@ def harnesses(broker: Broker, tmp: Path, cls: Callable[..., H], prefix: str = "h
     try:
         yield make
     finally:
-        for h in made:
-            h.close()
+        with ExitStack() as closing:  # every harness is closed, also when closing an earlier one failed
+            for h in reversed(made):
+                closing.callback(h.close)

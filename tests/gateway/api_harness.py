@@ -59,7 +59,7 @@ def engine_state(svc: GatewayService) -> list[tuple[str, int, int]]:
 async def expect_error(resp: aiohttp.ClientResponse, status: int, code: str | None = None) -> dict[str, Any]:
     assert resp.status == status, await resp.text()
     assert resp.content_type == "application/json"
-    body = await resp.json()
+    body: dict[str, Any] = await resp.json()
     assert set(body) >= {"error", "message"} and body["message"]
     if code is not None:
         assert body["error"] == code, body

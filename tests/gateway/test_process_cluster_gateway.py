@@ -5,7 +5,6 @@ and 2 with separate processes; docs/gateway-cluster.md "Process clusters")."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ from schemas.codec import RecordEncoder
 from schemas.records import DecodedRecord, RecordType, ValueFormat
 from tests.engine.process_model import actives_state
 from tests.gateway.kafka_util import TopicChecks
-from tests.harness import producer_conf
+from tests.harness import harnesses, producer_conf
 
 pytestmark = pytest.mark.slow
 
@@ -142,20 +141,14 @@ class ProcessHarness(TopicChecks):
 @pytest.fixture
 def process_harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Callable[..., ProcessHarness]]:
     made: list[ProcessHarness] = []
+    with harnesses(kafka_broker, tmp_path, ProcessHarness, prefix="c") as make:
+        def track(**kw: Any) -> ProcessHarness:
+            made.append(make(**kw))
+            return made[-1]
 
-    def make(**kw: Any) -> ProcessHarness:
-        h = ProcessHarness(kafka_broker, tmp_path / f"c{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    try:
-        yield make
-    finally:
-        for h in made:
-            with contextlib.suppress(Exception):
-                h.close()
-        for h in made:
-            assert not any(n.up for n in h.cluster.nodes.values()), "a node process survived the test"
+        yield track
+    for h in made:
+        assert not any(n.up for n in h.cluster.nodes.values()), "a node process survived the test"
 
 
 def _rollbacks(recs: Records) -> list[DecodedRecord]:
