@@ -84,30 +84,40 @@ class Harness:
             assert active.high_seqno >= t.seqno
             self.checked += 1
 
+    def plain_step(self, o: tuple[Any, ...]) -> bool:
+        """One write, delete, pump, flush or client poll of a schedule; False for another kind of operation."""
+        c = self.cluster
+        kind = o[0]
+        if kind == "write":
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                self.tokens.append(c.write(o[1], o[2]).token)
+        elif kind == "delete":
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
+                self.tokens.append(c.delete(o[1]).token)
+        elif kind == "pump":
+            conns = c.connections()
+            only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
+            c.pump(only=only, max_messages=o[2], flush=o[3])
+        elif kind == "pump_all":
+            c.pump(rounds=4)
+        elif kind == "flush":
+            node = c.nodes[self._name(o[1])]
+            if node.up:
+                assert node.bucket is not None
+                node.bucket.flush_all()
+        elif kind == "client":
+            self.clients[o[1]].poll()
+        else:
+            return False
+        return True
+
     def run(self, ops: list[tuple[Any, ...]]) -> None:
         c = self.cluster
         for o in ops:
             kind = o[0]
-            if kind == "write":
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure):
-                    self.tokens.append(c.write(o[1], o[2]).token)
-            elif kind == "delete":
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
-                    self.tokens.append(c.delete(o[1]).token)
-            elif kind == "pump":
-                conns = c.connections()
-                only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
-                c.pump(only=only, max_messages=o[2], flush=o[3])
-            elif kind == "pump_all":
-                c.pump(rounds=4)
-            elif kind == "flush":
-                node = c.nodes[self._name(o[1])]
-                if node.up:
-                    assert node.bucket is not None
-                    node.bucket.flush_all()
-            elif kind == "client":
-                self.clients[o[1]].poll()
-            elif kind == "crash":
+            if self.plain_step(o):
+                continue
+            if kind == "crash":
                 name = self._name(o[1])
                 if c.nodes[name].up:
                     c.kill(name)
