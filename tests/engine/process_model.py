@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Callable
+from types import TracebackType
 
 from engine import NotMyVBucket, RollbackRequired, TemporaryFailure
 from engine.network.process_cluster import ProcessCluster
@@ -155,3 +158,47 @@ def assert_replicas_equal_actives(cluster: ProcessCluster) -> None:
             ri = cluster.client(r).vbucket_info(vb)
             assert ri.state.value == "replica", (vb, r, ri)
             assert (ri.high_seqno, ri.failover) == (ai.high_seqno, ai.failover), (vb, r, ri, ai)
+
+
+class BackgroundWriter:
+    """A thread writing key ``{prefix}{i % keys}`` = ``value(i)`` through the map while the ``with`` block runs.
+    A write refused with TMPFAIL or NOT_MY_VBUCKET (its vbucket blocked while it moves, or the map changed) is
+    not acknowledged: counted in ``refused`` and not retried. ``acked`` is the last acknowledged value of every key,
+    ``done`` how many writes were acknowledged, ``errors`` what else the thread raised (for the test to check)."""
+
+    def __init__(self, cluster: ProcessCluster, prefix: str, keys: int,
+                 value: Callable[[int], bytes] = lambda i: f'{{"i": {i}}}'.encode()) -> None:
+        self.cluster = cluster
+        self.prefix, self.keys, self.value = prefix, keys, value
+        self.acked: dict[str, bytes] = {}
+        self.refused = 0
+        self.done = 0
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        try:
+            while not self._stop.is_set():
+                k = f"{self.prefix}{i % self.keys}"
+                v = self.value(i)
+                try:
+                    self.cluster.write(k, v)
+                except (TemporaryFailure, NotMyVBucket):
+                    self.refused += 1
+                    time.sleep(0.002)
+                    continue
+                self.acked[k] = v
+                self.done += 1
+                i += 1
+        except BaseException as e:  # surfaced by the test
+            self.errors.append(e)
+
+    def __enter__(self) -> BackgroundWriter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(10)

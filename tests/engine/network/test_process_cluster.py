@@ -4,7 +4,6 @@ client over TCP following the map, and a hypothesis campaign over random crash /
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
@@ -12,13 +11,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import KeyNotFound, MutationToken, NotMyVBucket, TemporaryFailure, VBucketState
+from engine import KeyNotFound, MutationToken, NotMyVBucket, VBucketState
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument
 from engine.network.process_cluster import MAP_FILE, ProcessCluster
 from tests.engine.network.process_campaign import CFG, NVB, Campaign, op
 from tests.engine.nodes import wait_for as _wait
-from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
+from tests.engine.process_model import (
+    BackgroundWriter,
+    ProcessClusterClient,
+    actives_state,
+    assert_replicas_equal_actives,
+)
 
 #: make_cluster() (tests/engine/conftest.py) starts node processes with these options
 CLUSTER = ProcessCluster
@@ -121,39 +125,15 @@ def test_graceful_failover_loses_nothing_and_needs_no_rollback(make_cluster) -> 
 def test_graceful_failover_under_writes_loses_nothing(make_cluster) -> None:
     c = make_cluster(nodes=3, replicas=1)
     client = ProcessClusterClient(c, "client")
-    acked: dict[str, bytes] = {}
-    refused = [0]
-    done = [0]
-    stop = threading.Event()
-
-    def writer() -> None:
-        i = 0
-        while not stop.is_set():
-            k = f"w{i % 64}"
-            v = f"v{i}".encode()
-            try:
-                c.write(k, v)
-            except (TemporaryFailure, NotMyVBucket):
-                refused[0] += 1  # blocked while its vbucket moves, or the map changed: not acknowledged
-                time.sleep(0.002)
-                continue
-            acked[k] = v
-            done[0] += 1
-            i += 1
-
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    try:
+    with BackgroundWriter(c, "w", 64, value=lambda i: f"v{i}".encode()) as w:
+        acked = w.acked
         _wait(lambda: len(acked) >= 64)
         client.poll_once()
         report = c.failover("n2", graceful=True)
-        n = done[0]
-        _wait(lambda: done[0] >= n + 100)  # the writes go on, to the new actives
-    finally:
-        stop.set()
-        t.join(10)
+        n = w.done
+        _wait(lambda: w.done >= n + 100)  # the writes go on, to the new actives
     print(f"\ngraceful failover under writes: {c.graceful_reactivations} vbuckets re-activated, "
-          f"{refused[0]} writes refused, {done[0]} acknowledged")
+          f"{w.refused} writes refused, {w.done} acknowledged")
     assert all(e is None for e in report.entries.values())  # takeover: no new branch
     c.settle()
     expected = actives_state(c)
