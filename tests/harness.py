@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine import Bucket, BucketConfig
+from engine.cluster.local import Cluster
 from gateway.broker import Broker
 from gateway.publisher import Publisher
 from gateway.resume import ensure_topics, recover_positions
 from schemas.codec import RecordEncoder
 from schemas.records import ValueFormat
+from tests.gateway.kafka_util import TopicChecks
+
+#: vbuckets of a ClusterHarness
+CLUSTER_NVB = 8
 
 
 def producer_conf(broker: Broker) -> dict[str, Any]:
@@ -93,22 +98,99 @@ def write(bucket: Bucket, n: int, prefix: str = "k", start: int = 0) -> None:
             bucket.delete(f"{prefix}{i}")
 
 
-H = TypeVar("H", bound=Harness)
+class ClusterHarness(TopicChecks):
+    """Three nodes, one replica, one gateway publisher following the map into a fresh topic."""
+
+    def __init__(self, broker: Broker, tmp: Path, *, nodes: int = 3, replicas: int = 1, **pub_kw: Any) -> None:
+        self.broker = broker
+        self.tmp = tmp
+        self.cluster = Cluster.create(tmp / "cluster", nodes=nodes, replicas=replicas, num_vbuckets=CLUSTER_NVB)
+        self.client = {"bootstrap.servers": broker.bootstrap_servers}
+        self.topic = f"dcp.cl{uuid.uuid4().hex[:10]}"
+        self.partitions = ensure_topics(self.client, self.topic, CLUSTER_NVB)
+        self.pub_kw = pub_kw
+        self.old: list[Publisher] = []
+        self.pub = self.new_publisher()
+        self.written = 0
+
+    def new_publisher(self) -> Publisher:
+        positions = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, self.partitions, CLUSTER_NVB)
+        p = Publisher(self.cluster, producer_conf(self.broker), self.topic, self.partitions,
+                      self.pub_kw.get("encoder") or RecordEncoder(ValueFormat.AVRO), positions,
+                      **{k: v for k, v in self.pub_kw.items() if k != "encoder"})
+        p.open()
+        return p
+
+    def write(self, n: int, prefix: str = "k") -> None:
+        """``n`` writes through the map (every fifth key of the batch is deleted again)."""
+        for i in range(self.written, self.written + n):
+            self.cluster.write(f"{prefix}{i % 150}", f'{{"n": {i}}}'.encode())
+            if i % 5 == 0:
+                self.cluster.delete(f"{prefix}{i % 150}")
+        self.written += n
+
+    def publish(self, rounds: int = 20_000) -> None:
+        """Pump the publisher (not replication) until it has nothing left to send and Kafka acknowledged all."""
+        for _ in range(rounds):
+            n = self.pub.pump()
+            if n == 0 and self.pub.inflight == 0:
+                return
+            if n == 0:
+                self.pub.kafka.poll(0.01)
+        raise AssertionError("publisher never settled")
+
+    def settle(self) -> None:
+        """Replication and publishing until both are idle (mitigation waits for the replicas' persistence)."""
+        for _ in range(1000):
+            self.cluster.settle()
+            self.publish()
+            if self.pub.held == 0 and not self.cluster.pump(rounds=4):
+                self.publish()
+                return
+        raise AssertionError("cluster + gateway never settled")
+
+    def actives(self) -> dict[bytes, tuple[bytes, int]]:
+        """Every live document of the cluster, read from each vbucket's active node."""
+        out: dict[bytes, tuple[bytes, int]] = {}
+        for name in sorted(self.cluster.nodes):
+            node = self.cluster.nodes[name]
+            if node.up and node.bucket is not None:
+                out.update(node.bucket.state_snapshot())
+        return out
+
+    def close(self) -> None:
+        self.pub.close(timeout=5)
+        self.cluster.close()
+
+
+def _encoder() -> Any:
+    from schemas.codec import RecordEncoder
+
+    return RecordEncoder(ValueFormat.AVRO)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+H = TypeVar("H", bound=_Closable)
 
 
 @contextmanager
-def harnesses(broker: Broker, tmp: Path, cls: type[H]) -> Iterator[Callable[..., H]]:
-    """A factory of harnesses (each in its own folder under ``tmp``), all closed on exit: the body of the
-    ``harness`` fixtures (tests/conftest.py, and the subclasses' fixtures)."""
+def harnesses(broker: Broker, tmp: Path, cls: Callable[..., H], prefix: str = "h") -> Iterator[Callable[..., H]]:
+    """A factory of harnesses ``cls(broker, folder, **kw)`` (each in its own folder under ``tmp``), all closed on
+    exit: the body of the ``harness`` and ``cluster_harness`` fixtures (tests/conftest.py,
+    tests/gateway/conftest.py, and the subclasses' fixtures)."""
     made: list[H] = []
 
     def make(**kw: Any) -> H:
-        h = cls(broker, tmp / f"h{len(made)}", **kw)
+        h = cls(broker, tmp / f"{prefix}{len(made)}", **kw)
         made.append(h)
         return h
 
     try:
         yield make
     finally:
-        for h in made:
-            h.close()
+        with ExitStack() as closing:  # every harness is closed, also when closing an earlier one failed
+            for h in reversed(made):
+                closing.callback(h.close)

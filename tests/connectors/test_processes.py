@@ -5,8 +5,6 @@ not persisted) is SIGKILLed; restarted, the engine answers ROLLBACK and the gate
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -16,15 +14,9 @@ from engine import Bucket, BucketConfig
 from gateway.broker import Broker
 from schemas.records import RecordType
 from tests.gateway.kafka_util import read_topic
-from tests.gateway.test_gateway_process import NVB, GatewayProc, docs
+from tests.gateway.processes import NVB, GatewayProc, docs, replicate_process
 
 pytestmark = pytest.mark.slow
-
-
-def replicate_process(broker: Broker, topic: str, db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "replicate", "--topic", topic, "--db", str(db),
-                           "--bootstrap", broker.bootstrap_servers, *extra], capture_output=True, text=True,
-                          timeout=180)
 
 
 def test_engine_sigkill_with_unpersisted_published_items_replica_converges(kafka_broker: Broker,

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +12,8 @@ from typing import Any
 import pytest
 
 from gateway.broker import Broker
+from tests.gateway.processes import dcpgw
 from tests.harness import Harness, write
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -27,8 +24,7 @@ def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Any]:
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "replicate", *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env={**os.environ, **(env or {})})
+    proc = dcpgw("replicate", *args, env={**os.environ, **(env or {})}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
@@ -65,7 +61,5 @@ def test_cli_replicate_until_caught_up_equals_engine_across_a_crash(harness: Har
 
 def test_cli_replicate_without_a_broker_fails_cleanly(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "replicate", "--db", str(tmp_path / "r.sqlite"),
-                           "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env=env)
+    proc = dcpgw("replicate", "--db", str(tmp_path / "r.sqlite"), "--data-dir", str(tmp_path), env=env)
     assert proc.returncode == 2 and "no running gateway" in proc.stderr

@@ -15,9 +15,8 @@ pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip i
 from engine import Bucket, BucketConfig  # noqa: E402
 from gateway.broker import Broker  # noqa: E402
 from schemas.records import RecordType  # noqa: E402
-from tests.connectors.test_processes import replicate_process  # noqa: E402
 from tests.gateway.kafka_util import read_topic  # noqa: E402
-from tests.gateway.test_gateway_process import NVB, GatewayProc, docs  # noqa: E402
+from tests.gateway.processes import NVB, GatewayProc, docs, replicate_process  # noqa: E402
 from tests.harness import Harness, harnesses  # noqa: E402
 
 # One SparkSession (a JVM) per worker process: under pytest-xdist, `--dist loadgroup` keeps these on one worker.
@@ -391,7 +390,7 @@ def test_cluster_hard_failover_spark_table_equals_new_actives(spark: Any, kafka_
     """Issue 5, proof 1 for Spark: three nodes, one replica, the gateway following the map (mitigation off); a
     streaming query materializes items the lagging replicas lack; the node is killed and hard-failed over, the
     gateway publishes rollback records; the table (and the Replicator) end equal to the new actives' state."""
-    from tests.gateway.test_cluster import ClusterHarness
+    from tests.harness import ClusterHarness
 
     h = ClusterHarness(kafka_broker, tmp_path / "c", rollback_mitigation=False)
     table, chk = tmp_path / "table", tmp_path / "chk"

@@ -3,14 +3,65 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 from engine import DcpProducer, NotMyVBucket, RollbackRequired, StreamEnd, StreamEndReason, TemporaryFailure
 from engine.cluster.local import Cluster
+from engine.cluster.vbucket_map import VBucketMap
 from engine.kv.vbucket import VBucket, VBucketState
-from tests.engine.dcp_model import SnapshotConsumer
+from tests.engine.dcp_model import SnapshotConsumer, VBState
 
 
-class ClusterClient:
+class MapFollower:
+    """What a DCP client following the vbucket map does the same whether it reaches the nodes in process
+    (ClusterClient) or over TCP (process_model.ProcessClusterClient): which streams to (re)open, the fall back
+    to the last committed snapshot boundary, and the delivery of a producer's messages to the consumer."""
+
+    consumer: SnapshotConsumer
+    #: vbucket -> (node, producer) it streams from now
+    source: dict[int, tuple[str, Any]]
+
+    def _reset(self, vb: int) -> None:
+        raise NotImplementedError
+
+    def _rewind(self, vb: int) -> None:
+        """Back to the last committed snapshot boundary, the stream not open."""
+        st = self.consumer.vbs[vb]
+        st.open = False
+        st.pending.clear()
+        st.marker = None
+        b = st.history[-1][0]
+        st.position.seqno = st.position.snap_start = st.position.snap_end = b
+
+    def _streams_to_open(self, vbmap: VBucketMap) -> Iterator[tuple[int, VBState, str]]:
+        """(vbucket, its consumer state, the active node) of every stream to (re)open; a stream whose node is no
+        longer the active (or whose producer closed) is reset first."""
+        for vb, st in self.consumer.vbs.items():
+            src = self.source.get(vb)
+            if st.open and src is not None:
+                if not src[1].closed and vbmap.active(vb) == src[0]:
+                    continue
+                self._reset(vb)
+            elif not st.open and vb in self.source:
+                self._reset(vb)
+            node = vbmap.active(vb)
+            if node is None:
+                continue
+            yield vb, st, node
+
+    def _deliver(self, p: object, msgs: list[Any]) -> None:
+        """Hand ``p``'s messages to the consumer; a stream end other than OK resets the stream."""
+        for m in msgs:
+            src = self.source.get(m.vbucket)
+            if src is None or src[1] is not p:
+                continue  # the tail of a stream this client already moved away from
+            self.consumer.handle(m)
+            if isinstance(m, StreamEnd) and m.reason is not StreamEndReason.OK:
+                self._reset(m.vbucket)
+
+
+class ClusterClient(MapFollower):
     """A snapshot-aware DCP client (``SnapshotConsumer``) that streams every vbucket from its active node.
 
     On a stream end other than OK, or when the node it streamed from went away, it falls back to its last
@@ -32,12 +83,7 @@ class ClusterClient:
         if p is not None and not p.closed:
             with contextlib.suppress(NotMyVBucket):
                 p.close_stream(vb)
-        st = self.consumer.vbs[vb]
-        st.open = False
-        st.pending.clear()
-        st.marker = None
-        b = st.history[-1][0]
-        st.position.seqno = st.position.snap_start = st.position.snap_end = b
+        self._rewind(vb)
         self.source.pop(vb, None)
 
     def _producer(self, node: str) -> DcpProducer | None:
@@ -52,18 +98,7 @@ class ClusterClient:
         return p
 
     def open_streams(self) -> None:
-        vbmap = self.cluster.vbucket_map()
-        for vb, st in self.consumer.vbs.items():
-            src = self.source.get(vb)
-            if st.open and src is not None:
-                if not src[1].closed and vbmap.active(vb) == src[0]:
-                    continue
-                self._reset(vb)
-            elif not st.open and vb in self.source:
-                self._reset(vb)
-            node = vbmap.active(vb)
-            if node is None:
-                continue
+        for vb, st, node in self._streams_to_open(self.cluster.vbucket_map()):
             p = self._producer(node)
             if p is None:
                 continue
@@ -91,13 +126,7 @@ class ClusterClient:
                 if p.closed:
                     continue
                 msgs = p.step()
-                for m in msgs:
-                    src = self.source.get(m.vbucket)
-                    if src is None or src[1] is not p:
-                        continue  # the tail of a stream this client already moved away from
-                    self.consumer.handle(m)
-                    if isinstance(m, StreamEnd) and m.reason is not StreamEndReason.OK:
-                        self._reset(m.vbucket)
+                self._deliver(p, msgs)
                 p.buffer_acknowledge(sum(m.dcp_size for m in msgs))
                 moved += len(msgs)
             n += moved

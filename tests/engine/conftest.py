@@ -8,7 +8,9 @@ import pytest
 
 from engine import Bucket, BucketConfig
 from engine.cluster.local import Cluster
-from engine.network.process_cluster import ProcessCluster
+from engine.network.process_cluster import NodeProcess, ProcessCluster
+from tests.engine.nodes import CFG as NODE_CFG
+from tests.engine.nodes import NVB as NODE_NVB
 
 
 class FakeClock:
@@ -72,3 +74,20 @@ def make_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cal
                     assert node.bucket is not None
                     node.bucket.close(clean=False)
 
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
+    """``spawn(name="n0", **engine_settings)``: a started node process of ``tests.engine.nodes.NVB`` vbuckets
+    with ``tests.engine.nodes.CFG`` under ``tmp_path / name``; every one is killed after the test."""
+    started: list[NodeProcess] = []
+
+    def make(name: str = "n0", **cfg: Any) -> NodeProcess:
+        node = NodeProcess(name, tmp_path / name, NODE_NVB, {**NODE_CFG, **cfg})
+        started.append(node)
+        node.start()
+        return node
+
+    yield make
+    for node in started:
+        node.kill()

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Callable
+from types import TracebackType
 
-from engine import NotMyVBucket, RollbackRequired, StreamEnd, StreamEndReason, TemporaryFailure
+from engine import NotMyVBucket, RollbackRequired, TemporaryFailure
 from engine.network.process_cluster import ProcessCluster
 from engine.network.remote import RemoteDcpProducer
+from tests.engine.cluster_model import MapFollower
 from tests.engine.dcp_model import SnapshotConsumer
 
 
-class ProcessClusterClient:
+class ProcessClusterClient(MapFollower):
     """``cluster_model.ClusterClient`` over the network: a snapshot-aware DCP client (``SnapshotConsumer``)
     streaming every vbucket from its active node process. When a stream ends other than OK, or its node's
     connection drops (SIGKILL), it falls back to its last committed snapshot boundary, reloads the map and
@@ -31,12 +35,7 @@ class ProcessClusterClient:
             with contextlib.suppress(NotMyVBucket, TemporaryFailure):
                 src[1].close_stream(vb)
             src[1].discard_stream(vb)
-        st = self.consumer.vbs[vb]
-        st.open = False
-        st.pending.clear()
-        st.marker = None
-        b = st.history[-1][0]
-        st.position.seqno = st.position.snap_start = st.position.snap_end = b
+        self._rewind(vb)
 
     def _drop(self, node: str) -> None:
         p = self.producers.pop(node, None)
@@ -62,17 +61,7 @@ class ProcessClusterClient:
         for node in list(self.producers):
             if self.producers[node].closed or node not in self.cluster.nodes or not self.cluster.node(node).up:
                 self._drop(node)
-        for vb, st in self.consumer.vbs.items():
-            src = self.source.get(vb)
-            if st.open and src is not None:
-                if not src[1].closed and vbmap.active(vb) == src[0]:
-                    continue
-                self._reset(vb)
-            elif not st.open and vb in self.source:
-                self._reset(vb)
-            node = vbmap.active(vb)
-            if node is None:
-                continue
+        for vb, st, node in self._streams_to_open(vbmap):
             p = self._producer(node)
             if p is None:
                 continue
@@ -105,13 +94,7 @@ class ProcessClusterClient:
             except TemporaryFailure:
                 self._drop(node)
                 continue
-            for m in msgs:
-                src = self.source.get(m.vbucket)
-                if src is None or src[1] is not p:
-                    continue  # the tail of a stream this client already moved away from
-                self.consumer.handle(m)
-                if isinstance(m, StreamEnd) and m.reason is not StreamEndReason.OK:
-                    self._reset(m.vbucket)
+            self._deliver(p, msgs)
             moved += len(msgs)
         return moved
 
@@ -175,3 +158,47 @@ def assert_replicas_equal_actives(cluster: ProcessCluster) -> None:
             ri = cluster.client(r).vbucket_info(vb)
             assert ri.state.value == "replica", (vb, r, ri)
             assert (ri.high_seqno, ri.failover) == (ai.high_seqno, ai.failover), (vb, r, ri, ai)
+
+
+class BackgroundWriter:
+    """A thread writing key ``{prefix}{i % keys}`` = ``value(i)`` through the map while the ``with`` block runs.
+    A write refused with TMPFAIL or NOT_MY_VBUCKET (its vbucket blocked while it moves, or the map changed) is
+    not acknowledged: counted in ``refused`` and not retried. ``acked`` is the last acknowledged value of every key,
+    ``done`` how many writes were acknowledged, ``errors`` what else the thread raised (for the test to check)."""
+
+    def __init__(self, cluster: ProcessCluster, prefix: str, keys: int,
+                 value: Callable[[int], bytes] = lambda i: f'{{"i": {i}}}'.encode()) -> None:
+        self.cluster = cluster
+        self.prefix, self.keys, self.value = prefix, keys, value
+        self.acked: dict[str, bytes] = {}
+        self.refused = 0
+        self.done = 0
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        try:
+            while not self._stop.is_set():
+                k = f"{self.prefix}{i % self.keys}"
+                v = self.value(i)
+                try:
+                    self.cluster.write(k, v)
+                except (TemporaryFailure, NotMyVBucket):
+                    self.refused += 1
+                    time.sleep(0.002)
+                    continue
+                self.acked[k] = v
+                self.done += 1
+                i += 1
+        except BaseException as e:  # surfaced by the test
+            self.errors.append(e)
+
+    def __enter__(self) -> BackgroundWriter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(10)

@@ -4,44 +4,13 @@ stream status, failover logs, health, metrics, and a 4xx JSON error for every ki
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from gateway.broker import Broker
-from gateway.config import load_settings
 from gateway.service import GatewayService
-
-NVB = 8
-
-
-def run(broker: Broker, tmp: Path, scenario: Callable[[GatewayService, str, aiohttp.ClientSession],
-                                                      Awaitable[None]], **overrides: Any) -> None:
-    async def main() -> None:
-        settings = load_settings(None, data_dir=tmp / "data", bucket=f"api{uuid.uuid4().hex[:8]}",
-                                 num_vbuckets=NVB, http_port=0, **overrides)
-        svc = GatewayService(settings, broker.bootstrap_servers)
-        await svc.start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
-        finally:
-            await svc.stop()
-
-    asyncio.run(main())
-
-
-async def expect_error(resp: aiohttp.ClientResponse, status: int, code: str | None = None) -> dict[str, Any]:
-    assert resp.status == status, await resp.text()
-    assert resp.content_type == "application/json"
-    body = await resp.json()
-    assert set(body) >= {"error", "message"} and body["message"]
-    if code is not None:
-        assert body["error"] == code, body
-    return body
+from tests.gateway.api_harness import NVB, expect_error, run
 
 
 def test_document_crud_with_cas_and_expiry(kafka_broker: Broker, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import aiohttp
 
 from gateway.broker import Broker
 from gateway.service import GatewayService
-from tests.gateway.test_api import expect_error, run
+from tests.gateway.api_harness import caught_up, expect_error, run, run_cluster
 
 
 def test_durable_writes_and_their_errors_over_http(kafka_broker: Broker, tmp_path: Path) -> None:
@@ -69,9 +69,6 @@ def test_durable_writes_and_their_errors_over_http(kafka_broker: Broker, tmp_pat
 
 
 def test_durable_writes_over_http_in_cluster_mode_survive_failover(kafka_broker: Broker, tmp_path: Path) -> None:
-    from tests.gateway.test_cluster_api import caught_up
-    from tests.gateway.test_cluster_api import run as run_cluster
-
     async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
         cluster = svc.cluster
         assert cluster is not None
@@ -95,8 +92,6 @@ def test_durable_writes_over_http_in_cluster_mode_survive_failover(kafka_broker:
 
 
 def test_durable_write_whose_node_dies_is_ambiguous_over_http(kafka_broker: Broker, tmp_path: Path) -> None:
-    from tests.gateway.test_cluster_api import run as run_cluster
-
     async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
         cluster = svc.cluster
         assert cluster is not None

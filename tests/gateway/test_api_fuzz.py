@@ -31,7 +31,7 @@ from schemathesis.checks import content_type_conformance, status_code_conformanc
 from gateway.broker import Broker
 from gateway.config import load_settings
 from gateway.service import GatewayService
-from tests.gateway.test_api_input import engine_state
+from tests.gateway.api_harness import engine_state
 
 NVB = 8
 FUZZ = settings(max_examples=200, deadline=None, database=None, derandomize=True,

@@ -21,16 +21,8 @@ import gateway.api
 from gateway.broker import Broker
 from gateway.openapi import described, document
 from gateway.service import GatewayService
-from tests.gateway.test_api import expect_error
-from tests.gateway.test_api import run as run_single
-from tests.gateway.test_cluster_api import run as run_cluster
-
-
-def engine_state(svc: GatewayService) -> list[tuple[str, int, int]]:
-    """(node, vbucket, high seqno) of every live copy: any write changes it."""
-    buckets = ([("bucket", svc.bucket)] if svc.bucket is not None else
-               [(name, n.bucket) for name, n in sorted(svc.cluster.nodes.items()) if n.bucket is not None])  # type: ignore[union-attr]
-    return [(name, vb, b.vbucket_info(vb).high_seqno) for name, b in buckets for vb in range(svc.settings.num_vbuckets)]
+from tests.gateway.api_harness import engine_state, expect_error, run_cluster
+from tests.gateway.api_harness import run as run_single
 
 
 async def raw_http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -276,7 +268,7 @@ def test_sigint_stops_dcpgw_up_during_a_rebalance(kafka_broker: Broker, tmp_path
     import signal
     import urllib.request
 
-    from tests.gateway.test_gateway_process import GatewayProc
+    from tests.gateway.processes import GatewayProc
 
     data = tmp_path / "data"
     data.mkdir()

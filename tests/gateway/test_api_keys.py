@@ -10,7 +10,7 @@ from yarl import URL
 
 from gateway.broker import Broker
 from gateway.service import GatewayService
-from tests.gateway.test_api import expect_error, run
+from tests.gateway.api_harness import expect_error, run
 
 
 def test_non_utf8_key_is_rejected_and_does_not_alias_its_escaped_text(kafka_broker: Broker, tmp_path: Path) -> None:

@@ -14,8 +14,6 @@ import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 import pytest
 
 from gateway.broker import EmbeddedTansuBroker
-from tests.gateway.test_gateway_process import GatewayProc
+from tests.gateway.processes import GatewayProc, answer
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +44,7 @@ def brokers() -> Iterator[list[EmbeddedTansuBroker]]:
 
 
 def call(url: str) -> tuple[int, Any]:
-    t = time.monotonic()
-    try:
-        with urllib.request.urlopen(url, timeout=ANSWER_BOUND_S + 5) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except (TimeoutError, urllib.error.URLError) as e:
-        raise AssertionError(f"GET {url} not answered: {e}") from e
-    took = time.monotonic() - t
-    assert took < ANSWER_BOUND_S, f"GET {url} took {took:.2f} s"
+    status, _headers, raw, _took = answer(url, bound_s=ANSWER_BOUND_S)
     return status, json.loads(raw)
 
 

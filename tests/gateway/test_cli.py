@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 from confluent_kafka.admin import AdminClient
@@ -13,6 +11,7 @@ from typer.testing import CliRunner
 
 from gateway import __version__
 from gateway.cli import app
+from tests.gateway.processes import dcpgw_background
 
 
 def test_version_prints_the_package_version() -> None:
@@ -22,12 +21,7 @@ def test_version_prints_the_package_version() -> None:
 
 
 def test_broker_command_serves_until_interrupted() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "broker"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = dcpgw_background("broker", env=os.environ)
     try:
         assert proc.stdout is not None
         bootstrap = pid = None

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,15 +20,13 @@ from typing import Any
 import pytest
 
 from gateway.broker import Broker
-
-#: environment without any broker / gateway setting of the caller
-_CLEAN_ENV = {k: v for k, v in os.environ.items()
-              if not k.startswith("DCPGW_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "CALF_TANSU_BIN")}
+from tests.gateway import processes
+from tests.gateway.processes import CLEAN_ENV, GatewayProc, dcpgw_background
 
 
 def dcpgw(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env={**_CLEAN_ENV, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    """``dcpgw ARGS`` with CLEAN_ENV and ``env``."""
+    return processes.dcpgw(*args, env={**CLEAN_ENV, **env}, timeout=timeout)
 
 
 def one_error_line(res: subprocess.CompletedProcess[str]) -> str:
@@ -144,24 +141,14 @@ def test_tail_and_replicate_with_unreachable_kafka(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------- dcpgw load
 @pytest.fixture
 def gateway(kafka_broker: Broker, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    data = tmp_path / "gw"
-    env = {**_CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers,
-           "DCPGW_DATA_DIR": str(data), "DCPGW_BUCKET": f"l{uuid.uuid4().hex[:8]}", "DCPGW_NUM_VBUCKETS": "8",
-           "DCPGW_HTTP_PORT": "0"}
-    with open(tmp_path / "gw.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--no-progress"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=log)
+    gw = GatewayProc(kafka_broker, tmp_path / "gw", f"l{uuid.uuid4().hex[:8]}", nvb=8, base_env=CLEAN_ENV,
+                     checkpoint_interval_s=None)
+    gw.start()
     try:
-        state = data / "dcpgw-state.json"
-        deadline = time.monotonic() + 60
-        while not state.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "gw.log").read_text()[-3000:]
-            time.sleep(0.1)
-        yield proc, json.loads(state.read_text())["http_url"]
+        assert gw.proc is not None
+        yield gw.proc, gw.url
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        gw.close()
 
 
 def _exists(url: str, key: str) -> bool:
@@ -175,9 +162,7 @@ def _exists(url: str, key: str) -> bool:
 
 def _load_until_written(url: str, *args: str) -> subprocess.Popen[str]:
     """A running `dcpgw load` of many documents, once the gateway holds some of them."""
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "load", "--url", url, "--docs", "10000000",
-                             "--batch", "200", "--size", "64", *args],
-                            env=_CLEAN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = dcpgw_background("load", "--url", url, "--docs", "10000000", "--batch", "200", "--size", "64", *args)
     deadline = time.monotonic() + 60
     prefix = args[args.index("--prefix") + 1]
     while not _exists(url, f"{prefix}399"):  # two batches acknowledged

@@ -6,112 +6,16 @@ from __future__ import annotations
 
 import os
 import random
-import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from engine import EngineError
-from engine.cluster.local import Cluster
-from gateway.broker import Broker
 from gateway.invariants import check_partition
-from gateway.publisher import Publisher
-from gateway.resume import ensure_topics, recover_positions
-from schemas.records import DecodedRecord, RecordType, ValueFormat
-from tests.gateway.kafka_util import TopicChecks, TopicReplica
-from tests.harness import producer_conf
-
-NVB = 8
-
-
-class ClusterHarness(TopicChecks):
-    """Three nodes, one replica, one gateway publisher following the map into a fresh topic."""
-
-    def __init__(self, broker: Broker, tmp: Path, *, nodes: int = 3, replicas: int = 1, **pub_kw: Any) -> None:
-        self.broker = broker
-        self.tmp = tmp
-        self.cluster = Cluster.create(tmp / "cluster", nodes=nodes, replicas=replicas, num_vbuckets=NVB)
-        self.client = {"bootstrap.servers": broker.bootstrap_servers}
-        self.topic = f"dcp.cl{uuid.uuid4().hex[:10]}"
-        self.partitions = ensure_topics(self.client, self.topic, NVB)
-        self.pub_kw = pub_kw
-        self.old: list[Publisher] = []
-        self.pub = self.new_publisher()
-        self.written = 0
-
-    def new_publisher(self) -> Publisher:
-        positions = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, self.partitions, NVB)
-        p = Publisher(self.cluster, producer_conf(self.broker), self.topic, self.partitions,
-                      self.pub_kw.get("encoder") or _encoder(), positions,
-                      **{k: v for k, v in self.pub_kw.items() if k != "encoder"})
-        p.open()
-        return p
-
-    def write(self, n: int, prefix: str = "k") -> None:
-        """``n`` writes through the map (every fifth key of the batch is deleted again)."""
-        for i in range(self.written, self.written + n):
-            self.cluster.write(f"{prefix}{i % 150}", f'{{"n": {i}}}'.encode())
-            if i % 5 == 0:
-                self.cluster.delete(f"{prefix}{i % 150}")
-        self.written += n
-
-    def publish(self, rounds: int = 20_000) -> None:
-        """Pump the publisher (not replication) until it has nothing left to send and Kafka acknowledged all."""
-        for _ in range(rounds):
-            n = self.pub.pump()
-            if n == 0 and self.pub.inflight == 0:
-                return
-            if n == 0:
-                self.pub.kafka.poll(0.01)
-        raise AssertionError("publisher never settled")
-
-    def settle(self) -> None:
-        """Replication and publishing until both are idle (mitigation waits for the replicas' persistence)."""
-        for _ in range(1000):
-            self.cluster.settle()
-            self.publish()
-            if self.pub.held == 0 and not self.cluster.pump(rounds=4):
-                self.publish()
-                return
-        raise AssertionError("cluster + gateway never settled")
-
-    def actives(self) -> dict[bytes, tuple[bytes, int]]:
-        """Every live document of the cluster, read from each vbucket's active node."""
-        out: dict[bytes, tuple[bytes, int]] = {}
-        for name in sorted(self.cluster.nodes):
-            node = self.cluster.nodes[name]
-            if node.up and node.bucket is not None:
-                out.update(node.bucket.state_snapshot())
-        return out
-
-    def close(self) -> None:
-        self.pub.close(timeout=5)
-        self.cluster.close()
-
-
-def _encoder() -> Any:
-    from schemas.codec import RecordEncoder
-
-    return RecordEncoder(ValueFormat.AVRO)
-
-
-@pytest.fixture
-def cluster_harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Any]:
-    made: list[ClusterHarness] = []
-
-    def make(**kw: Any) -> ClusterHarness:
-        h = ClusterHarness(kafka_broker, tmp_path / f"c{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    try:
-        yield make
-    finally:
-        for h in made:
-            h.close()
+from schemas.records import DecodedRecord, RecordType
+from tests.gateway.kafka_util import TopicReplica
+from tests.harness import CLUSTER_NVB as NVB
+from tests.harness import ClusterHarness
 
 
 def _rollbacks(recs: list[tuple[int, int, DecodedRecord]]) -> list[DecodedRecord]:

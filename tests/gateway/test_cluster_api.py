@@ -8,48 +8,16 @@ import asyncio
 import contextlib
 import json
 import sys
-import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
 from gateway.broker import Broker
-from gateway.config import load_settings
 from gateway.service import GatewayService
-from tests.gateway.test_api import expect_error
+from tests.gateway.api_harness import NVB, caught_up, expect_error
+from tests.gateway.api_harness import run_cluster as run
 
-NVB = 8
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run(broker: Broker, tmp: Path, scenario: Callable[[GatewayService, str, aiohttp.ClientSession],
-                                                      Awaitable[None]], **overrides: Any) -> None:
-    async def main() -> None:
-        opts: dict[str, Any] = {"cluster_nodes": 3, "cluster_replicas": 1, **overrides}
-        settings = load_settings(None, data_dir=tmp / "data", bucket=f"cl{uuid.uuid4().hex[:8]}",
-                                 num_vbuckets=NVB, http_port=0, **opts)
-        svc = GatewayService(settings, broker.bootstrap_servers)
-        await svc.start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
-        finally:
-            await svc.stop()
-
-    asyncio.run(main())
-
-
-async def caught_up(http: aiohttp.ClientSession, url: str, tries: int = 400) -> dict[str, Any]:
-    for _ in range(tries):
-        st = await (await http.get(f"{url}/cluster")).json()
-        stats = await (await http.get(f"{url}/stats")).json()
-        if stats["lag"] == 0 and stats["inflight"] == 0 and st["gateway"]["following_map"] == NVB - len(
-                st["vbuckets_without_active"]):
-            return dict(st)
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the gateway never caught up: {st} {stats}")
 
 
 async def cli(*args: str) -> tuple[int, str, str]:

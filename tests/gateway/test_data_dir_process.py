@@ -9,8 +9,6 @@ refuses instead of ignoring that data; a cluster whose map file was emptied come
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -20,7 +18,7 @@ import pytest
 
 from engine.cluster.local import MAP_FILE
 from gateway.broker import Broker
-from tests.gateway.test_gateway_process import NVB, GatewayProc, docs
+from tests.gateway.processes import NVB, GatewayProc, dcpgw, docs, request
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +26,12 @@ pytestmark = pytest.mark.slow
 def _up(gw: GatewayProc, *args: str, timeout: float = 10.0) -> tuple[int, str, float]:
     """Run another `dcpgw up` with ``gw``'s environment; it must exit by itself within ``timeout``."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "gateway.cli", "up", "--no-progress", *args], env=gw.env,
-                       capture_output=True, timeout=timeout + 20)
-    return p.returncode, p.stderr.decode(), time.monotonic() - t0
+    p = dcpgw("up", "--no-progress", *args, env=gw.env, timeout=timeout + 20)
+    return p.returncode, p.stderr, time.monotonic() - t0
 
 
 def _get(gw: GatewayProc, key: str) -> bytes:
-    with urllib.request.urlopen(f"{gw.url}/docs/{key}", timeout=10) as r:
-        return bytes(r.read())
+    return request(f"{gw.url}/docs/{key}")
 
 
 def test_second_up_on_one_data_dir_refuses_and_the_first_keeps_its_writes(kafka_broker: Broker,

@@ -13,7 +13,8 @@ from engine.exceptions import KeyNotFound
 from engine.kv.durability import Durability, Level, ManualClock, SyncWriteState
 from gateway.broker import Broker
 from schemas.records import RecordType
-from tests.gateway.test_cluster import NVB, ClusterHarness
+from tests.harness import CLUSTER_NVB as NVB
+from tests.harness import ClusterHarness
 
 
 def _keys_on(h: ClusterHarness, vbs: set[int], prefix: str, n: int) -> list[str]:

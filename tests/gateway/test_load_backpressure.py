@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -21,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from gateway.broker import EmbeddedTansuBroker
-from tests.gateway.test_cli_errors import _CLEAN_ENV
-from tests.gateway.test_gateway_process import GatewayProc, verify
+from tests.gateway import processes
+from tests.gateway.processes import GatewayProc, dcpgw_background, request, verify
 
 pytestmark = pytest.mark.slow
 
@@ -33,27 +32,20 @@ BATCH = 50
 
 @pytest.fixture
 def private_broker() -> Iterator[EmbeddedTansuBroker]:
-    broker = EmbeddedTansuBroker().start()
-    try:
+    with processes.private_broker() as broker:
         yield broker
-    finally:
-        if broker.paused:
-            broker.resume()
-        broker.stop()
 
 
 def load(url: str, prefix: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "load", "--url", url, "--docs", str(DOCS),
-                             "--batch", str(BATCH), "--size", "200", "--prefix", prefix, *args],
-                            env=_CLEAN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return dcpgw_background("load", "--url", url, "--docs", str(DOCS), "--batch", str(BATCH), "--size", "200",
+                            "--prefix", prefix, *args)
 
 
 def refused_503(url: str) -> float:
     """How many write requests the gateway answered 503 so far (its Prometheus counter)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith('dcpgw_http_errors_total{status="503"}'):
-                return float(line.split()[-1])
+    for line in request(url + "/metrics").decode().splitlines():
+        if line.startswith('dcpgw_http_errors_total{status="503"}'):
+            return float(line.split()[-1])
     return 0.0
 
 

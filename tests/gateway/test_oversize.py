@@ -10,7 +10,6 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,84 +23,23 @@ from connectors.client.replay import Oversize, Snapshot
 from engine import Bucket, BucketConfig, KeyNotFound
 from gateway.broker import Broker
 from gateway.config import load_settings
-from gateway.invariants import check_partition, data_positions
 from gateway.publisher import Publisher
 from gateway.resume import ensure_topics, recover_positions
 from gateway.service import GatewayService
 from schemas.codec import RecordEncoder
-from schemas.records import DecodedRecord, RecordType
-from tests.gateway.kafka_util import read_topic
-
-NVB = 4
-MIB = 1024 * 1024
-#: a producer limited on purpose (kafka.extra): Kafka refuses records above it (docs/kafka-compat.md: the
-#: embedded Tansu broker enforces no record size limit of its own, so the producer's is the one that bites)
-SMALL_LIMIT = 200_000
-
-
-def key_in(bucket: Bucket, vb: int, prefix: str) -> str:
-    """A key of vbucket ``vb``."""
-    for i in range(100_000):
-        k = f"{prefix}{i}"
-        if bucket.vbucket_of(k) == vb:
-            return k
-    raise AssertionError("no key found")
-
-
-def latest_records(records: list[tuple[int, int, DecodedRecord]]) -> dict[bytes, DecodedRecord]:
-    """key -> the last data or oversize record of it in the topic (rollbacks aside: none in these tests)."""
-    out: dict[bytes, DecodedRecord] = {}
-    for _p, _o, r in records:
-        if (r.is_data or r.type is RecordType.OVERSIZE) and r.key is not None:
-            out[r.key] = r
-    return out
-
-
-def check_topic(bootstrap: str, topic: str) -> list[tuple[int, int, DecodedRecord]]:
-    records = read_topic(bootstrap, topic)
-    for p in {p for p, _o, _r in records}:
-        check_partition([(o, r) for q, o, r in records if q == p])
-    dup = [k for k, n in data_positions(records).items() if n > 1]
-    assert not dup, f"duplicate (vbucket, vbuuid, seqno): {dup[:5]}"
-    return records
-
-
-# ------------------------------------------------------------------------------------------ the service
-def run(broker: Broker, tmp: Path, bucket: str,
-        scenario: Callable[[GatewayService, str, aiohttp.ClientSession], Awaitable[None]], **overrides: Any) -> None:
-    async def main() -> None:
-        s = load_settings(None, data_dir=tmp / "data", bucket=bucket, num_vbuckets=NVB, http_port=0, **overrides)
-        svc = GatewayService(s, broker.bootstrap_servers)
-        await svc.start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
-        finally:
-            await svc.stop()
-
-    asyncio.run(main())
-
-
-async def settled(svc: GatewayService, timeout: float = 60.0) -> None:
-    """Wait until every engine item is acknowledged by Kafka (a generous bound: proves "did not wedge")."""
-    pub = svc.publisher
-    assert pub is not None
-    deadline = time.monotonic() + timeout
-    while True:
-        if pub.lag()[0] == 0 and pub.inflight == 0:
-            return
-        assert pub.error is None, pub.error
-        assert time.monotonic() < deadline, f"publishing wedged: lag {pub.lag()}, in flight {pub.inflight}"
-        await asyncio.sleep(0.05)
-
-
-def lag_of(pub: Publisher, vb: int) -> int:
-    return int(pub.status(vb)["lag"])
-
-
-async def put(http: aiohttp.ClientSession, url: str, key: str, body: bytes) -> None:
-    async with http.put(f"{url}/docs/{key}", data=body) as r:
-        assert r.status == 200, await r.text()
+from schemas.records import RecordType
+from tests.gateway.oversize_harness import (
+    MIB,
+    NVB,
+    SMALL_LIMIT,
+    check_topic,
+    key_in,
+    lag_of,
+    latest_records,
+    put,
+    run,
+    settled,
+)
 
 
 @pytest.mark.slow

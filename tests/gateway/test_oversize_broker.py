@@ -32,7 +32,7 @@ from gateway.broker import Broker, ExternalBroker
 from gateway.resume import ensure_topics
 from gateway.service import GatewayService
 from schemas.records import RecordType
-from tests.gateway.test_oversize import (
+from tests.gateway.oversize_harness import (
     NVB,
     SMALL_LIMIT,
     check_topic,

@@ -19,7 +19,7 @@ import pytest
 from gateway.broker import Broker
 from gateway.service import GatewayService
 from schemas.records import RecordType
-from tests.gateway.test_oversize import (
+from tests.gateway.oversize_harness import (
     NVB,
     SMALL_LIMIT,
     check_topic,

@@ -5,8 +5,6 @@ and 2 with separate processes; docs/gateway-cluster.md "Process clusters")."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 import uuid
 from collections import Counter
@@ -16,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine import KeyNotFound, NotMyVBucket, TemporaryFailure
+from engine import KeyNotFound
 from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
 from gateway.publisher import Publisher
@@ -24,9 +22,9 @@ from gateway.resume import ensure_topics, recover_positions
 from gateway.source import ProcessClusterSource
 from schemas.codec import RecordEncoder
 from schemas.records import DecodedRecord, RecordType, ValueFormat
-from tests.engine.process_model import actives_state
+from tests.engine.process_model import BackgroundWriter, actives_state
 from tests.gateway.kafka_util import TopicChecks
-from tests.harness import producer_conf
+from tests.harness import harnesses, producer_conf
 
 pytestmark = pytest.mark.slow
 
@@ -142,20 +140,14 @@ class ProcessHarness(TopicChecks):
 @pytest.fixture
 def process_harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Callable[..., ProcessHarness]]:
     made: list[ProcessHarness] = []
+    with harnesses(kafka_broker, tmp_path, ProcessHarness, prefix="c") as make:
+        def track(**kw: Any) -> ProcessHarness:
+            made.append(make(**kw))
+            return made[-1]
 
-    def make(**kw: Any) -> ProcessHarness:
-        h = ProcessHarness(kafka_broker, tmp_path / f"c{len(made)}", **kw)
-        made.append(h)
-        return h
-
-    try:
-        yield make
-    finally:
-        for h in made:
-            with contextlib.suppress(Exception):
-                h.close()
-        for h in made:
-            assert not any(n.up for n in h.cluster.nodes.values()), "a node process survived the test"
+        yield track
+    for h in made:
+        assert not any(n.up for n in h.cluster.nodes.values()), "a node process survived the test"
 
 
 def _rollbacks(recs: Records) -> list[DecodedRecord]:
@@ -217,40 +209,14 @@ def test_sigkill_and_hard_failover_with_lagging_replicas(process_harness) -> Non
 def test_graceful_failover_under_writes_no_rollback_no_duplicate(process_harness) -> None:
     h: ProcessHarness = process_harness(rollback_mitigation=False)
     c = h.cluster
-    acked: dict[str, bytes] = {}
-    refused = [0]
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def writer() -> None:
-        i = 0
-        try:
-            while not stop.is_set():
-                k = f"w{i % 96}"
-                v = f'{{"i": {i}}}'.encode()
-                try:
-                    c.write(k, v)
-                except (TemporaryFailure, NotMyVBucket):
-                    refused[0] += 1  # blocked while its vbucket moves, or the map changed: not acknowledged
-                    time.sleep(0.002)
-                    continue
-                acked[k] = v
-                i += 1
-        except BaseException as e:  # surfaced by the test
-            errors.append(e)
-
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    try:
+    with BackgroundWriter(c, "w", 96) as w:
+        acked = w.acked
         h.pump_for(1.0)
         assert len(acked) >= 50
         report = c.failover("n2", graceful=True)  # the writer goes on while the replicas catch up
         n = len(acked)
         h.pump_for(1.0)
-    finally:
-        stop.set()
-        t.join(10)
-    assert not errors, errors
+    assert not w.errors, w.errors
     assert len(acked) >= n
     h.keys.update(acked)
     assert report.graceful and report.promoted
@@ -269,7 +235,7 @@ def test_graceful_failover_under_writes_no_rollback_no_duplicate(process_harness
     with h.replicate() as rep:
         assert not rep.rollbacks
         assert rep.docs() == expected
-    print(f"\ngraceful failover under writes: {len(acked)} keys, {refused[0]} writes refused, "
+    print(f"\ngraceful failover under writes: {len(acked)} keys, {w.refused} writes refused, "
           f"{c.graceful_reactivations} vbuckets re-activated, {len(data)} data records")
 
 
@@ -320,39 +286,15 @@ def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(process_harn
     actives, every acknowledged write present, no failover entry."""
     h: ProcessHarness = process_harness(rollback_mitigation=False)
     c = h.cluster
-    acked: dict[str, bytes] = {}
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def writer() -> None:
-        i = 0
-        try:
-            while not stop.is_set():
-                k = f"r{i % 96}"
-                v = f'{{"i": {i}}}'.encode()
-                try:
-                    c.write(k, v)
-                except (TemporaryFailure, NotMyVBucket):
-                    time.sleep(0.002)  # its vbucket is being taken over, or the map just changed
-                    continue
-                acked[k] = v
-                i += 1
-        except BaseException as e:  # surfaced by the test
-            errors.append(e)
-
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    try:
+    with BackgroundWriter(c, "r", 96) as w:  # a refused write: its vbucket is being taken over, or the map changed
+        acked = w.acked
         h.pump_for(0.5)
         logs = {vb: c.client(c.vbucket_map().active(vb) or "").failover_log(vb) for vb in range(NVB)}
         pub = h.publisher
         first = c.rebalance(add=["n3"], progress=lambda _p: [pub.pump() for _ in range(3)])
         second = c.rebalance(remove=["n0"], progress=lambda _p: [pub.pump() for _ in range(3)])
         h.pump_for(0.5)
-    finally:
-        stop.set()
-        t.join(10)
-    assert not errors, errors
+    assert not w.errors, w.errors
     assert first.status == second.status == "done" and first.moved > 0 and second.moved > 0
     assert "n0" not in c.vbucket_map().nodes and c.vbucket_map().vbuckets_of("n3", slot=0)
     h.keys.update(acked)

@@ -17,7 +17,8 @@ from engine.exceptions import KeyNotFound
 from gateway.invariants import check_partition
 from schemas.records import RecordType
 from tests.gateway.kafka_util import TopicReplica
-from tests.gateway.test_cluster import NVB, ClusterHarness, cluster_harness  # noqa: F401 (fixture)
+from tests.harness import CLUSTER_NVB as NVB
+from tests.harness import ClusterHarness
 
 
 class AckedWriter:
@@ -64,7 +65,7 @@ def _run_rebalance(h: ClusterHarness, w: AckedWriter, **kw: Any) -> None:
 
 
 @pytest.mark.parametrize("mitigation", [False, True])
-def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(cluster_harness, mitigation: bool) -> None:  # noqa: F811
+def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(cluster_harness, mitigation: bool) -> None:
     h: ClusterHarness = cluster_harness(rollback_mitigation=mitigation)
     c = h.cluster
     w = AckedWriter(h)
@@ -105,7 +106,7 @@ _SCHEDULES = [(seed, seed % 2 == 0, seed % 4 in (2, 3))
 
 
 @pytest.mark.parametrize(("seed", "mitigation", "faults"), _SCHEDULES)
-def test_random_rebalance_schedules(cluster_harness, seed: int, mitigation: bool, faults: bool) -> None:  # noqa: F811
+def test_random_rebalance_schedules(cluster_harness, seed: int, mitigation: bool, faults: bool) -> None:
     """Random schedules of writes, partial replication, publisher pumps and rebalances in / out (new nodes and
     nodes removed earlier), with crashes, restarts and failovers when ``faults``. Every partition keeps its
     invariants and the topic replica equals the actives; without faults no rollback record and no data record

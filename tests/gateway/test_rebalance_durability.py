@@ -23,7 +23,8 @@ from engine.exceptions import DurabilityImpossible, KeyNotFound, SyncWriteInProg
 from engine.kv.durability import Durability, Level, ManualClock, SyncWrite, SyncWriteState
 from schemas.records import RecordType
 from tests.gateway.kafka_util import TopicReplica
-from tests.gateway.test_cluster import NVB, ClusterHarness, cluster_harness  # noqa: F401 (fixture)
+from tests.harness import CLUSTER_NVB as NVB
+from tests.harness import ClusterHarness
 
 _LEVELS = (Level.MAJORITY, Level.MAJORITY_AND_PERSIST_TO_ACTIVE, Level.PERSIST_TO_MAJORITY)
 
@@ -231,7 +232,7 @@ _CASES = [(seed, failover) for seed in range(4, 4 + int(os.environ.get("GATEWAY_
 
 @pytest.mark.parametrize(("seed", "failover"), _CASES)
 def test_rebalance_in_and_out_with_sync_writes_loses_no_acknowledged_write(
-        cluster_harness, seed: int, failover: bool) -> None:  # noqa: F811
+        cluster_harness, seed: int, failover: bool) -> None:
     """n3 in then n1 out under plain writes and sync writes of all three levels (durable deletes, timeouts);
     with ``failover`` a node is then hard-failed over with sync writes in flight. Every acknowledged durable
     write (and every plain write not overwritten) is in the actives, in Kafka and in the Replicator; every

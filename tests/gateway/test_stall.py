@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,8 @@ from typing import Any
 import pytest
 
 from gateway.broker import EmbeddedTansuBroker
-from tests.gateway.test_gateway_process import GatewayProc, _cli, verify
+from tests.gateway import processes
+from tests.gateway.processes import GatewayProc, answer, dcpgw, verify
 
 pytestmark = pytest.mark.slow
 
@@ -27,28 +26,13 @@ ANSWER_BOUND_S = 3.0
 
 @pytest.fixture(scope="module")
 def private_broker() -> Iterator[EmbeddedTansuBroker]:
-    broker = EmbeddedTansuBroker().start()
-    try:
+    with processes.private_broker() as broker:
         yield broker
-    finally:
-        if broker.paused:
-            broker.resume()
-        broker.stop()
 
 
 def call(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, dict[str, str], Any, float]:
     """(status, headers, JSON body, seconds); fails the test if the request is not answered in time."""
-    req = urllib.request.Request(url, data=body, method=method)
-    t = time.monotonic()
-    try:
-        with urllib.request.urlopen(req, timeout=ANSWER_BOUND_S + 5) as r:
-            status, headers, raw = r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as e:
-        status, headers, raw = e.code, dict(e.headers), e.read()
-    except TimeoutError as e:  # pragma: no cover - the failure this file is about
-        raise AssertionError(f"{method} {url} not answered within {ANSWER_BOUND_S + 5} s") from e
-    took = time.monotonic() - t
-    assert took < ANSWER_BOUND_S, f"{method} {url} took {took:.2f} s"
+    status, headers, raw, took = answer(url, method, body, bound_s=ANSWER_BOUND_S)
     try:
         parsed = json.loads(raw)
     except ValueError:
@@ -183,17 +167,17 @@ def test_stalled_vbucket_threshold_and_gauges(private_broker: EmbeddedTansuBroke
             assert gauge("dcpgw_oldest_unacked_record_age_seconds") >= 3
             assert call(url + "/health/live")[0] == 200
             # dcpgw status shows the readiness and its reasons
-            r = _cli("status", "--json", "--url", url)
+            r = dcpgw("status", "--json", "--url", url)
             assert r.returncode == 0, r.stderr
             ready = json.loads(r.stdout)["ready"]
             assert ready["status"] == "failing" and any(x.startswith("vbuckets_stalled") for x in ready["reasons"])
-            r = _cli("status", "--url", url, "--top", "0")
+            r = dcpgw("status", "--url", url, "--top", "0")
             assert r.returncode == 0 and "not ready because" in r.stdout, r.stdout + r.stderr
         finally:
             private_broker.resume()
         wait_for(lambda: call(url + "/health/ready")[0] == 200, 60, "/health/ready back to 200")
         gw.wait_caught_up()
-        r = _cli("status", "--json", "--url", url)
+        r = dcpgw("status", "--json", "--url", url)
         ready = json.loads(r.stdout)["ready"]
         assert r.returncode == 0 and ready["status"] == "ok" and ready["reasons"] == [], r.stdout
         wait_for(lambda: gauge("dcpgw_stalled_vbuckets") == 0, 10, "no stalled vbucket")

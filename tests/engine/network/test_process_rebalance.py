@@ -20,9 +20,9 @@ from engine import NotMyVBucket, TemporaryFailure, VBucketState
 from engine.cluster.rebalance import RebalanceProgress
 from engine.exceptions import InvalidArgument
 from engine.network.process_cluster import ProcessCluster
+from tests.engine.network.process_campaign import _OPS as _PC_OPS
+from tests.engine.network.process_campaign import Campaign
 from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
-from tests.engine.test_process_cluster import _OPS as _PC_OPS
-from tests.engine.test_process_cluster import Campaign
 
 NVB = 8
 CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2}

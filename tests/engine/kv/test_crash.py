@@ -14,12 +14,12 @@ import pytest
 from engine import Bucket, BucketConfig, FailoverEntry, Item, KeyNotFound, Op, SnapshotFlags, SnapshotMarker
 from tests.engine.dcp_model import SnapshotConsumer
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run_child(data_dir: Path, n_persisted: int, n_unpersisted: int) -> list[dict]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.engine.crash_child", str(data_dir), str(n_persisted), str(n_unpersisted)],
+        [sys.executable, "-m", "tests.engine.kv.crash_child", str(data_dir), str(n_persisted), str(n_unpersisted)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     lines: list[dict] = []

@@ -6,7 +6,6 @@ import shutil
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,60 +26,12 @@ from engine import (
     StreamEnd,
     StreamEndReason,
     VBucketState,
-    vbucket_of,
 )
 from engine.exceptions import InvalidArgument, UnknownCommand
-from engine.network.process_cluster import NodeProcess
 from engine.network.protocol import HEADER_LEN, Opcode, decode_frame, request
-from engine.network.remote import NodeUnavailable, RemoteDcpProducer
+from engine.network.remote import NodeUnavailable
 from tests.engine.dcp_model import SnapshotConsumer
-
-NVB = 4
-CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2, "seed": 11}
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
-    started: list[NodeProcess] = []
-
-    def make(name: str = "n0", **cfg: Any) -> NodeProcess:
-        node = NodeProcess(name, tmp_path / name, NVB, {**CFG, **cfg})
-        started.append(node)
-        node.start()
-        return node
-
-    yield make
-    for node in started:
-        node.kill()
-
-
-def keys_on(vb: int, n: int, prefix: str = "k") -> list[str]:
-    out: list[str] = []
-    i = 0
-    while len(out) < n:
-        k = f"{prefix}{i}"
-        if vbucket_of(k.encode(), NVB) == vb:
-            out.append(k)
-        i += 1
-    return out
-
-
-def drain(p: RemoteDcpProducer, until: Callable[[list[Any]], bool], timeout: float = 10.0) -> list[Any]:
-    got: list[Any] = []
-    deadline = time.monotonic() + timeout
-    while not until(got):
-        assert time.monotonic() < deadline, f"timed out with {got[-5:]}"
-        msgs = p.step()
-        got.extend(msgs)
-        p.buffer_acknowledge(sum(m.dcp_size for m in msgs))
-    return got
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+from tests.engine.nodes import CFG, NVB, drain, keys_on, wait_for
 
 
 def test_front_end_ops(spawn) -> None:

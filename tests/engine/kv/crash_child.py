@@ -1,6 +1,6 @@
 """Child process for the SIGKILL crash tests: writes, flushes part, streams everything to stdout, waits.
 
-Usage: python -m tests.engine.crash_child DATA_DIR N_PERSISTED N_UNPERSISTED
+Usage: python -m tests.engine.kv.crash_child DATA_DIR N_PERSISTED N_UNPERSISTED
 Each DCP message is printed as one JSON line; then ``READY`` and the process sleeps until killed.
 """
 

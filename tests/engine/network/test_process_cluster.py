@@ -3,38 +3,30 @@ client over TCP following the map, and a hypothesis campaign over random crash /
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import KeyNotFound, MutationToken, NotMyVBucket, TemporaryFailure, VBucketState
+from engine import KeyNotFound, MutationToken, NotMyVBucket, VBucketState
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument
 from engine.network.process_cluster import MAP_FILE, ProcessCluster
-from tests.engine.process_model import ProcessClusterClient, actives_state, assert_replicas_equal_actives
-
-NVB = 8
-CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2}
-
+from tests.engine.network.process_campaign import CFG, NVB, Campaign, op
+from tests.engine.nodes import wait_for as _wait
+from tests.engine.process_model import (
+    BackgroundWriter,
+    ProcessClusterClient,
+    actives_state,
+    assert_replicas_equal_actives,
+)
 
 #: make_cluster() (tests/engine/conftest.py) starts node processes with these options
 CLUSTER = ProcessCluster
 CLUSTER_DEFAULTS: dict[str, Any] = {**CFG, "num_vbuckets": NVB}
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_start_routes_and_replicates(make_cluster) -> None:
@@ -133,39 +125,15 @@ def test_graceful_failover_loses_nothing_and_needs_no_rollback(make_cluster) -> 
 def test_graceful_failover_under_writes_loses_nothing(make_cluster) -> None:
     c = make_cluster(nodes=3, replicas=1)
     client = ProcessClusterClient(c, "client")
-    acked: dict[str, bytes] = {}
-    refused = [0]
-    done = [0]
-    stop = threading.Event()
-
-    def writer() -> None:
-        i = 0
-        while not stop.is_set():
-            k = f"w{i % 64}"
-            v = f"v{i}".encode()
-            try:
-                c.write(k, v)
-            except (TemporaryFailure, NotMyVBucket):
-                refused[0] += 1  # blocked while its vbucket moves, or the map changed: not acknowledged
-                time.sleep(0.002)
-                continue
-            acked[k] = v
-            done[0] += 1
-            i += 1
-
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    try:
+    with BackgroundWriter(c, "w", 64, value=lambda i: f"v{i}".encode()) as w:
+        acked = w.acked
         _wait(lambda: len(acked) >= 64)
         client.poll_once()
         report = c.failover("n2", graceful=True)
-        n = done[0]
-        _wait(lambda: done[0] >= n + 100)  # the writes go on, to the new actives
-    finally:
-        stop.set()
-        t.join(10)
+        n = w.done
+        _wait(lambda: w.done >= n + 100)  # the writes go on, to the new actives
     print(f"\ngraceful failover under writes: {c.graceful_reactivations} vbuckets re-activated, "
-          f"{refused[0]} writes refused, {done[0]} acknowledged")
+          f"{w.refused} writes refused, {w.done} acknowledged")
     assert all(e is None for e in report.entries.values())  # takeover: no new branch
     c.settle()
     expected = actives_state(c)
@@ -229,181 +197,7 @@ def test_restart_after_sigkill_replicas_roll_back(make_cluster) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- campaign
-KEYS = [f"k{i}" for i in range(24)]
-
-_OPS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
-    "write": st.tuples(st.just("write"), st.sampled_from(KEYS), st.binary(min_size=1, max_size=6)),
-    "burst": st.tuples(st.just("burst"), st.integers(2, 12)),
-    "delete": st.tuples(st.just("delete"), st.sampled_from(KEYS)),
-    "pause": st.tuples(st.just("pause"), st.integers(0, 3)),
-    "resume": st.tuples(st.just("resume"), st.integers(0, 3)),
-    "persistence": st.tuples(st.just("persistence"), st.integers(0, 3), st.booleans()),
-    "client": st.tuples(st.just("client"), st.integers(0, 1)),
-    "wait": st.tuples(st.just("wait"), st.sampled_from([0.0, 0.02, 0.1])),
-    "kill": st.tuples(st.just("kill"), st.integers(0, 3)),
-    "restart": st.tuples(st.just("restart"), st.integers(0, 3)),
-    "hard_failover": st.tuples(st.just("hard_failover"), st.integers(0, 3)),
-    "graceful_failover": st.tuples(st.just("graceful_failover"), st.integers(0, 3)),
-    # the issue's scenario in one step: a node's replicas lag, clients read its newest items, SIGKILL, hard
-    # failover
-    "lagging_crash": st.tuples(st.just("lagging_crash"), st.integers(0, 3), st.integers(1, 10)),
-}
-_WEIGHTS = {"write": 8, "burst": 3, "delete": 2, "pause": 2, "resume": 2, "persistence": 2, "client": 3,
-            "wait": 2, "kill": 2, "restart": 2, "hard_failover": 2, "graceful_failover": 1, "lagging_crash": 4}
-op = st.sampled_from([k for k, w in _WEIGHTS.items() for _ in range(w)]).flatmap(lambda k: _OPS[k])
-
-
-class Campaign:
-    def __init__(self, base: Path, nodes: int) -> None:
-        # a small replication flow-control buffer: the consumers' buffer acks are exercised all the time
-        self.c = ProcessCluster.start(base, nodes=nodes, replicas=1, num_vbuckets=NVB, seed=None,
-                                      replication_buffer_bytes=400, **CFG)
-        self.clients = [ProcessClusterClient(self.c, "client-a"),
-                        ProcessClusterClient(self.c, "client-b", use_client_log=False)]
-        self.tokens: list[MutationToken] = []
-        self.failovers = 0
-        self.lagging_crashes = 0
-        self.kills = 0
-        self.checked = 0
-        self.writes = 0
-        self.lost: list[tuple[MutationToken, Any]] = []
-        self.no_persist: set[str] = set()
-        self.divergent: list[str] = []
-
-    def _name(self, i: int) -> str:
-        names = sorted(self.c.nodes)
-        return names[i % len(names)]
-
-    def _write(self, key: str, value: bytes) -> None:
-        with contextlib.suppress(NotMyVBucket, TemporaryFailure):
-            self.tokens.append(self.c.write(key, value).token)
-            self.writes += 1
-
-    def _can_fail_over(self, name: str, graceful: bool) -> bool:
-        c = self.c
-        vbmap = c.vbucket_map()
-        if name not in vbmap.nodes or len(vbmap.nodes) < 2:
-            return False
-        if graceful and (not c.node(name).up or name in c.paused or any(
-                not c.node(n).up or n in c.paused for n in vbmap.nodes)):
-            return False  # a graceful failover waits for the replicas: they must be streaming
-        return all(any(c.node(r).up for r in vbmap.replicas(vb)) for vb in vbmap.vbuckets_of(name, 0))
-
-    def _acknowledged(self) -> list[MutationToken]:
-        out = []
-        for t in self.tokens:
-            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
-                if self.c.is_replicated(t, persisted=True):
-                    out.append(t)
-        return out
-
-    def _await_acks(self, timeout: float = 3.0) -> None:
-        """When nothing holds replication back, wait until the writes so far are acknowledged (replicated and
-        persisted), so the failover that follows has acknowledged writes to check."""
-        c = self.c
-        if c.paused or self.no_persist or not all(c.node(n).up for n in c.vbucket_map().nodes):
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and len(self._acknowledged()) < len(self.tokens):
-            time.sleep(0.02)
-
-    def failover(self, name: str, graceful: bool) -> None:
-        c = self.c
-        safe = self._acknowledged()
-        c.failover(name, graceful=graceful)
-        self.failovers += 1
-        for t in safe:
-            r = c.observe_seqno(t.vbucket, t.vbuuid)
-            kept = (not r.failed_over) or (r.last_seqno is not None and t.seqno <= r.last_seqno)
-            if not kept or r.current_seqno < t.seqno:
-                self.lost.append((t, r))
-            self.checked += 1
-
-    def run(self, ops: list[tuple[Any, ...]]) -> None:
-        for o in ops:
-            self.step(o)
-        self.finish()
-
-    def step(self, o: tuple[Any, ...]) -> None:
-        c = self.c
-        kind = o[0]
-        if kind == "write":
-            self._write(o[1], o[2])
-        elif kind == "burst":
-            for i in range(o[1]):
-                self._write(KEYS[(i * 7 + len(self.tokens)) % len(KEYS)], f"b{len(self.tokens)}".encode())
-        elif kind == "delete":
-            with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
-                self.tokens.append(c.delete(o[1]).token)
-        elif kind == "pause":
-            c.pause_replication([self._name(o[1])])
-        elif kind == "resume":
-            c.resume_replication([self._name(o[1])])
-        elif kind == "persistence":
-            name = self._name(o[1])
-            if c.node(name).up:
-                (c.start_persistence if o[2] else c.stop_persistence)(name)
-                (self.no_persist.discard if o[2] else self.no_persist.add)(name)
-        elif kind == "client":
-            self.clients[o[1]].poll_once()
-        elif kind == "wait":
-            time.sleep(o[1])
-        elif kind == "kill":
-            name = self._name(o[1])
-            if c.node(name).up:
-                c.kill(name)
-                self.kills += 1
-                self.no_persist.discard(name)  # a restarted node persists again
-        elif kind == "restart":
-            name = self._name(o[1])
-            if not c.node(name).up:
-                c.restart(name)
-        elif kind == "lagging_crash":
-            name = self._name(o[1])
-            if c.node(name).up and self._can_fail_over(name, False):
-                self._await_acks()
-                before = set(c.paused)
-                c.pause_replication([n for n in c.nodes if n != name])
-                for i in range(o[2]):
-                    self._write(KEYS[(i * 5 + len(self.tokens)) % len(KEYS)], f"l{len(self.tokens)}".encode())
-                for client in self.clients:
-                    client.poll(quiet_rounds=2)
-                c.kill(name)
-                self.kills += 1
-                self.no_persist.discard(name)
-                self.lagging_crashes += 1
-                self.failover(name, False)
-                c.resume_replication(set(c.paused) - before)
-        elif kind in ("hard_failover", "graceful_failover"):
-            name = self._name(o[1])
-            graceful = kind == "graceful_failover"
-            if self._can_fail_over(name, graceful):
-                self.failover(name, graceful)
-
-    def finish(self) -> None:
-        c = self.c
-        # Final: every node of the map up and persisting, replication resumed and settled.
-        for name in c.vbucket_map().nodes:
-            if not c.node(name).up:
-                c.restart(name)
-            c.start_persistence(name)
-        c.resume_replication()
-        c.settle()
-        assert_replicas_equal_actives(c)
-        expected = actives_state(c)
-        for client in self.clients:
-            try:
-                client.converge(expected)
-            except AssertionError as e:
-                self.divergent.append(str(e))
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.close()
-        self.c.close(clean=False)
-
-
-#: raise for a longer campaign: PROCESS_PROP_EXAMPLES=100 pytest tests/engine/test_process_cluster.py -s
+#: raise for a longer campaign: PROCESS_PROP_EXAMPLES=100 pytest tests/engine/network/test_process_cluster.py -s
 MAX_EXAMPLES = int(os.environ.get("PROCESS_PROP_EXAMPLES", "12"))
 STATS = {"runs": 0, "writes": 0, "kills": 0, "lagging_crashes": 0, "failovers": 0, "acked_checked": 0, "client_rollbacks": 0,
          "divergent_consumers": 0, "lost_acked_writes": 0}

@@ -1,22 +1,13 @@
-"""Property tests (hypothesis) over random cluster schedules: writes, deletes, pumps of some connections only,
-flushes, node crash + restart, hard and graceful failover, DCP clients following the map.
-
-Invariants:
-(a) every DCP client converges to the actives' state (after whatever rollbacks it was told to do);
-(b) every write that observe said was replicated to all replicas and persisted right before a failover is
-    still in the new active's history after it;
-(c) after a full pump no replica differs from its active (items, seqnos, rev seqnos, CAS, failover log).
-"""
+"""The random cluster schedules of the hypothesis campaigns (test_cluster_properties.py, test_rebalance_properties.py):
+the operations and their frequencies, and the Harness that runs a schedule on an in-process cluster and checks the
+invariants after it."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import KeyNotFound, MutationToken, NotMyVBucket, TemporaryFailure
@@ -93,30 +84,40 @@ class Harness:
             assert active.high_seqno >= t.seqno
             self.checked += 1
 
+    def plain_step(self, o: tuple[Any, ...]) -> bool:
+        """One write, delete, pump, flush or client poll of a schedule; False for another kind of operation."""
+        c = self.cluster
+        kind = o[0]
+        if kind == "write":
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                self.tokens.append(c.write(o[1], o[2]).token)
+        elif kind == "delete":
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
+                self.tokens.append(c.delete(o[1]).token)
+        elif kind == "pump":
+            conns = c.connections()
+            only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
+            c.pump(only=only, max_messages=o[2], flush=o[3])
+        elif kind == "pump_all":
+            c.pump(rounds=4)
+        elif kind == "flush":
+            node = c.nodes[self._name(o[1])]
+            if node.up:
+                assert node.bucket is not None
+                node.bucket.flush_all()
+        elif kind == "client":
+            self.clients[o[1]].poll()
+        else:
+            return False
+        return True
+
     def run(self, ops: list[tuple[Any, ...]]) -> None:
         c = self.cluster
         for o in ops:
             kind = o[0]
-            if kind == "write":
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure):
-                    self.tokens.append(c.write(o[1], o[2]).token)
-            elif kind == "delete":
-                with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
-                    self.tokens.append(c.delete(o[1]).token)
-            elif kind == "pump":
-                conns = c.connections()
-                only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
-                c.pump(only=only, max_messages=o[2], flush=o[3])
-            elif kind == "pump_all":
-                c.pump(rounds=4)
-            elif kind == "flush":
-                node = c.nodes[self._name(o[1])]
-                if node.up:
-                    assert node.bucket is not None
-                    node.bucket.flush_all()
-            elif kind == "client":
-                self.clients[o[1]].poll()
-            elif kind == "crash":
+            if self.plain_step(o):
+                continue
+            if kind == "crash":
                 name = self._name(o[1])
                 if c.nodes[name].up:
                     c.kill(name)
@@ -143,25 +144,3 @@ class Harness:
         self.replica_rollbacks = sum(
             int(n.bucket.stats()["replica_rollbacks"]) for n in c.nodes.values() if n.bucket is not None)
         c.close()
-
-
-#: raise for a longer campaign: CLUSTER_PROP_EXAMPLES=5000 pytest tests/engine/test_cluster_properties.py -s
-MAX_EXAMPLES = int(os.environ.get("CLUSTER_PROP_EXAMPLES", "150"))
-STATS = {"runs": 0, "failovers": 0, "checked": 0, "rollbacks": 0, "replica_rollbacks": 0}
-
-
-@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(op, min_size=20, max_size=100), nodes=st.integers(3, 4), replicas=st.integers(1, 2))
-def test_cluster_schedules_keep_invariants(tmp_path_factory, ops, nodes, replicas) -> None:
-    h = Harness(tmp_path_factory.mktemp("cluster"), nodes, replicas)
-    h.run(ops)
-    STATS["runs"] += 1
-    STATS["failovers"] += h.failovers
-    STATS["checked"] += h.checked
-    STATS["rollbacks"] += h.client_rollbacks
-    STATS["replica_rollbacks"] += h.replica_rollbacks
-
-
-def test_report_campaign_counts() -> None:
-    # Not an invariant: makes the campaign's size visible with -s (runs, failovers, writes checked by (b)).
-    print(f"\ncluster campaign: {STATS} at {time.strftime('%H:%M:%S')}")

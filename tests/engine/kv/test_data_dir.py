@@ -27,7 +27,7 @@ from engine.kv.data_dir import (
 )
 from engine.kv.durable_file import write_atomically
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _child(code: str) -> subprocess.Popen[bytes]:

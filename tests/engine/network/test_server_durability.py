@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,27 +18,10 @@ from engine.exceptions import (
     SyncWriteInProgress,
 )
 from engine.kv.durability import Durability, Level
-from engine.network.process_cluster import NodeProcess
 from engine.network.protocol import Opcode
-from tests.engine.test_server import NVB, drain, keys_on, wait_for
+from tests.engine.nodes import NVB, drain, keys_on, wait_for
 
-CFG: dict[str, Any] = {"checkpoint_max_items": 3, "backfill_chunk_items": 2, "seed": 11}
 MAJ = Durability(Level.MAJORITY)
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
-    started: list[NodeProcess] = []
-
-    def make(name: str = "n0", **cfg: Any) -> NodeProcess:
-        node = NodeProcess(name, tmp_path / name, NVB, {**CFG, **cfg})
-        started.append(node)
-        node.start()
-        return node
-
-    yield make
-    for node in started:
-        node.kill()
 
 
 def test_single_node_sync_writes_and_errors_over_tcp(spawn) -> None:

@@ -39,12 +39,11 @@ from engine.kv.item import Item
 from engine.kv.vbucket import VBucketState
 from engine.network.process_cluster import NodeProcess
 from engine.network.protocol import STATE_CODES, Opcode
+from tests.engine.cluster.sync_write_schedules import _BUILDERS as _DUR_BUILDERS
+from tests.engine.cluster.sync_write_schedules import Harness
 from tests.engine.cluster_model import ClusterClient, actives_state, assert_replicas_equal_actives
-from tests.engine.test_durability_properties import _BUILDERS as _DUR_BUILDERS
-from tests.engine.test_durability_properties import Harness
-from tests.engine.test_server import NVB as SERVER_NVB
-from tests.engine.test_server import keys_on
-from tests.engine.test_server_durability import CFG
+from tests.engine.nodes import CFG, keys_on
+from tests.engine.nodes import NVB as SERVER_NVB
 
 NVB = 8
 MAJ = Durability(Level.MAJORITY)

@@ -21,9 +21,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import InvalidArgument, KeyNotFound, NotMyVBucket, TemporaryFailure
-from tests.engine.test_cluster_properties import _BUILDERS as CLUSTER_OPS
-from tests.engine.test_cluster_properties import KEYS, Harness
+from engine import InvalidArgument, NotMyVBucket, TemporaryFailure
+from tests.engine.cluster.schedules import _BUILDERS as CLUSTER_OPS
+from tests.engine.cluster.schedules import KEYS, Harness
 
 _OPS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     **CLUSTER_OPS,
@@ -155,27 +155,7 @@ class RebalanceHarness(Harness):
                 assert node.bucket is not None
                 node.bucket.flush_all()
             return
-        _run_plain(self, o)
-
-
-def _run_plain(h: Harness, o: tuple[Any, ...]) -> None:
-    """Writes, deletes, pumps and client polls exactly as test_cluster_properties.Harness.run does them."""
-    c = h.cluster
-    kind = o[0]
-    if kind == "write":
-        with contextlib.suppress(NotMyVBucket, TemporaryFailure):
-            h.tokens.append(c.write(o[1], o[2]).token)
-    elif kind == "delete":
-        with contextlib.suppress(NotMyVBucket, TemporaryFailure, KeyNotFound):
-            h.tokens.append(c.delete(o[1]).token)
-    elif kind == "pump":
-        conns = c.connections()
-        only = [k for i, k in enumerate(conns) if o[1] >> i & 1]
-        c.pump(only=only, max_messages=o[2], flush=o[3])
-    elif kind == "pump_all":
-        c.pump(rounds=4)
-    elif kind == "client":
-        h.clients[o[1]].poll()
+        self.plain_step(o)  # writes, deletes, pumps and client polls as test_cluster_properties runs them
 
 
 MAX_EXAMPLES = int(os.environ.get("REBALANCE_PROP_EXAMPLES", "60"))

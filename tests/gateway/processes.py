@@ -1,0 +1,211 @@
+"""Real ``dcpgw`` processes for the end-to-end tests: the one runner of the command line, the one ``dcpgw up``
+process (GatewayProc), the one HTTP helper, a private embedded broker, and the end-state check of a gateway's
+topic against its engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from engine import Bucket, BucketConfig
+from gateway.broker import Broker, EmbeddedTansuBroker
+from gateway.invariants import check_partition
+from tests.gateway.kafka_util import TopicReplica, read_topic
+
+#: vbuckets of a GatewayProc unless it is given others
+NVB = 16
+
+#: environment without any broker / gateway setting of the caller
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if not k.startswith("DCPGW_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "CALF_TANSU_BIN")}
+
+CLI = [sys.executable, "-m", "gateway.cli"]
+#: the checkout: the working directory of the processes, so that they import this copy of the packages
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------------------------ the command line
+def dcpgw(*args: str, env: Mapping[str, str] | None = None,
+          timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``dcpgw ARGS`` to its end (environment: ``env``, else the caller's); output captured as text."""
+    return subprocess.run([*CLI, *args], env=dict(os.environ if env is None else env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def replicate_process(broker: Broker, topic: str, db: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """``dcpgw replicate`` of ``topic`` into the SQLite file ``db``, run to its end."""
+    return dcpgw("replicate", "--topic", topic, "--db", str(db), "--bootstrap", broker.bootstrap_servers, *extra,
+                 timeout=180)
+
+
+def dcpgw_background(*args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``dcpgw ARGS`` (environment: ``env``, else CLEAN_ENV) with its stdout and stderr piped as text."""
+    return subprocess.Popen([*CLI, *args], env=dict(CLEAN_ENV if env is None else env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+# ------------------------------------------------------------------------------------------ HTTP
+def request(url: str, method: str = "GET", body: bytes | None = None, timeout: float = 10) -> bytes:
+    """The body of the answer; an HTTP error status raises urllib.error.HTTPError."""
+    req = urllib.request.Request(url, data=body, method=method)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return bytes(r.read())
+
+
+def call(url: str, method: str = "GET", body: bytes | None = None, timeout: float = 10) -> Any:
+    """The JSON body of the answer; an HTTP error status raises urllib.error.HTTPError."""
+    return json.loads(request(url, method, body, timeout))
+
+
+def answer(url: str, method: str = "GET", body: bytes | None = None,
+           bound_s: float = 3.0) -> tuple[int, dict[str, str], bytes, float]:
+    """(status, headers, body, seconds) of any answer, error statuses included; fails the test unless the
+    request is answered within ``bound_s`` (a "did not hang" bound, never a timing target)."""
+    req = urllib.request.Request(url, data=body, method=method)
+    t = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=bound_s + 5) as r:
+            status, headers, raw = r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        status, headers, raw = e.code, dict(e.headers), e.read()
+    except (TimeoutError, urllib.error.URLError) as e:  # pragma: no cover - the failure the callers are about
+        raise AssertionError(f"{method} {url} not answered within {bound_s + 5} s: {e}") from e
+    took = time.monotonic() - t
+    assert took < bound_s, f"{method} {url} took {took:.2f} s"
+    return status, headers, raw, took
+
+
+# ------------------------------------------------------------------------------------------ dcpgw up
+class GatewayProc:
+    """A ``dcpgw up`` process on ``broker`` with its data in ``data_dir`` and its stderr appended to
+    ``data_dir.parent / "gw.log"``; ``env`` adds to or overrides its settings (on ``base_env``, default the
+    caller's environment). ``checkpoint_interval_s=None`` leaves the product's default checkpoint interval."""
+
+    def __init__(self, broker: Broker, data_dir: Path, bucket: str, nvb: int = NVB,
+                 base_env: Mapping[str, str] | None = None, checkpoint_interval_s: str | None = "0.2",
+                 **env: str) -> None:
+        self.broker = broker
+        self.data_dir = data_dir
+        self.bucket = bucket
+        self.env = {
+            **(os.environ if base_env is None else base_env),
+            "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+            "DCPGW_DATA_DIR": str(data_dir),
+            "DCPGW_BUCKET": bucket,
+            "DCPGW_NUM_VBUCKETS": str(nvb),
+            "DCPGW_HTTP_PORT": "0",
+            **({} if checkpoint_interval_s is None else {"DCPGW_CHECKPOINT_INTERVAL_S": checkpoint_interval_s}),
+            **env,
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    @property
+    def log(self) -> Path:
+        return self.data_dir.parent / "gw.log"
+
+    def start(self) -> None:
+        """Start it and wait until its state file names its URL and ``/health`` says ok."""
+        state = self.data_dir / "dcpgw-state.json"
+        state.unlink(missing_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([*CLI, "up", "--no-progress"],
+                                         env=self.env, stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            if state.exists():
+                try:
+                    self.url = json.loads(state.read_text())["http_url"]
+                    if self.get("/health")["status"] == "ok":
+                        return
+                except (ValueError, OSError, KeyError):
+                    pass
+            time.sleep(0.1)
+        raise AssertionError("gateway did not come up")
+
+    def get(self, path: str) -> Any:
+        return call(self.url + path)
+
+    def bulk(self, docs: list[dict[str, Any]]) -> None:
+        assert call(self.url + "/docs/_bulk", "POST", json.dumps(docs).encode(), timeout=30)["written"] == len(docs)
+
+    def wait_caught_up(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.get("/stats")["lag"] == 0:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"never caught up: {self.get('/stats')}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) == 0
+
+    def close(self) -> None:
+        """kill -9 unless it has exited already (teardown of a test that may have failed midway)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+
+
+def docs(lo: int, hi: int) -> list[dict[str, Any]]:
+    return [{"key": f"doc{i}", "value": {"n": i, "v": lo}} for i in range(lo, hi)]
+
+
+def verify(broker: Broker, data_dir: Path, bucket: str, nvb: int = NVB) -> None:
+    """Every engine item is in the topic exactly once, each partition passes the invariants, and a replica
+    built from the topic equals the engine."""
+    topic = f"dcp.{bucket}"
+    recs = read_topic(broker.bootstrap_servers, topic)
+    parts: dict[int, list] = {}
+    for p, _o, r in recs:
+        parts.setdefault(p, []).append(r)
+    for rs in parts.values():
+        check_partition(rs)
+    c = Counter((r.vbucket, r.seqno) for _p, _o, r in recs if r.is_data)
+    dups = [k for k, n in c.items() if n > 1]
+    assert not dups, f"published twice: {dups[:10]}"
+    b = Bucket(BucketConfig(data_dir=data_dir, name=bucket, num_vbuckets=nvb))
+    try:
+        for vb in b.vbuckets():
+            for it in vb.ht.values():
+                assert (vb.id, it.seqno) in c, f"engine item vb={vb.id} seqno={it.seqno} not in Kafka"
+        replica = TopicReplica()
+        replica.apply_all(recs)
+        assert replica.rollbacks == 0
+        assert replica.state() == b.state_snapshot()
+    finally:
+        b.close()
+
+
+# ------------------------------------------------------------------------------------------ brokers
+@contextmanager
+def private_broker() -> Iterator[EmbeddedTansuBroker]:
+    """An embedded Tansu broker of one test (or module) alone, so pausing or killing it stalls nothing else;
+    resumed and stopped on exit."""
+    broker = EmbeddedTansuBroker().start()
+    try:
+        yield broker
+    finally:
+        if broker.paused:
+            broker.resume()
+        broker.stop()
