@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.broker import EmbeddedTansuBroker
-from tests.gateway.test_gateway_process import GatewayProc
+from tests.gateway.processes import GatewayProc
 from tests.gateway.test_stall import bulk_body, call
 
 pytestmark = pytest.mark.slow

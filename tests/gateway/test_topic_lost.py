@@ -20,7 +20,7 @@ from gateway.broker import EmbeddedTansuBroker
 from gateway.invariants import check_partition
 from schemas.records import RecordType
 from tests.gateway.kafka_util import TopicReplica, read_topic
-from tests.gateway.test_gateway_process import GatewayProc
+from tests.gateway.processes import GatewayProc
 from tests.gateway.test_stall import bulk_body, call, wait_for
 
 pytestmark = pytest.mark.slow
