@@ -139,9 +139,6 @@ def test_running_gateway_republishes_after_the_broker_lost_the_topic(
     _scenario(broker, tmp_path, replicate=False, converge_s=0)
 
 
-@pytest.mark.xfail(strict=True, reason="client library (connectors/client/consumer.py): after the topic was "
-                   "recreated its offsets start again below the offsets the consumer stored, and it skips the "
-                   "republished records (rollback record to 0 included) as already applied")
 def test_running_replicator_converges_after_the_broker_lost_the_topic(
         broker: EmbeddedTansuBroker, tmp_path: Path) -> None:
     _scenario(broker, tmp_path, replicate=True, converge_s=20)
