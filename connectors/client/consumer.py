@@ -318,7 +318,10 @@ class ChangeStreamConsumer:
             return False
         if not all(self._eof.get(p, False) for p in self._assigned):
             return False
-        return not any(s.replayer.has_partial for s in self._vbs.values())
+        if any(s.replayer.has_partial for s in self._vbs.values()):
+            return False
+        # an end of partition seen before the broker lost the log is stale (Tansu sends no new one)
+        return self._check_partition_ends() == 0
 
     # -------------------------------------------------------------------------------------- consuming
     def _fetch(self, timeout: float) -> bool:
@@ -632,13 +635,15 @@ class ChangeStreamConsumer:
             self.consumer.incremental_assign([TopicPartition(self.topic, p, OFFSET_BEGINNING)])
 
     # --------------------------------------------------------------------------------- lost partition log
-    def _check_partition_ends(self) -> None:
+    def _check_partition_ends(self) -> int:
         """While no record arrives (never on the hot path): a partition whose end -- the high watermark the
         last fetch response carried -- is below the offset the consumer reads it from lost its log. (Apache
         Kafka answers such a fetch with OFFSET_OUT_OF_RANGE and the consumer restarts at the partition's start:
         the first record then arrives below the expected offset, see :meth:`_lost_log`; Tansu answers with
-        empty fetches, docs/kafka-compat.md.) ListOffsets is not asked: Tansu's answer is stale."""
+        empty fetches, docs/kafka-compat.md.) ListOffsets is not asked: Tansu's answer is stale. Returns how many
+        partitions lost their log."""
         self._next_lost_check = time.monotonic() + LOST_LOG_CHECK_INTERVAL
+        lost = 0
         for p in sorted(self._assigned):
             expected = self._next.get(p, -1)
             if expected <= 0:
@@ -652,6 +657,8 @@ class ChangeStreamConsumer:
             end = wm[1]
             if 0 <= end < expected:
                 self._lost_log(p, expected, end, seek=True)
+                lost += 1
+        return lost
 
     def _lost_log(self, p: int, expected: int, found: int, *, seek: bool) -> None:
         """Partition ``p`` lost its log (the broker lost the topic; the gateway recreated it and republished
