@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -62,6 +63,9 @@ log = logging.getLogger(__name__)
 FETCH_DEFAULTS: Final[Mapping[str, Any]] = {"fetch.wait.max.ms": 100, "fetch.max.bytes": 1 << 20}
 #: records taken from librdkafka at a time (bench.client gives its raw baseline consumer the same)
 DEFAULT_BATCH_SIZE: Final = 2000
+#: seconds between two checks, while no record arrives, that no assigned partition ends below the offset the
+#: consumer reads it from (the broker lost its log, docs/client.md "The topic lost its log")
+LOST_LOG_CHECK_INTERVAL: Final = 1.0
 #: CPython's young-generation GC threshold while :meth:`ChangeStreamConsumer.run` runs (at least; see there)
 GC_YOUNG_THRESHOLD: Final = 50_000
 
@@ -207,6 +211,15 @@ class ChangeStreamConsumer:
         self._by_part: dict[int, dict[int, _VB]] = {}
         self._assigned: set[int] = set()
         self._eof: dict[int, bool] = {}
+        #: partition -> the offset of the next record expected from it (-1: unknown, read from its start); a
+        #: record below it, or a partition end (high watermark) below it, means the broker lost the log
+        self._next: dict[int, int] = {}
+        #: partitions whose log was lost and is read again from its start: the vbuckets of these partitions
+        #: loaded from the store from then on ignore their stored offsets (docs/client.md "The topic lost its log")
+        self._relogged: set[int] = set()
+        self._next_lost_check = 0.0
+        #: partitions found to have lost their log (the broker lost the topic; see docs/client.md)
+        self.lost_logs = 0
         self._backlog: deque[Any] = deque()
         self._queue: deque[tuple[int, int, Snapshot | Rollback | PartialChange]] = deque()
         self._open: _Open | None = None
@@ -238,7 +251,10 @@ class ChangeStreamConsumer:
         out = []
         for p in parts:
             o = stored.get(p)
-            out.append(TopicPartition(self.topic, p, OFFSET_BEGINNING if o is None or o <= 0 else o))
+            start = OFFSET_BEGINNING if o is None or o <= 0 else o
+            self._next[p] = -1 if start == OFFSET_BEGINNING else start
+            self._relogged.discard(p)
+            out.append(TopicPartition(self.topic, p, start))
         return out
 
     def _assign(self, parts: Sequence[int]) -> None:
@@ -270,6 +286,8 @@ class ChangeStreamConsumer:
         self._assigned -= parts
         for p in parts:
             self._eof.pop(p, None)
+            self._next.pop(p, None)
+            self._relogged.discard(p)
         with _suppress_kafka():
             consumer.unassign()
         log.info("revoked partitions %s of %s", sorted(parts), self.topic)
@@ -283,7 +301,10 @@ class ChangeStreamConsumer:
         s = self._vbs.get(vb)
         if s is None:
             st = self.store.load(vb)
-            if st is None:
+            if st is not None and partition in self._relogged:
+                # the partition lost its log: the stored offset is one of the lost log (docs/client.md)
+                s = _VB(VBucketReplayer(st), partition, -1, -1)
+            elif st is None:
                 s = _VB(VBucketReplayer(ConsumerPosition(vb, offset=offset - 1)), partition, -1, offset - 1)
             else:
                 s = _VB(VBucketReplayer(st), partition, st.offset, st.offset)
@@ -297,7 +318,10 @@ class ChangeStreamConsumer:
             return False
         if not all(self._eof.get(p, False) for p in self._assigned):
             return False
-        return not any(s.replayer.has_partial for s in self._vbs.values())
+        if any(s.replayer.has_partial for s in self._vbs.values()):
+            return False
+        # an end of partition seen before the broker lost the log is stale (Tansu sends no new one)
+        return self._check_partition_ends() == 0
 
     # -------------------------------------------------------------------------------------- consuming
     def _fetch(self, timeout: float) -> bool:
@@ -308,6 +332,8 @@ class ChangeStreamConsumer:
             if not msgs:
                 first = self.consumer.poll(timeout)
                 if first is None:
+                    if time.monotonic() >= self._next_lost_check:
+                        self._check_partition_ends()
                     return False
                 msgs = [first, *self.consumer.consume(self._batch - 1, 0)] if self._batch > 1 else [first]
         except KafkaException as e:
@@ -389,6 +415,11 @@ class ChangeStreamConsumer:
     def _feed_run(self, vb: int, p: int, run: list[Change]) -> None:
         """Feed a run of ``vb``'s data records (partition ``p``, ascending offsets) to its replayer."""
         self.records_consumed += len(run)
+        nxt = self._next
+        first = run[0][11]  # Change.offset
+        if first < nxt.get(p, -1):
+            self._lost_log(p, nxt[p], first, seek=False)
+        nxt[p] = run[-1][11] + 1
         s = self._vbs.get(vb)
         if s is None:
             s = self._vb(vb, p, run[0][11])  # Change.offset
@@ -417,6 +448,10 @@ class ChangeStreamConsumer:
         self._eof[p] = False
         off = m.offset()
         self.records_consumed += 1
+        nxt = self._next
+        if off < nxt.get(p, -1):
+            self._lost_log(p, nxt[p], off, seek=False)
+        nxt[p] = off + 1
         try:
             # control records (snapshot markers, failover logs) from their value alone when it is well formed;
             # anything else -- and every record read_control does not accept -- through the full decoder
@@ -584,15 +619,66 @@ class ChangeStreamConsumer:
         for other, o in self._by_part.get(p, {}).items():
             if other != vb:
                 o.skip_through = max(o.skip_through, o.last_fed)
-        self._backlog = deque(m for m in self._backlog if m.partition() != p)
         self._queue = deque(q for q in self._queue if q[1] != p)
+        self._seek_start(p)
+
+    def _seek_start(self, p: int) -> None:
+        """Read partition ``p`` again from its start (what was fetched of it and not fed yet is dropped)."""
+        self._backlog = deque(m for m in self._backlog if m.partition() != p)
         self._eof[p] = False
+        self._next[p] = -1
         try:
             self.consumer.seek(TopicPartition(self.topic, p, OFFSET_BEGINNING))
         except KafkaException:
             # seek needs a fetch position: re-assign the partition at its start instead
             self.consumer.incremental_unassign([TopicPartition(self.topic, p)])
             self.consumer.incremental_assign([TopicPartition(self.topic, p, OFFSET_BEGINNING)])
+
+    # --------------------------------------------------------------------------------- lost partition log
+    def _check_partition_ends(self) -> int:
+        """While no record arrives (never on the hot path): a partition whose end -- the high watermark the
+        last fetch response carried -- is below the offset the consumer reads it from lost its log. (Apache
+        Kafka answers such a fetch with OFFSET_OUT_OF_RANGE and the consumer restarts at the partition's start:
+        the first record then arrives below the expected offset, see :meth:`_lost_log`; Tansu answers with
+        empty fetches, docs/kafka-compat.md.) ListOffsets is not asked: Tansu's answer is stale. Returns how many
+        partitions lost their log."""
+        self._next_lost_check = time.monotonic() + LOST_LOG_CHECK_INTERVAL
+        lost = 0
+        for p in sorted(self._assigned):
+            expected = self._next.get(p, -1)
+            if expected <= 0:
+                continue
+            try:
+                wm = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), cached=True)
+            except KafkaException:
+                continue
+            if wm is None:
+                continue
+            end = wm[1]
+            if 0 <= end < expected:
+                self._lost_log(p, expected, end, seek=True)
+                lost += 1
+        return lost
+
+    def _lost_log(self, p: int, expected: int, found: int, *, seek: bool) -> None:
+        """Partition ``p`` lost its log (the broker lost the topic; the gateway recreated it and republished
+        every vbucket from seqno 0 behind a rollback record to 0): forget the offsets of the lost log -- the
+        stored ones included -- and read the partition from its start, so that the rollback records take the
+        vbuckets back to zero and the republished history rebuilds them (docs/client.md "The topic lost its
+        log"). The replayers keep their state: a rollback record to 0 then yields a rollback."""
+        log.warning("%s[%d]: the partition's log is lost (%s offset %d, below offset %d where this consumer "
+                    "resumes it): the broker lost the topic; reading the partition again from its start",
+                    self.topic, p, "it ends at" if seek else "a record arrived at", found, expected)
+        self.lost_logs += 1
+        self._relogged.add(p)
+        for s in self._by_part.get(p, {}).values():
+            s.skip_through = -1
+            s.confirmed = -1
+            s.last_fed = -1
+            s.rebuild_until = -1
+        self._next[p] = -1
+        if seek:
+            self._seek_start(p)
 
     def abandon(self) -> None:
         """Give up the event being applied (the application failed): nothing is saved; the consumer must be
