@@ -216,6 +216,7 @@ class Totals:
     large_in_topic: int = 0
     topic_truncations: int = 0
     admin_refused: int = 0
+    bulk_entries_refused: int = 0  # entries of a 200 _bulk answer that failed alone (not written)
     rollback_records: int = 0
     oversize_records: int = 0
     sessions: int = 0
@@ -236,7 +237,7 @@ class Totals:
         for k in ("ambiguous", "lost_plain_in_window", "lost_plain_outside_window", "lost_published",
                   "invariant_violations", "health_untruthful", "not_ready_after_recovery", "restart_failures",
                   "stop_hangs", "broker_loss_unrecovered", "rollback_records", "oversize_records", "large_acked",
-                  "large_in_topic", "topic_truncations", "admin_refused", "sessions"):
+                  "large_in_topic", "topic_truncations", "admin_refused", "bulk_entries_refused", "sessions"):
             out[k] = getattr(self, k)
         out["max_durable_ms"] = round(self.max_durable_ms, 1)
         out["seconds"] = round(self.seconds, 1)
@@ -435,6 +436,8 @@ class History:
         self.lock = threading.Lock()
         self.statuses: Counter[int | None] = Counter()
         self.restarter: threading.Thread | None = None
+        self.t0 = 0.0  # monotonic start of the writes
+        self.events: list[tuple[float, str]] = []  # (monotonic, what): admin calls of the faults, for --trace-lost
         self.plan()
 
     # -- plan
@@ -567,6 +570,9 @@ class History:
             st, raw, _ms, _h = h.call(method, path, json.dumps(body).encode() if body is not None else None)
         finally:
             h.close()
+        if method == "POST":
+            with self.lock:
+                self.events.append((time.monotonic(), f"{path} {json.dumps(body)} -> {st}"))
         try:
             return st, json.loads(raw) if raw else None
         except ValueError:
@@ -667,8 +673,10 @@ class History:
             for key, w in ws:
                 self._record(key, w)
             st, body, ms, _h = h.call("POST", "/docs/_bulk", json.dumps(batch, separators=(",", ":")).encode())
-            for _key, w in ws:
-                self._settle(w, st, b"", ms, now)
+            for (_key, w), (ist, ibody) in zip(ws, _bulk_entries(st, body, len(ws)), strict=True):
+                if st == 200 and ist is not None and not 200 <= ist < 300:
+                    self.t.bulk_entries_refused += 1
+                self._settle(w, ist, ibody, ms, now)
             return
         key = rng.choice(s.key_names)
         kind = PLAIN
@@ -704,7 +712,7 @@ class History:
         s = self.s
         if s.out_nodes:
             self.heal(3.0)  # a node a fault took out (its rebalance back in was refused then)
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
         ft = threading.Thread(target=self._fault_thread, args=(t0,), daemon=True)
         pt = threading.Thread(target=self._probe_thread, daemon=True)
         ft.start()
@@ -897,7 +905,36 @@ class History:
         else:
             self.t.lost_plain_outside_window += 1
             self.camp.defect(f"history {self.n}: acknowledged plain {what} lost outside the {a.plain_window_ms} ms "
-                             f"window (kills at {[round(k, 3) for k in self.s.kills]})")
+                             f"window (kills at {[round(k, 3) for k in self.s.kills]}, failovers at "
+                             f"{[round(k, 3) for k in self.s.failovers]})" + self.trace(w))
+
+
+    def trace(self, w: Write) -> str:
+        """What --trace-lost adds to a lost write's defect: its position, the history's timeline, the map."""
+        if not self.camp.args.trace_lost:
+            return ""
+        ev = "; ".join(f"{t - self.t0:+.3f} {e}" for t, e in self.events)
+        win = "; ".join(f"{k} {a - self.t0:+.3f}..{b - self.t0:+.3f}" for a, b, k in self.windows)
+        st, m = self.admin("GET", "/cluster")
+        return (f"; trace: vb/vbuuid/seqno {w.vbucket}/{w.vbuuid}/{w.seqno}, sent {w.sent - self.t0:+.3f} acked "
+                f"{w.acked_at - self.t0:+.3f} (history start {self.t0:.3f}); admin: {ev}; windows: {win}; "
+                f"GET /cluster {st}: {json.dumps(m)}")
+
+
+def _bulk_entries(st: int | None, body: bytes, n: int) -> list[tuple[int | None, bytes]]:
+    """The outcome of each of the ``n`` entries of a ``POST /docs/_bulk`` answered ``st`` / ``body``: (status,
+    the entry's JSON). A 200 answers every entry with its own status (docs/gateway.md "POST /docs/_bulk"): an
+    entry the engine refused (``sync_write_in_progress``, ``not_my_vbucket``, ``temporary_failure`` ...) was
+    not written although the batch got a 200. A 200 whose entries cannot be read: each entry ambiguous (None).
+    Any other status applies to the whole batch."""
+    if st is None or not 200 <= st < 300:
+        return [(st, b"")] * n
+    try:
+        items = json.loads(body)["items"]
+        out: list[tuple[int | None, bytes]] = [(int(it["status"]), json.dumps(it).encode()) for it in items]
+    except (ValueError, KeyError, TypeError):
+        return [(None, b"")] * n
+    return out if len(out) == n else [(None, b"")] * n
 
 
 def _since_rollback_to_zero(recs: list[Any]) -> list[Any]:
@@ -1038,6 +1075,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--converge-s", type=float, default=20.0)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--keep", action="store_true", help="keep the data directories")
+    p.add_argument("--trace-lost", action="store_true",
+                   help="a lost plain write's defect tells its position, the history's admin calls and the map")
     ns = p.parse_args(argv)
     ns.faults = {f.strip() for f in ns.faults.split(",") if f.strip()}
     bad = ns.faults - set(FAULT_KINDS)
