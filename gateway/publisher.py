@@ -713,8 +713,7 @@ class Publisher:
         if vb not in self.failed_vbuckets:
             self.failed_vbuckets[vb] = reason
             log.error("vbucket %d stopped: %s", vb, reason)
-        if entry.dcp_bytes and entry.producer is not None:
-            self._buffer_ack(entry.producer, entry.dcp_bytes)
+        self._discard(entry)
         self.streaming.discard(vb)
         p = self._owner[vb]
         if p is not None and not p.closed and vb in p.streams:
@@ -725,21 +724,25 @@ class Publisher:
         if held:
             self._buffer_ack_vb(vb, sum(m.dcp_size for m in held))
         for waiting in self._blocked.values():
-            self._drop_vbucket(waiting, vb)
-        self._drop_vbucket(self._backlog, vb)
+            self._drop_vbucket(waiting, vb, 0)  # (entry, record)
+        self._drop_vbucket(self._backlog, vb, 1)  # (partition, entry, record)
 
-    def _drop_vbucket(self, waiting: deque[Any], vb: int) -> None:
-        """Remove ``vb``'s records from a waiting queue (their DCP bytes buffer-acknowledged)."""
-        mine = [w for w in waiting if w[-2].vbucket == vb]
+    def _drop_vbucket(self, waiting: deque[Any], vb: int, at: int) -> None:
+        """Remove ``vb``'s records from a waiting queue whose tuples hold their entry at index ``at`` (their DCP
+        bytes buffer-acknowledged)."""
+        mine = [w for w in waiting if w[at].vbucket == vb]
         if not mine:
             return
-        kept = [w for w in waiting if w[-2].vbucket != vb]
+        kept = [w for w in waiting if w[at].vbucket != vb]
         waiting.clear()
         waiting.extend(kept)
         for w in mine:
-            e = w[-2]
-            if e.dcp_bytes and e.producer is not None:
-                self._buffer_ack(e.producer, e.dcp_bytes)
+            self._discard(w[at])
+
+    def _discard(self, entry: _Inflight) -> None:
+        """A record that will never be produced: its DCP bytes are buffer-acknowledged (flow control)."""
+        if entry.dcp_bytes and entry.producer is not None:
+            self._buffer_ack(entry.producer, entry.dcp_bytes)
 
     def _buffer_ack_vb(self, vb: int, nbytes: int) -> None:
         p = self._owner[vb]
@@ -760,8 +763,7 @@ class Publisher:
                 entry, rec = waiting[0]
                 if entry.vbucket in self.failed_vbuckets:
                     waiting.popleft()
-                    if entry.dcp_bytes and entry.producer is not None:
-                        self._buffer_ack(entry.producer, entry.dcp_bytes)
+                    self._discard(entry)
                     continue
                 again = self._blocked.get(part)
                 if again is not None:  # blocked again by a large record: the rest waits behind it
