@@ -72,9 +72,11 @@ class Campaign:
         vbmap = c.vbucket_map()
         if name not in vbmap.nodes or len(vbmap.nodes) < 2:
             return False
-        if graceful and (not c.node(name).up or name in c.paused or any(
+        if graceful and (not c.node(name).up or name in c.paused or self.no_persist or any(
                 not c.node(n).up or n in c.paused for n in vbmap.nodes)):
-            return False  # a graceful failover waits for the replicas: they must be streaming
+            # a graceful failover waits until the replicas streamed and persisted the active's high seqno:
+            # they must be streaming, and every node persisting (the manager refuses after its bound otherwise)
+            return False
         return all(any(c.node(r).up for r in vbmap.replicas(vb)) for vb in vbmap.vbuckets_of(name, 0))
 
     def _acknowledged(self) -> list[MutationToken]:
