@@ -102,13 +102,36 @@ def _json_error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": code, "message": message}, status=status, headers=headers)
 
 
+#: how long a document request waits for a vbucket on the move (docs/cluster.md "HTTP API during a rebalance")
+VBUCKET_MOVE_WAIT_S = 2.0
+
+
+async def _routed(
+    svc: GatewayService, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Run ``handler``; in cluster mode a document request that met NOT_MY_VBUCKET (its vbucket is being
+    taken over: dead on the old active before the map names the new one) is retried, as a smart client
+    retries with the next map, for up to :data:`VBUCKET_MOVE_WAIT_S`, then answered 503 with Retry-After.
+    Safe to repeat: NOT_MY_VBUCKET is raised by the routing, before the engine accepts anything."""
+    if svc.cluster is None or not request.path.startswith("/docs/"):
+        return await handler(request)
+    deadline = asyncio.get_running_loop().time() + VBUCKET_MOVE_WAIT_S
+    while True:
+        try:
+            return await handler(request)
+        except NotMyVBucket as e:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise ApiError(503, "vbucket_moving", f"{e}; the vbucket map is changing, retry") from None
+            await asyncio.sleep(0.01)
+
+
 @web.middleware
 async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     svc = request.app[SERVICE]
     try:
-        return await handler(request)
+        return await _routed(svc, request, handler)
     except ApiError as e:
         svc.metrics.http_errors.labels(str(e.status)).inc()
         resp = _json_error(e.status, e.code, e.message)
