@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 FETCH_DEFAULTS: Final[Mapping[str, Any]] = {"fetch.wait.max.ms": 100, "fetch.max.bytes": 1 << 20}
 #: records taken from librdkafka at a time (bench.client gives its raw baseline consumer the same)
 DEFAULT_BATCH_SIZE: Final = 2000
+#: broker-connection errors after which the consumer checks where each partition resumes (docs/client.md)
+_CONNECTION_LOST: Final = frozenset({KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT})
 #: seconds between two checks, while no record arrives, that no assigned partition ends below the offset the
 #: consumer reads it from (the broker lost its log, docs/client.md "The topic lost its log")
 LOST_LOG_CHECK_INTERVAL: Final = 1.0
@@ -190,6 +192,17 @@ class ChangeStreamConsumer:
             conf.setdefault(k, v)
         if group_id is not None:
             conf.setdefault("partition.assignment.strategy", "range")
+        user_error_cb = conf.get("error_cb")
+
+        def on_error(err: KafkaError) -> None:
+            # the connection to the brokers broke: when it is back, verify where each partition resumes
+            # (docs/client.md "The topic lost its log")
+            if err.code() in _CONNECTION_LOST:
+                self._verify_pending = True
+            if user_error_cb is not None:
+                user_error_cb(err)
+
+        conf["error_cb"] = on_error
         self._owns_store = state_store is None
         if state_store is not None:
             self.store: StateStore = state_store
@@ -218,6 +231,12 @@ class ChangeStreamConsumer:
         #: loaded from the store from then on ignore their stored offsets (docs/client.md "The topic lost its log")
         self._relogged: set[int] = set()
         self._next_lost_check = 0.0
+        #: partition -> the identity of the last record fed from it: (offset, vbucket, type, seqno, vbuuid,
+        #: snapshot end); after a lost broker connection the consumer reads that record again and compares
+        self._tail: dict[int, tuple[Any, ...]] = {}
+        #: partitions read again from their last record after a lost connection -> that record's identity
+        self._verify: dict[int, tuple[Any, ...]] = {}
+        self._verify_pending = False
         #: partitions found to have lost their log (the broker lost the topic; see docs/client.md)
         self.lost_logs = 0
         self._backlog: deque[Any] = deque()
@@ -338,6 +357,9 @@ class ChangeStreamConsumer:
                 msgs = [first, *self.consumer.consume(self._batch - 1, 0)] if self._batch > 1 else [first]
         except KafkaException as e:
             raise ConnectorError(f"consuming {self.topic!r} failed: {e}") from e
+        if self._verify_pending and not self._backlog:
+            self._reread_tails(msgs)  # the brokers answer again: what was just fetched is read again
+            return True
         self._backlog.extend(msgs)
         return True
 
@@ -414,12 +436,21 @@ class ChangeStreamConsumer:
 
     def _feed_run(self, vb: int, p: int, run: list[Change]) -> None:
         """Feed a run of ``vb``'s data records (partition ``p``, ascending offsets) to its replayer."""
+        if self._verify and p in self._verify:
+            head = run[0]
+            if not self._reread(p, (head.offset, vb, head.type, head.seqno, head.vbuuid, -1)):
+                return  # the partition lost its log: read again from its start
+            run = run[1:]  # the record read again: already fed
+            if not run:
+                return
         self.records_consumed += len(run)
         nxt = self._next
         first = run[0][11]  # Change.offset
         if first < nxt.get(p, -1):
             self._lost_log(p, nxt[p], first, seek=False)
-        nxt[p] = run[-1][11] + 1
+        last = run[-1]
+        nxt[p] = last[11] + 1
+        self._tail[p] = (last[11], vb, last[0], last[5], last[4], -1)
         s = self._vbs.get(vb)
         if s is None:
             s = self._vb(vb, p, run[0][11])  # Change.offset
@@ -463,6 +494,11 @@ class ChangeStreamConsumer:
             self._dead_letter(m, e)
             raise DecodeError(f"{self.topic}[{p}]@{off}: {e} (copied to the dead-letter destination)",
                               self.topic, p, off) from e
+        ident = (off, rec.vbucket, rec.type, rec.seqno, rec.vbuuid, -1 if rec.key is not None else rec.snap_end)
+        if self._verify and p in self._verify:
+            self._reread(p, ident)
+            return  # the record read again (already handled), or a lost log read again from its start
+        self._tail[p] = ident
         s = self._vb(rec.vbucket, p, off)
         if off <= s.skip_through:
             return
@@ -655,10 +691,53 @@ class ChangeStreamConsumer:
             if wm is None:
                 continue
             end = wm[1]
+            if p in self._verify:
+                expected += 1  # the record at `expected` is being read again: it must still be there
             if 0 <= end < expected:
                 self._lost_log(p, expected, end, seek=True)
                 lost += 1
         return lost
+
+    def _reread_tails(self, dropped: Sequence[Any]) -> None:
+        """After the connection to the brokers was lost and is back: read the last record fed from each
+        partition again (:meth:`_reread` compares it); ``dropped`` (just fetched, not fed) is fetched again.
+        A broker that lost the topic while the gateway republished it past this consumer's offset shows no
+        other sign (docs/client.md "The topic lost its log")."""
+        self._verify_pending = False
+        first: dict[int, int] = {}
+        for m in dropped:
+            if m.error() is None:
+                first.setdefault(m.partition(), m.offset())
+        for p in sorted(self._assigned):
+            t = self._tail.get(p)
+            if t is not None and self._next.get(p, -1) == t[0] + 1:
+                self._verify[p] = t
+                self._next[p] = at = t[0]
+            elif p in first:
+                at = first[p]
+            else:
+                continue  # nothing fed nor fetched: the consumer goes on where it is
+            self._eof[p] = False
+            try:
+                self.consumer.seek(TopicPartition(self.topic, p, at))
+            except KafkaException:
+                self.consumer.incremental_unassign([TopicPartition(self.topic, p)])
+                self.consumer.incremental_assign([TopicPartition(self.topic, p, at)])
+        if self._verify:
+            log.info("%s: the brokers' connection was lost and is back: reading the last record of %d "
+                     "partition(s) again to check their logs", self.topic, len(self._verify))
+
+    def _reread(self, p: int, ident: tuple[Any, ...]) -> bool:
+        """The first record of partition ``p`` after :meth:`_reread_tails`: True if it is the record fed
+        last (the log is the one this consumer read), else the partition lost its log (False)."""
+        expected = self._verify.pop(p)
+        if ident == expected:
+            self._next[p] = expected[0] + 1
+            return True
+        log.warning("%s[%d]: offset %d holds another record than the one read there before the connection "
+                    "was lost", self.topic, p, expected[0])
+        self._lost_log(p, expected[0] + 1, ident[0], seek=True)
+        return False
 
     def _lost_log(self, p: int, expected: int, found: int, *, seek: bool) -> None:
         """Partition ``p`` lost its log (the broker lost the topic; the gateway recreated it and republished
@@ -671,6 +750,8 @@ class ChangeStreamConsumer:
                     self.topic, p, "it ends at" if seek else "a record arrived at", found, expected)
         self.lost_logs += 1
         self._relogged.add(p)
+        self._verify.pop(p, None)
+        self._tail.pop(p, None)
         for s in self._by_part.get(p, {}).values():
             s.skip_through = -1
             s.confirmed = -1

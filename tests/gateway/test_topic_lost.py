@@ -139,10 +139,6 @@ def test_running_gateway_republishes_after_the_broker_lost_the_topic(
     _scenario(broker, tmp_path, replicate=False, converge_s=0)
 
 
-@pytest.mark.xfail(strict=False, reason="client library (docs/client.md \"The topic lost its log\", limits): "
-                   "a recreated partition the gateway republished past the consumer's offset before the consumer "
-                   "fetched it again shows no sign of the loss; here the republished log is about as long as the "
-                   "lost one, so some partitions race past it (passes when the consumer looks first)")
 def test_running_replicator_converges_after_the_broker_lost_the_topic(
         broker: EmbeddedTansuBroker, tmp_path: Path) -> None:
     _scenario(broker, tmp_path, replicate=True, converge_s=20)

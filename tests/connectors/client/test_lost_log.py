@@ -140,3 +140,26 @@ def test_restarted_consumer_converges_after_the_topic_lost_its_log(
         _converge(rep, h)
         assert rep.docs() == h.bucket.state_snapshot()
         assert rep.consumer.lost_logs == h.partitions
+
+
+def test_running_consumer_finds_a_lost_log_that_grew_past_its_offset(
+        lost: tuple[Harness, Callable[[], None]], tmp_path: Path) -> None:
+    """The recreated partitions already hold more than the consumer read before it fetches again: no partition
+    ends below its offset and no record arrives below it. After the lost broker connection the consumer reads
+    the last record it fed from each partition again; another record there is the sign (docs/client.md)."""
+    h, lose = lost
+    write(h.bucket, 40)
+    h.settle()
+    with Replicator(h.broker.bootstrap_servers, h.topic, tmp_path / "r.sqlite", dead_letter=None) as rep:
+        _run(rep)
+        assert rep.docs() == h.bucket.state_snapshot()
+        lose()
+        for i in range(40):  # deletions the consumer can only learn from the rollback records at 0
+            if i % 5:
+                h.bucket.delete(f"k{i}")
+        write(h.bucket, 400, start=1000)  # the republished log grows far past the offsets read before
+        h.settle()
+        _converge(rep, h)
+        assert rep.docs() == h.bucket.state_snapshot()
+        assert rep.consumer.lost_logs >= 1
+        assert {rb.vbucket for rb in rep.rollbacks if rb.to_seqno == 0} == set(range(h.nvb))
