@@ -415,6 +415,7 @@ def load(
     base = _url(url, data_dir)
     pad = "x" * max(0, size - 48)
     written = 0
+    failed: list[dict[str, Any]] = []  # entries the engine refused for good (not retryable)
 
     def stopped(why: str, code: int) -> NoReturn:
         typer.echo(f"error: {why}: {written} of {docs} documents acknowledged (a batch in flight may or may "
@@ -427,10 +428,29 @@ def load(
             task = bar.add_task("load", total=docs)
             for lo in range(start, start + docs, batch):
                 hi = min(lo + batch, start + docs)
-                body = json.dumps([{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}}
-                                   for i in range(lo, hi)]).encode()
-                res = _post_with_backpressure(f"{base}/docs/_bulk", body, max_wait, bar, task)
-                written += int(res["written"])
+                entries = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
+                first_refusal: float | None = None
+                while entries:
+                    res = _post_with_backpressure(f"{base}/docs/_bulk", json.dumps(entries).encode(), max_wait,
+                                                  bar, task)
+                    written += int(res["written"])
+                    # entries refused alone (docs/gateway.md "_bulk"): a node down or a vbucket on the move is
+                    # retried (503 class) until --max-wait; any other refusal is reported at the end
+                    retry: list[dict[str, Any]] = []
+                    for entry, item in zip(entries, res.get("items", []), strict=False):
+                        if item.get("status", 200) < 300:
+                            continue
+                        (retry if item["status"] == 503 else failed).append(entry if item["status"] == 503
+                                                                            else item)
+                    entries = retry
+                    if entries:
+                        now = time.monotonic()
+                        first_refusal = first_refusal or now
+                        if now - first_refusal > max_wait:
+                            raise _RequestFailed(f"{len(entries)} entries still refused after {max_wait:g}s "
+                                                 f"(--max-wait)")
+                        bar.update(task, description=f"load (retrying {len(entries)} refused entries)")
+                        time.sleep(0.2)
                 bar.update(task, advance=hi - lo, description="load")
     except KeyboardInterrupt:
         stopped("interrupted (SIGINT)", 130)
@@ -441,6 +461,11 @@ def load(
         stopped(str(e), 1 if written else 2)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if failed:
+        f = failed[0]
+        typer.echo(f"error: wrote {written} documents; {len(failed)} refused (first: {f.get('key')}: "
+                   f"{f.get('status')} {f.get('error')}: {f.get('message')})", err=True)
+        raise typer.Exit(1)
     typer.echo(f"wrote {written} documents")
 
 

@@ -199,3 +199,29 @@ def test_a_second_rebalance_while_one_runs_answers_409(kafka_broker: Broker, tmp
                            "temporary_failure")
 
     run(kafka_broker, tmp_path, scenario)
+
+
+def test_cli_load_retries_entries_a_down_node_refuses_and_reports_what_stays_refused(
+        kafka_broker: Broker, tmp_path: Path) -> None:
+    """`dcpgw load` against a cluster with a node down: the `_bulk` entries of that node's vbuckets fail alone
+    (503 temporary_failure); load sends them again until --max-wait, so a node back in time loses nothing, and
+    one that stays down ends the load with exit 1 and a line saying what was refused (it said "wrote N")."""
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        c = svc.cluster
+        assert c is not None
+        c.kill("n2")
+        rc, _out, err = await cli("load", "--docs", "60", "--batch", "30", "--url", url, "--max-wait", "1",
+                                  "--prefix", "gone::")
+        assert rc == 1, err
+        assert "still refused" in err and "acknowledged" in err, err
+        load = asyncio.create_task(cli("load", "--docs", "60", "--batch", "30", "--url", url, "--max-wait", "60",
+                                       "--prefix", "back::"))
+        await asyncio.sleep(1.5)
+        c.restart("n2")
+        rc, _out, err = await load
+        assert rc == 0, err
+        for i in range(60):
+            r = await http.get(f"{url}/docs/back::{i}")
+            assert r.status == 200, (i, await r.text())
+
+    run(kafka_broker, tmp_path, scenario, cluster_replicas=0)
