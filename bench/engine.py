@@ -21,6 +21,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 from bench.report import figure
 from engine import Bucket, BucketConfig, Item
@@ -80,7 +81,7 @@ def bench_raw_sqlite(rows: list[tuple], tmp: Path) -> tuple[float, float]:
     return write_rate, scan_rate
 
 
-def drain_count(producer) -> int:  # type: ignore[no-untyped-def]
+def drain_count(producer: Any) -> int:
     n = 0
     step = producer.step
     while True:
@@ -136,11 +137,11 @@ def main() -> None:
         assert flushed == n
 
         rows = []
-        for vb in b.vbuckets():
-            for it in vb.ht.values():
+        for vbk in b.vbuckets():
+            for it in vbk.ht.values():
                 rows.append(
                     (
-                        vb.id,
+                        vbk.id,
                         it.seqno,
                         it.key,
                         it.value,
@@ -158,9 +159,9 @@ def main() -> None:
 
         # Disk backfill: free memory checkpoints so new streams must read from disk.
         prod.close()
-        for vb in b.vbuckets():
-            vb.ckpt.create_checkpoint()
-            vb.ckpt.remove_unreferenced()
+        for vbk in b.vbuckets():
+            vbk.ckpt.create_checkpoint()
+            vbk.ckpt.remove_unreferenced()
         p2 = b.dcp_producer("bench-backfill")
         for vb in range(1024):
             p2.stream_request(vb, 0)

@@ -48,7 +48,7 @@ def raw_baseline(conf: dict[str, Any], client: dict[str, Any], n: int, value: by
             delivered += 1
 
     p = Producer({**conf, "on_delivery": cb})
-    headers = [(f"dcp.h{i}", b"1234567890") for i in range(11)]
+    headers: list[tuple[str, str | bytes | None]] = [(f"dcp.h{i}", b"1234567890") for i in range(11)]
     t = time.perf_counter()
     for i in range(n):
         key = f"user::{i:010d}".encode()

@@ -67,8 +67,9 @@ def raw_read(spark: Any, bootstrap: str, topic: str, parts: int) -> int:
                 first = c.poll(0.5)
                 msgs = [first, *c.consume(9_999, 0)] if first is not None else []
             for m in msgs:
-                if m.error() is not None:
-                    if m.error().code() == KafkaError._PARTITION_EOF:
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
                         pending.discard(m.partition())
                     continue
                 cols["key"].append(m.key())
