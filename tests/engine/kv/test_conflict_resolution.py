@@ -144,7 +144,7 @@ class Model:
         self.counts = {"accepted": 0, "rejected_behind": 0, "rejected_identical": 0}
 
     def next_cas(self) -> int:
-        self.max_cas = HLC if HLC > self.max_cas else self.max_cas + 1
+        self.max_cas = HLC if self.max_cas < HLC else self.max_cas + 1
         return self.max_cas
 
     def local_set(self, key: bytes) -> bool:
