@@ -24,6 +24,7 @@ makes a DEL_WITH_META an expiration.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Final
@@ -168,6 +169,16 @@ class ConflictCounters:
             self.rejected_behind += 1
         else:
             self.rejected_identical += 1
+
+    @classmethod
+    def total(cls, counters: Iterable[ConflictCounters]) -> ConflictCounters:
+        """The sum over several buckets (the nodes of a cluster)."""
+        out = cls()
+        for c in counters:
+            out.accepted += c.accepted
+            out.rejected_behind += c.rejected_behind
+            out.rejected_identical += c.rejected_identical
+        return out
 
     def as_dict(self) -> dict[str, int]:
         return {"accepted": self.accepted, "rejected_behind": self.rejected_behind,

@@ -329,3 +329,29 @@ def test_bad_arguments(tmp_path: Path) -> None:
         b.set_with_meta("k", b"v", ItemMeta((1 << 64) - 1, 1))
     assert b.stats()["accepted"] == 0
     b.close()
+
+
+def test_in_process_cluster_routes_writes_with_meta_and_replicas_keep_the_meta(tmp_path: Path) -> None:
+    from engine.cluster.local import Cluster
+
+    c = Cluster.create(tmp_path, nodes=3, replicas=1, num_vbuckets=8, clock=ManualClock(NOW),
+                       conflict_resolution="lww")
+    try:
+        keys = [f"x{i}" for i in range(20)]
+        for i, k in enumerate(keys):
+            c.set_with_meta(k, b"v", ItemMeta(HLC + i + 1, 3, flags=i))
+        c.del_with_meta(keys[0], None, ItemMeta(HLC + 100, 4, expiry=1_650_000_000))
+        with pytest.raises(ConflictRejected):
+            c.set_with_meta(keys[1], b"old", ItemMeta(HLC, 9))  # lww: CAS first
+        c.settle()
+        victim = c.vbucket_map().chains[c.vbucket_of(keys[1])][0]
+        c.kill(victim)
+        c.failover(victim)
+        for i, k in enumerate(keys[1:], 1):
+            m = c.get_meta(k)
+            assert (m.cas, m.rev_seqno, m.flags, m.deleted) == (HLC + i + 1, 3, i, False)
+        m = c.get_meta(keys[0])
+        assert (m.cas, m.rev_seqno, m.deleted) == (HLC + 100, 4, True)
+        assert all(n.require_bucket().conflict_resolution.value == "lww" for n in c.nodes.values() if n.up)
+    finally:
+        c.close()
