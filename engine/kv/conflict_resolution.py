@@ -32,7 +32,8 @@ from typing import Final
 from engine.exceptions import InvalidArgument, KeyExists
 from engine.kv.item import Datatype
 
-#: kv_engine ``FORCE_WITH_META_OP``: force onto a replica / pending vbucket as well -- not supported here (EINVAL)
+#: kv_engine ``FORCE_WITH_META_OP``: once "also onto replica / pending vbuckets"; since MB-67207 kv_engine treats it
+#: as SKIP_CONFLICT_RESOLUTION_FLAG only (active vbuckets only), and so does this engine
 FORCE_WITH_META_OP: Final = 0x01
 #: kv_engine ``FORCE_ACCEPT_WITH_META_OPS``: sent by an LWW source; accepted on an ``lww`` bucket only
 FORCE_ACCEPT_WITH_META_OPS: Final = 0x02
@@ -42,7 +43,7 @@ REGENERATE_CAS: Final = 0x04
 SKIP_CONFLICT_RESOLUTION_FLAG: Final = 0x08
 #: kv_engine ``IS_EXPIRATION``: a DEL_WITH_META that is an expiration on the source
 IS_EXPIRATION: Final = 0x10
-KNOWN_OPTIONS: Final = FORCE_ACCEPT_WITH_META_OPS | REGENERATE_CAS | SKIP_CONFLICT_RESOLUTION_FLAG | IS_EXPIRATION
+KNOWN_OPTIONS: Final = FORCE_WITH_META_OP | FORCE_ACCEPT_WITH_META_OPS | REGENERATE_CAS | SKIP_CONFLICT_RESOLUTION_FLAG | IS_EXPIRATION
 #: the storage meta key recording the bucket's mode (engine/kv/storage.py ``set_meta``)
 MODE_META_KEY: Final = "conflict_resolution"
 U64_MAX: Final = (1 << 64) - 1
@@ -136,13 +137,14 @@ class WithMetaOptions:
 
 
 def parse_options(options: int, mode: ConflictResolutionMode, *, deletion: bool) -> WithMetaOptions:
-    """kv_engine ``decodeWithMetaOptions``: unknown bits, REGENERATE_CAS without SKIP_CONFLICT_RESOLUTION_FLAG,
+    """kv_engine ``WithMetaOptions`` / ``decodeWithMetaOptions``: FORCE_WITH_META_OP skips conflict resolution as
+    SKIP_CONFLICT_RESOLUTION_FLAG does; unknown bits, REGENERATE_CAS without a skip,
     FORCE_ACCEPT_WITH_META_OPS on a ``seqno`` bucket and IS_EXPIRATION on a SET / ADD are EINVAL."""
     if type(options) is not int or not 0 <= options <= 0xFFFFFFFF:
         raise InvalidArgument(f"invalid with-meta options {options!r}")
     if options & ~KNOWN_OPTIONS:
         raise InvalidArgument(f"unsupported with-meta options 0x{options & ~KNOWN_OPTIONS:x}")
-    skip = bool(options & SKIP_CONFLICT_RESOLUTION_FLAG)
+    skip = bool(options & (SKIP_CONFLICT_RESOLUTION_FLAG | FORCE_WITH_META_OP))  # kv_engine WithMetaOptions
     regen = bool(options & REGENERATE_CAS)
     if regen and not skip:
         raise InvalidArgument("REGENERATE_CAS needs SKIP_CONFLICT_RESOLUTION_FLAG")

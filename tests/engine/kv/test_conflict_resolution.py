@@ -87,16 +87,18 @@ OPTION_BITS = [0, FORCE_WITH_META_OP, FORCE_ACCEPT_WITH_META_OPS, REGENERATE_CAS
 
 
 def model_options(options: int, mode: ConflictResolutionMode, deletion: bool) -> tuple[bool, bool, bool] | None:
-    known = FORCE_ACCEPT_WITH_META_OPS | REGENERATE_CAS | SKIP_CONFLICT_RESOLUTION_FLAG | IS_EXPIRATION
+    known = (FORCE_WITH_META_OP | FORCE_ACCEPT_WITH_META_OPS | REGENERATE_CAS | SKIP_CONFLICT_RESOLUTION_FLAG
+             | IS_EXPIRATION)
+    skip = options & (SKIP_CONFLICT_RESOLUTION_FLAG | FORCE_WITH_META_OP)  # FORCE_WITH_META_OP: MB-67207
     if options & ~known:
         return None
-    if options & REGENERATE_CAS and not options & SKIP_CONFLICT_RESOLUTION_FLAG:
+    if options & REGENERATE_CAS and not skip:
         return None
     if options & FORCE_ACCEPT_WITH_META_OPS and mode is not ConflictResolutionMode.LWW:
         return None
     if options & IS_EXPIRATION and not deletion:
         return None
-    return (not options & SKIP_CONFLICT_RESOLUTION_FLAG, bool(options & REGENERATE_CAS),
+    return (not skip, bool(options & REGENERATE_CAS),
             bool(options & IS_EXPIRATION))
 
 

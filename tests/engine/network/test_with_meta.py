@@ -113,7 +113,11 @@ def test_options_and_statuses(spawn) -> None:
     # REGENERATE_CAS (with SKIP): the target's own CAS, ahead of its HLC
     r = c.set_with_meta(k, b"regen", ItemMeta(5, 3), SKIP_CONFLICT_RESOLUTION_FLAG | REGENERATE_CAS, vbucket=0)
     assert r.cas > CAS and c.get_meta(k, vbucket=0).cas == r.cas
-    for bad in (REGENERATE_CAS, FORCE_ACCEPT_WITH_META_OPS, FORCE_WITH_META_OP, 0x100, IS_EXPIRATION):
+    # FORCE_WITH_META_OP: skips conflict resolution only (kv_engine since MB-67207)
+    c.set_with_meta(k, b"forced-too", ItemMeta(CAS - 200, 1), FORCE_WITH_META_OP, vbucket=0)
+    assert c.get_meta(k, vbucket=0).rev_seqno == 1
+    r = c.set_with_meta(k, b"regen", ItemMeta(5, 3), FORCE_WITH_META_OP | REGENERATE_CAS, vbucket=0)
+    for bad in (REGENERATE_CAS, FORCE_ACCEPT_WITH_META_OPS, 0x100, 0x20, IS_EXPIRATION):
         with pytest.raises(InvalidArgument):
             c.set_with_meta(k, b"x", ItemMeta(CAS * 2, 99), bad, vbucket=0)
     with pytest.raises(KeyExists):  # a CAS of 0 in the metadata: KEY_EEXISTS, as kv_engine
