@@ -234,6 +234,9 @@ def up(
                                      "an in-process cluster behind the gateway. Default: one bucket."),
     replicas: int | None = typer.Option(None, "--replicas", min=0, max=3,
                                         help="Replicas per vbucket in cluster mode (DCPGW_CLUSTER_REPLICAS)."),
+    conflict_resolution: str | None = typer.Option(
+        None, "--conflict-resolution", help="seqno | lww: the bucket's XDCR conflict resolution, fixed at creation "
+        "(DCPGW_CONFLICT_RESOLUTION, default seqno; docs/xdcr.md)."),
 ) -> None:
     """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
     Ctrl-C / SIGTERM."""
@@ -245,7 +248,7 @@ def up(
     overrides = {k: v for k, v in {
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
         "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
-        "cluster_replicas": replicas}.items() if v is not None}
+        "cluster_replicas": replicas, "conflict_resolution": conflict_resolution}.items() if v is not None}
     try:
         settings = load_settings(config, **overrides)
     except ConfigError as e:

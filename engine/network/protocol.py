@@ -40,10 +40,22 @@ from engine.exceptions import (
     Status,
     error_for_status,
 )
+from engine.kv.conflict_resolution import ConflictRejected
 from engine.kv.durability import Durability, Level, parse_level
 from engine.kv.item import Item, Op
 from engine.kv.vbucket import VBucketState
 from schemas.failover_log import FailoverEntry
+from schemas.with_meta import (
+    GET_META_V1,
+    GET_META_V2,
+    REJECTED_BEHIND,
+    REJECTED_IDENTICAL,
+    WithMetaOpcode,
+    decode_get_meta_extras,
+    decode_with_meta_extras,
+    encode_get_meta_extras,
+    encode_with_meta_extras,
+)
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24
@@ -88,6 +100,11 @@ class Opcode(IntEnum):
     STOP_PERSISTENCE = 0x80
     START_PERSISTENCE = 0x81
     OBSERVE_SEQNO = 0x91
+    # XDCR target (docs/xdcr.md "Target side"; kv_engine numbers)
+    GET_META = WithMetaOpcode.GET_META
+    SET_WITH_META = WithMetaOpcode.SET_WITH_META
+    ADD_WITH_META = WithMetaOpcode.ADD_WITH_META
+    DEL_WITH_META = WithMetaOpcode.DEL_WITH_META
     # Private to this project (no kv_engine counterpart: ns_server drives replication itself):
     #: value = JSON {"sources": {name: {"host", "port", "vbuckets"}}}: the replication streams this node pulls
     SET_REPLICATION = 0xE0
@@ -423,6 +440,27 @@ def decode_dcp_message(f: Frame) -> Message:
     raise ProtocolError(f"opcode 0x{op:02x} is not a DCP data message")
 
 
+# ---------------------------------------------------------------------- writes with meta (docs/xdcr.md "Target side")
+#: the XDCR target's opcodes (engine/network/with_meta.py)
+WITH_META_OPCODES: Final = frozenset(
+    {Opcode.GET_META, Opcode.SET_WITH_META, Opcode.ADD_WITH_META, Opcode.DEL_WITH_META})
+
+
+def conflict_error(f: Frame) -> ConflictRejected | None:
+    """The :class:`ConflictRejected` of a KEY_EEXISTS answer to a write with meta whose error context names a
+    conflict-resolution reason (None for any other KEY_EEXISTS, e.g. an ADD over a live document)."""
+    if f.status != Status.KEY_EEXISTS or not f.value:
+        return None
+    try:
+        err = orjson.loads(f.value)["error"]
+        reason, context = err["reason"], str(err["context"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    if reason not in (REJECTED_BEHIND, REJECTED_IDENTICAL):
+        return None
+    return ConflictRejected(context, identical=reason == REJECTED_IDENTICAL)
+
+
 def encode_stream_request(
     start: int, end: int, vbuuid: int, snap_start: int, snap_end: int, flags: int,
     failover_log: Sequence[FailoverEntry] | None = None,
@@ -441,23 +479,31 @@ __all__ = [
     "ALT_REQ_MAGIC",
     "CODE_STATES",
     "DCP_OPEN_PRODUCER",
+    "GET_META_V1",
+    "GET_META_V2",
     "HEADER_LEN",
     "REQ_MAGIC",
     "RES_MAGIC",
     "STATE_CODES",
+    "WITH_META_OPCODES",
     "Frame",
     "FrameBuffer",
     "Opcode",
     "ProtocolError",
+    "conflict_error",
     "decode_dcp_message",
     "decode_failover_log",
     "decode_frame",
     "decode_framing",
+    "decode_get_meta_extras",
+    "decode_with_meta_extras",
     "encode",
     "encode_dcp_message",
     "encode_durability_frame",
     "encode_failover_log",
+    "encode_get_meta_extras",
     "encode_stream_request",
+    "encode_with_meta_extras",
     "error_from",
     "error_response",
     "parse_header",
