@@ -602,14 +602,14 @@ class Bucket:
         vb.failover.prune_above(target)
         record = VBucketRecord(
             vb.id, vb.state.value, vb.failover.to_pairs(), target, target, target, vb.purge_seqno, vb.max_cas,
-            vb.history_start)
+            vb.history_start, vb.max_deleted_rev)
         if target == 0 or not self.storage.rollback(vbucket, target, record):
             if target != 0:
                 self.replica_rebuilds += 1
             target = 0
             vb.failover.prune_above(0)
             vb.purge_seqno = vb.history_start = 0
-            record = VBucketRecord(vb.id, vb.state.value, vb.failover.to_pairs())
+            record = VBucketRecord(vb.id, vb.state.value, vb.failover.to_pairs(), max_deleted_rev=vb.max_deleted_rev)
             self.storage.reset_vbucket(vbucket, record)
         vb.reset(target, map(item_from_row, self.storage.current(vbucket)))
         self._dirty.discard(vbucket)

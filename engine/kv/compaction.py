@@ -48,6 +48,10 @@ class Compactor:
                 changed = True
                 for key, it in list(vb.ht.items()):
                     if it.op is not Op.MUTATION and it.seqno <= tmax and it.expiry < cutoff:
+                        # kv_engine's compaction keeps the purged tombstones' highest rev seqno: a key
+                        # created again continues its revisions (XDCR's seqno conflict resolution relies on it)
+                        if it.rev_seqno > vb.max_deleted_rev:
+                            vb.max_deleted_rev = it.rev_seqno
                         del vb.ht[key]
             if changed:
                 records.append(vbucket_record(vb))

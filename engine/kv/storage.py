@@ -46,22 +46,28 @@ CREATE TABLE IF NOT EXISTS items (
 CREATE TABLE IF NOT EXISTS vbstate (
     vb INTEGER PRIMARY KEY, state TEXT NOT NULL, failover TEXT NOT NULL, high_seqno INTEGER NOT NULL,
     snap_start INTEGER NOT NULL, snap_end INTEGER NOT NULL, purge_seqno INTEGER NOT NULL,
-    max_cas INTEGER NOT NULL, history_start INTEGER NOT NULL);
+    max_cas INTEGER NOT NULL, history_start INTEGER NOT NULL, max_deleted_rev INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS snapshots (
     vb INTEGER NOT NULL, seqno INTEGER NOT NULL, PRIMARY KEY (vb, seqno)) WITHOUT ROWID;
 """
 
 #: ``PRAGMA user_version`` of a storage file this engine writes (docs/reliability.md, "Schema versions").
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 
 def _v0_to_v1(db: sqlite3.Connection) -> None:
     """Version 0 is the layout of _SCHEMA before files carried a version: the tables are unchanged."""
 
 
+def _v1_to_v2(db: sqlite3.Connection) -> None:
+    """Version 2 keeps each vbucket's highest purged tombstone revision (kv_engine ``max_deleted_seqno`` of
+    ``vbucket_state``): a key created again after its tombstone was purged continues its revisions."""
+    db.execute("ALTER TABLE vbstate ADD COLUMN max_deleted_rev INTEGER NOT NULL DEFAULT 0")
+
+
 #: ``_MIGRATIONS[v]`` takes a file of schema version ``v`` to ``v + 1``, in one transaction with the rest.
-_MIGRATIONS: Final = (_v0_to_v1,)
+_MIGRATIONS: Final = (_v0_to_v1, _v1_to_v2)
 
 
 def _migrate(db: sqlite3.Connection, path: Path) -> None:
@@ -96,7 +102,7 @@ _SCAN: Final = (
 )
 _UPSERT_STATE: Final = (
     "INSERT OR REPLACE INTO vbstate (vb, state, failover, high_seqno, snap_start, snap_end, purge_seqno, "
-    "max_cas, history_start) VALUES (?,?,?,?,?,?,?,?,?)"
+    "max_cas, history_start, max_deleted_rev) VALUES (?,?,?,?,?,?,?,?,?,?)"
 )
 
 
@@ -113,6 +119,8 @@ class VBucketRecord:
     purge_seqno: int = 0
     max_cas: int = 0
     history_start: int = 0
+    #: the highest revision of a tombstone purged from this vbucket (kv_engine ``max_deleted_seqno``)
+    max_deleted_rev: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
     def as_params(self) -> tuple[object, ...]:
@@ -126,6 +134,7 @@ class VBucketRecord:
             self.purge_seqno,
             self.max_cas,
             self.history_start,
+            self.max_deleted_rev,
         )
 
 
@@ -163,7 +172,7 @@ class Storage:
         out: dict[int, VBucketRecord] = {}
         for row in self._db.execute(
             "SELECT vb, state, failover, high_seqno, snap_start, snap_end, purge_seqno, max_cas, "
-            "history_start FROM vbstate"
+            "history_start, max_deleted_rev FROM vbstate"
         ):
             fo = [(int(u), int(s)) for u, s in json.loads(row[2])]
             out[row[0]] = VBucketRecord(row[0], row[1], fo, *row[3:])
@@ -339,5 +348,5 @@ def vbucket_record(vb: VBucket) -> VBucketRecord:
     """The state record the storage persists for ``vb`` (kv_engine ``vbucket_state``)."""
     return VBucketRecord(
         vb.id, vb.state.value, vb.failover.to_pairs(), vb.persisted_seqno, vb.persisted_snap[0],
-        vb.persisted_snap[1], vb.purge_seqno, vb.max_cas, vb.history_start,
+        vb.persisted_snap[1], vb.purge_seqno, vb.max_cas, vb.history_start, vb.max_deleted_rev,
     )

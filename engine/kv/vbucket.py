@@ -555,7 +555,8 @@ class VBucket:
         self.ht = {}
         self.prepares = {}
         self.num_items = 0
-        self.max_deleted_rev = 0
+        # max_deleted_rev is a high-water mark (the purged tombstones' revisions are gone from storage too):
+        # kept, so a key created again after the rollback still continues its revisions
         self.max_cas = 0
         self.expiring = set()
         self.high_seqno = self.persisted_seqno = high_seqno

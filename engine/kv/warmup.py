@@ -80,6 +80,7 @@ class Warmup:
                 vb.purge_seqno = rec.purge_seqno
                 vb.history_start = rec.history_start
                 vb.max_cas = rec.max_cas
+                vb.max_deleted_rev = rec.max_deleted_rev
                 vb.persisted_snap = (rec.snap_start, rec.snap_end)
                 if vb.state is not VBucketState.ACTIVE:
                     # Replica warmup: the last complete snapshot persisted, and a partial one to resume inside.

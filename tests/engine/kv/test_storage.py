@@ -101,6 +101,32 @@ def test_highest_tombstone_is_never_purged(make_bucket, clock) -> None:
     assert [r[1] for r in b.storage.current(0)] == [2]
 
 
+def test_a_key_created_again_after_its_tombstone_was_purged_continues_its_revisions(make_bucket, clock) -> None:
+    """kv_engine keeps the purged tombstones' highest revision (``max_deleted_seqno``), in memory and in the
+    vbucket state on disk: a document created again must not start over at revision 1, or XDCR's seqno conflict
+    resolution on a target that still has the tombstone (revision 3) rejects it as older."""
+    b = make_bucket(clock=clock, num_vbuckets=1, tombstone_purge_age_s=0)
+    b.set("a", b"1")
+    b.set("a", b"2")
+    b.delete("a")  # revision 3
+    b.set("z", b"1")  # keeps the tombstone from being the highest seqno (never purged)
+    b.flush()
+    clock.now += 10
+    b.compact()
+    assert b.vbucket(0).purge_seqno == 3 and b"a" not in b.vbucket(0).ht
+    b.set("a", b"again")
+    assert b.get_meta("a").rev_seqno == 4
+    b.delete("a")  # revision 5, purged again, then the bucket restarts: the high-water mark is persisted
+    b.set("y", b"1")
+    b.flush()
+    clock.now += 10
+    b.compact()
+    b.close()
+    b = make_bucket(clock=clock, num_vbuckets=1, tombstone_purge_age_s=0)
+    b.set("a", b"third")
+    assert b.get_meta("a").rev_seqno == 6
+
+
 def test_bad_storage_settings(tmp_path) -> None:
     with pytest.raises(StorageError):
         Storage(tmp_path / "x.db", synchronous="SOMETIMES")

@@ -50,7 +50,7 @@ def test_version_0_file_migrates_and_keeps_its_data(tmp_path: Path) -> None:
     _version_0_file(path)
     s = Storage(path)
     try:
-        assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 1
+        assert s._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
         st = s.load_states()[0]
         assert (st.state, st.failover, st.high_seqno, st.max_cas) == ("active", [(77, 0)], 3, 103)
         assert s.get_meta("uuid") == "bucket-1"
