@@ -171,7 +171,7 @@ class UserStore:
         self._verified: dict[bytes, str] = {}
         # a fixed record checked when the user does not exist, so both failures cost one scrypt
         salt = secrets.token_bytes(_SALT_BYTES)
-        self._dummy = {**_SCRYPT, "salt": _b64(salt), "hash": _b64(_scrypt(secrets.token_urlsafe(12), salt, **_SCRYPT))}
+        self._dummy: dict[str, Any] = {**_SCRYPT, "salt": _b64(salt), "hash": _b64(_scrypt(secrets.token_urlsafe(12), salt, **_SCRYPT))}
 
     def __repr__(self) -> str:
         return f"UserStore({str(self.path)!r})"
