@@ -176,6 +176,32 @@ class EngineClosed(EngineError):
     status = Status.TMPFAIL
 
 
+class AuthenticationFailed(EngineError):
+    """AUTH_ERROR (0x20): unknown user or wrong password -- one error for both, so a caller cannot tell which
+    users exist (docs/security.md). Never carries the password."""
+
+    status = Status.AUTH_ERROR
+
+
+class AccessDenied(EngineError):
+    """EACCESS (0x24): the user is authenticated but none of its roles allows the request (docs/security.md
+    "Roles")."""
+
+    status = Status.EACCESS
+
+
+class UserExists(InvalidArgument):
+    """``add`` of a user name already in the user store (docs/security.md "Users")."""
+
+
+class UnknownUser(InvalidArgument):
+    """``delete`` / ``passwd`` / ``set_roles`` of a user name not in the user store."""
+
+
+class TlsConfigError(InvalidArgument):
+    """A TLS certificate, key or CA file is missing, unreadable or invalid (docs/security.md "TLS")."""
+
+
 #: status code -> exception type, so a status received from elsewhere maps back to the same type.
 STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.KEY_ENOENT: KeyNotFound,
@@ -184,6 +210,8 @@ STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.EINVAL: InvalidArgument,
     Status.NOT_STORED: NotStored,
     Status.NOT_MY_VBUCKET: NotMyVBucket,
+    Status.AUTH_ERROR: AuthenticationFailed,
+    Status.EACCESS: AccessDenied,
     Status.ERANGE: RangeError,
     Status.ENOMEM: OutOfMemory,
     Status.UNKNOWN_COMMAND: UnknownCommand,

@@ -26,6 +26,8 @@ class Status(IntEnum):
     EINVAL = 0x04
     NOT_STORED = 0x05
     NOT_MY_VBUCKET = 0x07
+    AUTH_ERROR = 0x20
+    EACCESS = 0x24
     ERANGE = 0x22
     ROLLBACK = 0x23
     UNKNOWN_COMMAND = 0x81
