@@ -255,3 +255,15 @@ def test_error_bodies_with_xerror(connect: Callable[..., RawClient]) -> None:
     assert f.status == Status.KEY_ENOENT and f.datatype == 0x01
     assert "not found" in orjson.loads(f.value)["error"]["context"]
     assert encode_durability_frame(Durability(Level.MAJORITY)) == b"\x11\x01"
+
+
+def test_get_meta_of_a_document_and_a_tombstone(connect: Callable[..., RawClient]) -> None:
+    c = connect().login()
+    assert c.doc(Op.GET_META, b"k").status == KVStatus.KEY_ENOENT
+    w = _set(c, b"k", b'{"a":1}', flags=9)
+    f = c.doc(Op.GET_META, b"k", extras=b"\x02")
+    assert f.status == 0 and f.cas == w.cas
+    assert struct.unpack(">IIIQB", f.extras) == (0, 9, 0, 1, 0x01)
+    c.doc(Op.DELETE, b"k")
+    f = c.doc(Op.GET_META, b"k")
+    assert f.status == 0 and struct.unpack(">IIIQ", f.extras)[0] == 1
