@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import ssl
 from typing import TYPE_CHECKING
 
 from engine.bucket import Bucket
@@ -67,10 +66,8 @@ async def start_kv_port(svc: GatewayService) -> KVServer:
     """Listen on ``kv_port`` (0: a free port) on ``http_host``, with the service's user store and TLS context;
     the returned server's ``port`` is the one bound. A port that cannot be bound is one GatewayError."""
     s = svc.settings
-    users: UserDirectory | None = getattr(svc, "users", None)
-    if users is None:
-        users = UserStore.open(s.data_dir)
-    ssl_context: ssl.SSLContext | None = getattr(svc, "tls_context", None)
+    users: UserDirectory = svc.users if svc.users is not None else UserStore.open(s.data_dir)
+    ssl_context = svc.tls_context
     port = [s.kv_port]
     server = KVServer(kv_provider(svc, port, ssl_context is not None), users, host=s.http_host, port=s.kv_port,
                       ssl_context=ssl_context, hooks=GatewayWriteHooks(svc))

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import ssl
 import threading
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
 from engine.kv.data_dir import DataDirLock, Layout, check_layout
+from engine.security import UserStore, server_context
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
 from gateway.health import Readiness, UnackedWrites
@@ -93,6 +95,18 @@ class GatewayService:
         #: times the topic was found to have lost acknowledged records (and was republished from seqno 0)
         self.truncations = 0
         self._large_record_bytes = DEFAULT_LARGE_RECORD_BYTES
+        #: the user store of the data directory, opened by :meth:`start` (docs/security.md)
+        self.users: UserStore | None = None
+        #: the password generated for ``Administrator`` at the first start (None otherwise): ``dcpgw up`` prints
+        #: it once; it is also in ``<data_dir>/admin-password`` (mode 0600)
+        self.generated_admin_password: str | None = None
+        #: the HTTPS context when ``tls_cert`` / ``tls_key`` are set (the KV port serves TLS with it too)
+        self.tls_context: ssl.SSLContext | None = None
+
+    @property
+    def http_scheme(self) -> str:
+        """``https`` when the HTTP API serves TLS, else ``http``."""
+        return "https" if self.tls_context is not None else "http"
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
@@ -127,6 +141,7 @@ class GatewayService:
         except BaseException:
             self._release_data_dir()
             raise
+        await self._open_security()
         client = self._client_config()
         # Unreachable Kafka: one BrokerError naming the address within kafka_connect_timeout_s, before
         # anything else waits on it (docs/reliability.md).
@@ -158,7 +173,7 @@ class GatewayService:
         app = build_app(self)
         self.runner = JsonAppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, s.http_host, s.http_port)
+        site = web.TCPSite(self.runner, s.http_host, s.http_port, ssl_context=self.tls_context)
         try:
             await site.start()
         except OSError as e:
@@ -179,8 +194,19 @@ class GatewayService:
         ]
         if not s.rollback_mitigation:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
-        log.info("gateway up: topic %s (%d partitions), http://%s:%d", self.topic, partitions, s.http_host,
-                 self.http_port)
+        log.info("gateway up: topic %s (%d partitions), %s://%s:%d", self.topic, partitions, self.http_scheme,
+                 s.http_host, self.http_port)
+
+    async def _open_security(self) -> None:
+        """The user store (first start: the user ``Administrator``) and the TLS context, before Kafka is waited
+        for, so a bad certificate fails the start at once (docs/security.md)."""
+        s = self.settings
+        if s.tls_cert is not None and s.tls_key is not None:
+            self.tls_context = server_context(s.tls_cert, s.tls_key, s.tls_client_ca)
+        users = await asyncio.to_thread(UserStore.open, s.data_dir)
+        given = s.admin_password.get_secret_value() if s.admin_password is not None else None
+        self.generated_admin_password = await asyncio.to_thread(users.ensure_admin, given)
+        self.users = users
 
     def _new_publisher(self, partitions: int, positions: dict[int, PublishPosition], *,
                        rollback_to_zero: bool) -> Publisher:
