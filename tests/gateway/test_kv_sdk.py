@@ -78,11 +78,12 @@ def connect(port: int, user: str, password: str = PASSWORD, *, scheme: str = "co
 def gateway(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     data = tmp_path_factory.mktemp("kvsdk") / "data"
     data.mkdir()
+    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0")
+    gw.start()
+    # users of the store `dcpgw up` created (with Administrator): the running gateway reloads the file
     users = UserStore.open(data)
     users.add("app", PASSWORD, [Role.DATA_READER, Role.DATA_WRITER])
     users.add("reader", PASSWORD, [Role.DATA_READER])
-    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0")
-    gw.start()
     try:
         yield gw
     finally:
