@@ -22,7 +22,7 @@ from engine.kv.durability import Durability, SyncWrite
 from engine.kv.item import Datatype
 from engine.kv.item import Op as ItemOp
 from engine.kv.locks import LOCKED_CAS
-from engine.kv.vbucket import GetResult, MutationResult, StoreMode, VBucketState
+from engine.kv.vbucket import MAX_KEY_LEN, GetResult, MutationResult, StoreMode, VBucketState, vbucket_of
 from engine.network.kv.cluster_config import ClusterConfigProvider
 from engine.network.kv.opcodes import MAX_VALUE
 from engine.network.kv.opcodes import ClientOpcode as Op
@@ -93,6 +93,9 @@ class DocumentOps:
 
     def handles(self, opcode: int) -> bool:
         return opcode in self._handlers
+
+    def handler(self, opcode: int) -> Callable[[Session, Frame], Awaitable[bytes]] | None:
+        return self._handlers.get(opcode)
 
     def register(self, opcode: int, handler: Callable[[Session, Frame], Awaitable[bytes]]) -> None:
         """Add an opcode (GET_META / *_WITH_META: engine/network/kv/access.py has their roles)."""
@@ -226,8 +229,11 @@ class DocumentOps:
             raise ProtocolError("ADD with a CAS")
         dt = f.datatype or None
         if mode is StoreMode.SET and durability is None:
-            r: MutationResult | SyncWrite = b.set(f.key, value, cas=f.cas, flags=flags, expiry=expiry, datatype=dt,
-                                                  vbucket=f.vbucket)
+            if not f.cas and 0 < len(f.key) <= MAX_KEY_LEN and vbucket_of(f.key, b.num_vbuckets) == f.vbucket:
+                # the ingest path of Bucket.set (it maps the key to the same vbucket)
+                r: MutationResult | SyncWrite = b.set(f.key, value, flags=flags, expiry=expiry, datatype=dt)
+            else:
+                r = b.set(f.key, value, cas=f.cas, flags=flags, expiry=expiry, datatype=dt, vbucket=f.vbucket)
         else:
             r = b.store(f.key, value, mode, cas=f.cas, flags=flags, expiry=expiry, datatype=dt, vbucket=f.vbucket,
                         durability=durability)
