@@ -279,7 +279,7 @@ class KVServer:
         if f.extras:
             raise ProtocolError("HELLO takes no extras")
         enabled = negotiate(parse_hello(f.value))
-        s.features = frozenset(enabled)
+        s.set_features(enabled)
         s.agent = f.key.decode("utf-8", "replace")[:250]
         return response(f.opcode, value=encode_features(enabled), opaque=f.opaque)
 

@@ -37,26 +37,20 @@ class Session:
     #: opcode -> allowed, for the current roles (cleared when they are re-read)
     _may: dict[int, bool] = field(default_factory=dict, repr=False)
 
-    # ---- features
-    @property
-    def xerror(self) -> bool:
-        return Feature.XERROR in self.features
+    # ---- features (plain booleans: read on every request)
+    xerror: bool = False
+    json: bool = False
+    mutation_seqno: bool = False
+    alt_requests: bool = False
+    duplex_notifications: bool = False
 
-    @property
-    def json(self) -> bool:
-        return Feature.JSON in self.features
-
-    @property
-    def mutation_seqno(self) -> bool:
-        return Feature.MUTATION_SEQNO in self.features
-
-    @property
-    def alt_requests(self) -> bool:
-        return Feature.ALT_REQUEST_SUPPORT in self.features
-
-    @property
-    def duplex_notifications(self) -> bool:
-        return Feature.DUPLEX in self.features and Feature.CLUSTERMAP_CHANGE_NOTIFICATION in self.features
+    def set_features(self, enabled: list[int]) -> None:
+        f = self.features = frozenset(enabled)
+        self.xerror = Feature.XERROR in f
+        self.json = Feature.JSON in f
+        self.mutation_seqno = Feature.MUTATION_SEQNO in f
+        self.alt_requests = Feature.ALT_REQUEST_SUPPORT in f
+        self.duplex_notifications = Feature.DUPLEX in f and Feature.CLUSTERMAP_CHANGE_NOTIFICATION in f
 
     # ---- identity
     def authenticated(self, user: User) -> None:
