@@ -230,7 +230,7 @@ class DocumentOps:
         durability = self._durability(s, f)
         self.hooks.admit_write()
         b = self.provider.bucket_for(f.vbucket)
-        mode = _STORE_MODES[f.opcode]
+        mode = _STORE_MODES[Op(f.opcode)]
         if f.cas and mode is StoreMode.ADD:
             raise ProtocolError("ADD with a CAS")
         dt = f.datatype or None
