@@ -18,7 +18,7 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from engine.exceptions import AuthenticationFailed
@@ -75,15 +75,15 @@ class ScramServer:
     mechanism: str
     users: UserDirectory
     #: random bytes for the server nonce (injected; ``secrets.token_bytes`` by default)
-    random_bytes: Callable[[int], bytes] = secrets.token_bytes
-    #: a per-process secret the made-up salts of unknown users derive from
-    fake_secret: bytes = b""
+    random_bytes: Callable[[int], bytes] = field(default=secrets.token_bytes, repr=False)
+    #: a per-process secret the made-up salts of unknown users derive from (never in a repr)
+    fake_secret: bytes = field(default=b"", repr=False)
     _user: str = ""
-    _cred: ScramCredential | None = None
-    _known: bool = False
-    _first_bare: str = ""
-    _server_first: str = ""
-    _nonce: str = ""
+    _cred: ScramCredential | None = field(default=None, repr=False)
+    _known: bool = field(default=False, repr=False)
+    _first_bare: str = field(default="", repr=False)
+    _server_first: str = field(default="", repr=False)
+    _nonce: str = field(default="", repr=False)
 
     def first(self, client_first: bytes) -> bytes:
         """The client-first message -> the server-first message."""
