@@ -18,7 +18,7 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 from engine.exceptions import AuthenticationFailed
@@ -75,15 +75,15 @@ class ScramServer:
     mechanism: str
     users: UserDirectory
     #: random bytes for the server nonce (injected; ``secrets.token_bytes`` by default)
-    random_bytes: Callable[[int], bytes] = field(default=secrets.token_bytes, repr=False)
-    #: a per-process secret the made-up salts of unknown users derive from (never in a repr)
-    fake_secret: bytes = field(default=b"", repr=False)
+    random_bytes: Callable[[int], bytes] = secrets.token_bytes
+    #: a per-process secret the made-up salts of unknown users derive from
+    fake_secret: bytes = b""
     _user: str = ""
-    _cred: ScramCredential | None = field(default=None, repr=False)
-    _known: bool = field(default=False, repr=False)
-    _first_bare: str = field(default="", repr=False)
-    _server_first: str = field(default="", repr=False)
-    _nonce: str = field(default="", repr=False)
+    _cred: ScramCredential | None = None
+    _known: bool = False
+    _first_bare: str = ""
+    _server_first: str = ""
+    _nonce: str = ""
 
     def first(self, client_first: bytes) -> bytes:
         """The client-first message -> the server-first message."""
@@ -152,6 +152,10 @@ class ScramServer:
             raise _fail("unknown user")
         server_sig = hmac.new(cred.server_key, auth_message, h).digest()
         return user, b"v=" + base64.b64encode(server_sig)
+
+    def __repr__(self) -> str:
+        # no salt, nonce, key or secret (docs/security.md: secrets never in repr)
+        return f"ScramServer(mechanism={self.mechanism!r}, user={self._user!r})"
 
 
 def parse_plain(value: bytes) -> tuple[str, str]:
