@@ -617,6 +617,8 @@ async def health(request: web.Request) -> web.Response:
     status, body = svc.ready_view()
     body.update({"topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
                  "streams": len(pub.streaming) if pub else 0})
+    if svc.kv is not None:
+        body["kv_port"] = svc.kv.port  # docs/kv-protocol.md
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
     if pub is not None and pub.failed_vbuckets:

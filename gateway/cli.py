@@ -322,6 +322,8 @@ def up(
     config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
     data_dir: Path | None = typer.Option(None, help="Engine data directory (DCPGW_DATA_DIR)."),
     http_port: int | None = typer.Option(None, help="HTTP API port (DCPGW_HTTP_PORT); 0 picks a free one."),
+    kv_port: int | None = typer.Option(None, help="KV port for the Couchbase SDKs (DCPGW_KV_PORT, default 11210); "
+                                       "0 picks a free one."),
     bucket: str | None = typer.Option(None, help="Bucket name (DCPGW_BUCKET)."),
     num_vbuckets: int | None = typer.Option(None, help="vbucket count (DCPGW_NUM_VBUCKETS)."),
     value_format: str | None = typer.Option(None, help="avro or raw (DCPGW_VALUE_FORMAT)."),
@@ -353,6 +355,8 @@ def up(
         "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
         "cluster_replicas": replicas, "conflict_resolution": conflict_resolution, "tls_cert": tls_cert,
         "tls_key": tls_key, "tls_client_ca": tls_ca}.items() if v is not None}
+    if kv_port is not None:
+        overrides["kv_port"] = kv_port
     try:
         settings = load_settings(config, **overrides)
     except ConfigError as e:
@@ -360,6 +364,8 @@ def up(
     # Local problems first, in one line each, before a broker is started (docs/reliability.md).
     _check_data_dir(settings.data_dir)
     _check_port(settings.http_host, settings.http_port)
+    if settings.cluster_nodes == 1:
+        _check_port(settings.http_host, settings.kv_port, "kv_port")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.exceptions import EngineError
     from engine.kv.data_dir import DataDirLock, check_layout
@@ -413,7 +419,7 @@ def _check_data_dir(path: Path) -> None:
               + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""))
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(host: str, port: int, name: str = "http_port") -> None:
     """The HTTP port can be bound (as aiohttp binds it, SO_REUSEADDR); else a one-line exit. Port 0 always can."""
     if port == 0:
         return
@@ -428,7 +434,7 @@ def _check_port(host: str, port: int) -> None:
                 sock.bind(addr)
             except OSError as e:
                 why = os.strerror(e.errno) if e.errno else str(e)
-                _fail(f"cannot listen on {host}:{port} (http_port): {why}")
+                _fail(f"cannot listen on {host}:{port} ({name}): {why}")
 
 
 async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLock | None = None) -> None:
@@ -471,6 +477,9 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
         typer.echo(f"cluster: nodes {', '.join(vbmap.nodes)}, {vbmap.num_replicas} replica(s), "
                    f"map revision {vbmap.revision}", err=True)
     typer.echo(f"KAFKA_BOOTSTRAP_SERVERS={bootstrap}", err=True)
+    if svc.kv is not None:
+        typer.echo(f"KV port {svc.kv.port} (bucket {settings.bucket}): couchbase{'s' if svc.kv.tls else ''}://"
+                   f"{settings.http_host}:{svc.kv.port}", err=True)
     try:
         if progress and sys.stderr.isatty():
             await _catch_up_progress(svc)

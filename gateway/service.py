@@ -31,6 +31,7 @@ from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
 from gateway.health import Readiness, UnackedWrites
 from gateway.kafka.client_log import ClientLog, with_client_log
+from gateway.kv_port import KVServer, start_kv_port
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, ProducerFailed, Publisher, TopicLost
 from gateway.resume import (
@@ -79,6 +80,8 @@ class GatewayService:
         self.checkpoints: CheckpointWriter | None = None
         self.runner: web.AppRunner | None = None  # gateway.api.JsonAppRunner once started
         self.http_port: int = settings.http_port
+        #: the KV port's server (docs/kv-protocol.md), started with the HTTP API (single node)
+        self.kv: KVServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
@@ -179,6 +182,8 @@ class GatewayService:
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:
             self.http_port = server.sockets[0].getsockname()[1]
+        if self.bucket is not None:
+            self.kv = await start_kv_port(self)
         self.started_at = time.time()
         self._tasks = [
             asyncio.create_task(self._pump_loop(), name="dcpgw-pump"),
@@ -569,6 +574,8 @@ class GatewayService:
         if self.runner is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.runner.cleanup(), timeout=max(0.1, budget * 0.2))
+        if self.kv is not None:
+            await self.kv.stop()
         if self.publisher is not None:
             self.publisher.close(timeout=max(0.0, deadline - time.monotonic() - budget * 0.2))
             self._checkpoint()
