@@ -44,6 +44,7 @@ from engine.network.protocol import (
 
 if TYPE_CHECKING:
     from engine.bucket import Bucket
+    from engine.kv.vbucket import MutationResult
 
 def handle_get_meta(bucket: Bucket, f: Frame) -> bytes:
     """GET_META: the metadata of a document or tombstone."""
@@ -64,6 +65,13 @@ def handle_get_meta(bucket: Bucket, f: Frame) -> bytes:
 
 def handle_write_with_meta(bucket: Bucket, f: Frame) -> bytes:
     """SET_WITH_META / ADD_WITH_META / DEL_WITH_META."""
+    r = apply_write_with_meta(bucket, f)
+    return response(f.opcode, extras=TOKEN_EXTRAS.pack(r.vbuuid, r.seqno), opaque=f.opaque, cas=r.cas)
+
+
+def apply_write_with_meta(bucket: Bucket, f: Frame) -> MutationResult:
+    """Decode a SET / ADD / DEL_WITH_META request and apply it to ``bucket`` (the engine's conflict
+    resolution decides); the accepted write's result. Raises the engine's typed errors."""
     op = f.opcode
     if not f.key:
         raise ProtocolError(f"opcode 0x{op:02x} needs a key")
@@ -85,7 +93,7 @@ def handle_write_with_meta(bucket: Bucket, f: Frame) -> bytes:
         r = bucket.add_with_meta(f.key, value, meta, options, cas=f.cas, vbucket=vb)
     else:
         r = bucket.del_with_meta(f.key, value or None, meta, options, cas=f.cas, vbucket=vb)
-    return response(op, extras=TOKEN_EXTRAS.pack(r.vbuuid, r.seqno), opaque=f.opaque, cas=r.cas)
+    return r
 
 
 def handle(bucket: Bucket, f: Frame) -> bytes:
@@ -115,5 +123,5 @@ def conflict_response(f: Frame, e: ConflictRejected) -> bytes:
     return response(f.opcode, Status.KEY_EEXISTS, value=body, datatype=Datatype.JSON, opaque=f.opaque)
 
 
-__all__ = ["WITH_META_OPCODES", "answer", "conflict_response", "handle", "handle_get_meta",
-           "handle_write_with_meta"]
+__all__ = ["WITH_META_OPCODES", "answer", "apply_write_with_meta", "conflict_response", "handle",
+           "handle_get_meta", "handle_write_with_meta"]

@@ -17,10 +17,10 @@ from typing import Final, Protocol
 
 from engine.bucket import Bucket
 from engine.cluster.manager import branch_end
-from engine.exceptions import KeyNotFound, NotMyVBucket, SyncWriteReCommitInProgress, ValueTooLarge
+from engine.exceptions import NotMyVBucket, SyncWriteReCommitInProgress, ValueTooLarge
+from engine.kv.conflict_resolution import ConflictRejected
 from engine.kv.durability import Durability, SyncWrite
 from engine.kv.item import Datatype
-from engine.kv.item import Op as ItemOp
 from engine.kv.locks import LOCKED_CAS, locked
 from engine.kv.vbucket import MAX_KEY_LEN, GetResult, MutationResult, StoreMode, VBucketState, vbucket_of
 from engine.network.kv.cluster_config import ClusterConfigProvider
@@ -42,6 +42,7 @@ from engine.network.protocol import (
     decode_framing,
     response,
 )
+from engine.network.with_meta import apply_write_with_meta, conflict_response, handle_get_meta
 
 ARITH_EXTRAS: Final = struct.Struct(">QQI")  # delta, initial, expiration
 META_EXTRAS: Final = struct.Struct(">IIIQ")  # deleted, flags, expiry, rev seqno
@@ -92,6 +93,8 @@ class DocumentOps:
             Op.SET: self._store, Op.ADD: self._store, Op.REPLACE: self._store, Op.DELETE: self._delete,
             Op.APPEND: self._append, Op.PREPEND: self._append, Op.INCREMENT: self._arith,
             Op.DECREMENT: self._arith, Op.OBSERVE_SEQNO: self._observe, Op.GET_META: self._get_meta,
+            Op.SET_WITH_META: self._with_meta, Op.ADD_WITH_META: self._with_meta,
+            Op.DEL_WITH_META: self._with_meta,
         }
 
     def handles(self, opcode: int) -> bool:
@@ -193,22 +196,21 @@ class DocumentOps:
         return response(f.opcode, opaque=f.opaque)
 
     async def _get_meta(self, s: Session, f: Frame) -> bytes:
-        # kv_engine GET_META (the SDKs' ``exists``): deleted u32, flags u32, expiry u32, rev seqno u64 [,
-        # datatype u8 when the request's 1-byte extras ask for version 2]; a tombstone answers deleted = 1
-        _need(f, (0, 1), value=False)
+        # kv_engine GET_META (the SDKs' ``exists``, XDCR's conflict pre-check): the engine's answer
+        # (engine/network/with_meta.py, shared with node processes); a tombstone answers deleted = 1
+        return handle_get_meta(self.provider.bucket_for(f.vbucket), f)
+
+    async def _with_meta(self, s: Session, f: Frame) -> bytes:
+        # SET / ADD / DEL_WITH_META (XDCR inbound, role replication_target: access.py): the target's conflict
+        # resolution decides (docs/xdcr.md "Target side"); an accepted write reaches Kafka like any other
+        self.hooks.admit_write()
         b = self.provider.bucket_for(f.vbucket)
-        vb = b.vbucket(f.vbucket)
-        vb.check_active()
-        if b.vbucket_of(f.key) != f.vbucket:
-            raise NotMyVBucket(f"key {f.key!r} does not map to vbucket {f.vbucket}")
-        it = vb.ht.get(f.key)
-        if it is None:
-            raise KeyNotFound(f"key {f.key!r} not found in vbucket {f.vbucket}")
-        deleted = it.op is not ItemOp.MUTATION or bool(it.expiry and it.expiry <= b.clock())
-        extras = META_EXTRAS.pack(1 if deleted else 0, it.flags, it.expiry, it.rev_seqno)
-        if f.extras == b"\x02":
-            extras += bytes([self._dt(s, it.datatype)])
-        return response(f.opcode, extras=extras, opaque=f.opaque, cas=it.cas)
+        try:
+            r = apply_write_with_meta(b, f)
+        except ConflictRejected as e:
+            return conflict_response(f, e)
+        self.hooks.wrote(r, len(f.key) + len(f.value))
+        return response(f.opcode, extras=TOKEN_EXTRAS.pack(r.vbuuid, r.seqno), opaque=f.opaque, cas=r.cas)
 
     async def _observe(self, s: Session, f: Frame) -> bytes:
         # kv_engine OBSERVE_SEQNO (engine/network/server.py ``_observe`` answers the same for node processes)

@@ -13,6 +13,7 @@ from engine.network.kv.access import BOTH, NEEDS, allowed
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.opcodes import KVStatus
 from engine.security.roles import Role
+from schemas.with_meta import encode_with_meta_extras
 from tests.engine.network.kv.harness import USERS, KVNode, RawClient
 
 #: opcode -> a request body that is valid for it (key k exists when it runs)
@@ -63,10 +64,11 @@ def test_the_role_table() -> None:
 
 
 def test_with_meta_writes_need_replication_target(connect: Callable[..., RawClient]) -> None:
-    for user, status in (("app", KVStatus.EACCESS), ("xdcr", KVStatus.NOT_SUPPORTED)):
+    # (test_with_meta.py: what the replication_target user's writes do)
+    for rev, (user, ok) in enumerate((("app", False), ("writer", False), ("xdcr", True), ("admin", True)), 1):
         c = connect().login(user)
-        f = c.doc(Op.SET_WITH_META, b"k", extras=b"\0" * 24, value=b"v")
-        assert f.status == status, (user, f)
+        f = c.doc(Op.SET_WITH_META, b"k", extras=encode_with_meta_extras(0, 0, rev, 1 << 40), value=b"v")
+        assert (f.status == 0) if ok else (f.status == KVStatus.EACCESS), (user, f)
 
 
 def test_a_role_change_reaches_an_open_connection(node: KVNode, connect: Callable[..., RawClient]) -> None:
