@@ -113,7 +113,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-stall-"))
     data = tmp / "data"
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_DATA_DIR": str(data),
-           "DCPGW_BUCKET": "stall", "DCPGW_HTTP_PORT": "0", "DCPGW_ADMIN_PASSWORD": ADMIN_PASSWORD}
+           "DCPGW_BUCKET": "stall", "DCPGW_HTTP_PORT": "0", "DCPGW_KV_PORT": "0",
+           "DCPGW_ADMIN_PASSWORD": ADMIN_PASSWORD}
     with open(tmp / "gw.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--no-progress"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)
