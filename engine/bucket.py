@@ -511,7 +511,7 @@ class Bucket:
         vb.failover.replace(entries)
         self.storage.save_states([vbucket_record(vb)])
 
-    def rollback_vbucket(self, vbucket: int, seqno: int) -> int:
+    def rollback_vbucket(self, vbucket: int, seqno: int, *, was_active: bool = False) -> int:
         """Roll a replica vbucket back to its newest complete-snapshot boundary <= ``seqno``; returns the
         seqno reached.
 
@@ -520,6 +520,10 @@ class Bucket:
         history of prior versions; when that history was purged the vbucket is rebuilt from zero (returns 0;
         counted in ``replica_rebuilds``). The hash table and checkpoints are reloaded from storage; streams
         reading the vbucket end with ROLLBACK. kv_engine rolls back replica (and pending) vbuckets only.
+
+        ``was_active``: the copy was active when its node was failed over (delta recovery, docs/cluster.md
+        "Delta recovery"): every seqno at or above its newest complete-snapshot end was written by it as an
+        active, so its state there is consistent and ``seqno`` itself is a boundary.
         """
         self._check_open()
         vb = self._replica(vbucket)
@@ -528,6 +532,8 @@ class Bucket:
         vb.end_streams(StreamEndReason.ROLLBACK)
         self.flush_all()  # everything received reaches disk first; storage then cuts it back exactly
         target = min(self.storage.snapshot_boundary(vbucket, seqno), vb.high_seqno)
+        if was_active and seqno >= self.storage.snapshot_boundary(vbucket, vb.high_seqno):
+            target = min(seqno, vb.high_seqno)
         vb.failover.prune_above(target)
         record = VBucketRecord(
             vb.id, vb.state.value, vb.failover.to_pairs(), target, target, target, vb.purge_seqno, vb.max_cas,

@@ -11,6 +11,7 @@ Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is call
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +23,7 @@ from engine.bucket import Bucket
 from engine.cluster.manager import ClusterManager, FailoverReport, ObserveResult
 from engine.cluster.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
 from engine.cluster.rebalance import Rebalance, RebalanceProgress
+from engine.cluster.recovery import RecoveringCopy, RecoveryReport, RepairCounts, repair_before_rollback
 from engine.cluster.vbucket_map import VBucketMap
 from engine.config import BucketConfig
 from engine.dcp.producer import DcpProducer
@@ -31,7 +33,7 @@ from engine.exceptions import (
     NotMyVBucket,
     TemporaryFailure,
 )
-from engine.kv.data_dir import MAP_FILE
+from engine.kv.data_dir import MAP_FILE, STORE_SUFFIX
 from engine.kv.durability import Durability, ManualClock, SyncWrite
 from engine.kv.durable_file import write_atomically
 from engine.kv.vbucket import GetResult, MutationResult, vbucket_of
@@ -73,6 +75,12 @@ class Cluster(ClusterManager):
         self.ejected: list[str] = []
         #: every node's bucket clock (durability timeouts, docs/durability.md); a ManualClock makes them deterministic
         self.clock: Callable[[], float] = time.time
+        #: rollback repair of recovering copies (setting ``rollback_repair``; docs/cluster.md "Rollback repair")
+        self.rollback_repair = True
+        #: (node, vbucket) -> a copy of a recovering node until its first stream request succeeds
+        self._recovering: dict[tuple[str, int], RecoveringCopy] = {}
+        #: totals over every recovery (metrics): document versions repaired / superseded / discarded
+        self.recovery_counts = RepairCounts()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -312,6 +320,7 @@ class Cluster(ClusterManager):
                     f"replication:{src}->{dst}")
                 conn = DcpConsumer(f"replication:{src}->{dst}", self.nodes[dst].require_bucket(), producer,
                                    consumer_name=dst)
+                conn.rollback_handler = functools.partial(self._replica_rollback, src, dst)
                 self._conns[key] = conn
             vbs = set(wanted[key])
             for vb in sorted(set(conn.streams) - vbs):
@@ -322,6 +331,117 @@ class Cluster(ClusterManager):
                         conn.add_stream(vb)
                     except (NotMyVBucket, TemporaryFailure):
                         continue  # retried on the next pump
+                    rec = self._recovering.pop((dst, vb), None)
+                    if rec is not None and vb in rec.report.pending:
+                        rec.report.pending.remove(vb)
+
+    def _replica_rollback(self, src: str, dst: str, vb: int, seqno: int) -> int:
+        """A replication stream request of ``dst``'s copy of ``vb`` was answered ROLLBACK(``seqno``): a copy of a
+        recovering node is repaired first (engine/cluster/recovery.py), then rolled back (a copy that was
+        active at failover to exactly ``seqno``); any other copy just rolls back."""
+        bucket = self.nodes[dst].require_bucket()
+        rec = self._recovering.get((dst, vb))
+        if rec is None:
+            return bucket.rollback_vbucket(vb, seqno)
+        active = self.nodes[src].require_bucket()
+        counts = repair_before_rollback(active.vbucket(vb), bucket.vbucket(vb), seqno, repair=rec.report.rollback_repair)
+        rec.report.add(counts)
+        self.recovery_counts.repaired += counts.repaired
+        self.recovery_counts.superseded += counts.superseded
+        self.recovery_counts.discarded += counts.discarded
+        self.recovery_counts.prepares += counts.prepares
+        target = bucket.rollback_vbucket(vb, seqno, was_active=rec.was_active)
+        rec.report.rollbacks += 1
+        log.info("recovery of %s: vbucket %d rolled back to %d (asked %d): %d repaired, %d superseded, "
+                 "%d discarded, %d prepares not repaired", dst, vb, target, seqno, counts.repaired,
+                 counts.superseded, counts.discarded, counts.prepares)
+        return target
+
+    # ------------------------------------------------------------------ recovery (engine/cluster/recovery.py)
+    def recover(self, name: str, mode: str = "delta") -> RecoveryReport:
+        """Bring failed-over node ``name`` back (ns_server's recovery; docs/cluster.md "Delta recovery").
+
+        ``delta``: the node keeps its data (started from its data directory when down); it rejoins the map as a
+        replica of every vbucket it held at failover whose chain has a free slot (and as the active of one
+        that lost every other copy); each copy stream-requests from its own position and failover log, rolls
+        back only what the active's history does not share -- after the rollback repair when
+        :attr:`rollback_repair` is on -- and streams the difference. ``full``: its data is wiped first and
+        the same copies are streamed from zero. When the node's data directory is gone a delta recovery
+        becomes a full one (``message`` says so). The node then holds no active copy of the other vbuckets:
+        a rebalance (run by the user) restores the map's balance. :class:`InvalidArgument` for an unknown
+        node, a node in the map (never failed over), a node a rebalance removed, a bad mode or a rebalance
+        running."""
+        t0 = self._monotonic()
+        if mode not in ("delta", "full"):
+            raise InvalidArgument(f"recovery mode must be 'delta' or 'full', got {mode!r}")
+        if type(name) is not str or not name:
+            raise InvalidArgument(f"invalid node name {name!r}")
+        if name in self._map.nodes:
+            raise InvalidArgument(f"node {name} was never failed over: it is in the cluster")
+        if name not in self.failed:
+            if name in self.ejected:
+                raise InvalidArgument(f"node {name} was removed by a rebalance, not failed over: add it back "
+                                      f"with a rebalance")
+            raise InvalidArgument(f"unknown node {name!r} (failed over: {', '.join(self.failed) or 'none'})")
+        if self._rebalance is not None:
+            raise InvalidArgument("a rebalance is running: recover the node after it")
+        node = self.nodes.get(name)
+        cfg = node.config if node is not None else self.node_config(name)
+        store = Path(cfg.data_dir) / f"{cfg.name}{STORE_SUFFIX}"
+        requested = mode
+        message = ""
+        if not store.exists():
+            if mode == "delta":
+                message = (f"the data directory of node {name} ({cfg.data_dir}) is gone: full recovery "
+                           f"(every copy streamed from zero)")
+                log.warning("recovery of %s: %s", name, message)
+            mode = "full"
+            if node is not None and node.up:
+                assert node.bucket is not None
+                node.bucket.close(clean=False)  # its files are gone: nothing to flush
+                node.bucket = None
+        elif mode == "full" and node is not None and node.up:
+            assert node.bucket is not None
+            node.bucket.close()
+            node.bucket = None
+        if mode == "full":
+            for f in Path(cfg.data_dir).glob(f"{cfg.name}{STORE_SUFFIX}*"):
+                f.unlink()  # full recovery: the node starts empty (ns_server wipes it)
+        if node is None:
+            node = Node(name, cfg)
+            self.nodes[name] = node
+        if not node.up:
+            node.bucket = Bucket(cfg, clock=self.clock)
+        held = dict(self.failover_copies.get(name, {}))
+        if not held:
+            # failed over before this manager ran (a rebuilt map): the vbuckets it holds data of
+            bucket = node.require_bucket()
+            held = {vb: False for vb in range(self._map.num_vbuckets) if bucket.vbucket_info(vb).high_seqno > 0}
+        chains: list[list[str | None]] = [list(c) for c in self._map.chains]
+        report = RecoveryReport(name, mode, requested, 0, message=message,
+                                rollback_repair=self.rollback_repair and mode == "delta")
+        for vb in sorted(held):
+            chain = chains[vb]
+            if chain[0] is None and mode == "delta":
+                chain[0] = name
+                report.actives.append(vb)
+            elif chain[0] is not None and None in chain[1:]:
+                chain[chain.index(None, 1)] = name
+                report.replicas.append(vb)
+            else:
+                report.skipped.append(vb)
+        self._set_map(self._map.with_chains(chains, [*self._map.nodes, name]))
+        self.failed.remove(name)
+        self.failover_copies.pop(name, None)
+        report.revision = self._map.revision
+        for vb in report.replicas:
+            self._recovering[(name, vb)] = RecoveringCopy(report, held[vb])
+        report.pending = list(report.replicas)
+        self._apply_states(name)
+        self._connect()  # the copies' stream requests: rollbacks and repairs happen here
+        report.seconds = self._monotonic() - t0
+        log.info("recovery of %s (%s): %s", name, mode, report.to_json())
+        return report
 
     def connections(self) -> list[tuple[str, str]]:
         """The (active node, replica node) pairs replicating now."""

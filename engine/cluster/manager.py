@@ -120,6 +120,9 @@ class ClusterManager(ABC):
         self._second_chains: dict[int, list[str | None]] = {}
         #: the rebalance in progress, if any
         self._rebalance: Rebalance | None = None
+        #: node -> {vbucket: was it the active copy} held when the node was failed over (ns_server keeps the
+        #: failed-over node's vbuckets for a delta recovery; docs/cluster.md "Delta recovery")
+        self.failover_copies: dict[str, dict[int, bool]] = {}
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
@@ -436,6 +439,7 @@ class ClusterManager(ABC):
                 self._set_state(name, vb, VBucketState.DEAD)
         self._stop_replication(name)  # its replication streams stop before anything is promoted
         chains: list[list[str | None]] = [list(c) for c in self._map.chains]
+        self.failover_copies[name] = {vb: c[0] == name for vb, c in enumerate(chains) if name in c}
         promoted: dict[int, str] = {}
         entries: dict[int, FailoverEntry | None] = {}
         lost: list[int] = []
