@@ -177,7 +177,7 @@ def test_recover_a_node_removed_by_a_rebalance_is_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize("up", [False, True])
 def test_recover_a_node_whose_data_directory_is_gone_falls_back_to_full(tmp_path, up: bool) -> None:
-    c, keys = _diverged(tmp_path, kill=not up)
+    c, _keys = _diverged(tmp_path, kill=not up)
     shutil.rmtree(tmp_path / "n0")
     rep = c.recover("n0", "delta")
     assert rep.requested_mode == "delta" and rep.mode == "full"
