@@ -434,6 +434,7 @@ class Bucket:
         vb.state = new
         vb.state_cas = self._new_state_cas()
         if old is VBucketState.ACTIVE:
+            vb.active_through = vb.high_seqno  # its own writes: consistent points for a later rollback
             vb.end_streams(StreamEndReason.STATE_CHANGED)
             if vb.durability is not None:
                 vb.durability.state_changed()  # waiters: SYNC_WRITE_AMBIGUOUS (docs/durability.md)
@@ -511,7 +512,7 @@ class Bucket:
         vb.failover.replace(entries)
         self.storage.save_states([vbucket_record(vb)])
 
-    def rollback_vbucket(self, vbucket: int, seqno: int, *, was_active: bool = False) -> int:
+    def rollback_vbucket(self, vbucket: int, seqno: int) -> int:
         """Roll a replica vbucket back to its newest complete-snapshot boundary <= ``seqno``; returns the
         seqno reached.
 
@@ -521,9 +522,10 @@ class Bucket:
         counted in ``replica_rebuilds``). The hash table and checkpoints are reloaded from storage; streams
         reading the vbucket end with ROLLBACK. kv_engine rolls back replica (and pending) vbuckets only.
 
-        ``was_active``: the copy was active when its node was failed over (delta recovery, docs/cluster.md
-        "Delta recovery"): every seqno at or above its newest complete-snapshot end was written by it as an
-        active, so its state there is consistent and ``seqno`` itself is a boundary.
+        A copy that was active until it became dead / replica (``active_through``, e.g. a failed-over node's
+        copy rejoining by a delta recovery, docs/cluster.md "Delta recovery") has a consistent state at every
+        seqno it wrote as an active (no de-duplicated snapshot there): a ``seqno`` between its newest
+        complete-snapshot end below ``active_through`` and ``active_through`` is itself the boundary.
         """
         self._check_open()
         vb = self._replica(vbucket)
@@ -532,7 +534,8 @@ class Bucket:
         vb.end_streams(StreamEndReason.ROLLBACK)
         self.flush_all()  # everything received reaches disk first; storage then cuts it back exactly
         target = min(self.storage.snapshot_boundary(vbucket, seqno), vb.high_seqno)
-        if was_active and seqno >= self.storage.snapshot_boundary(vbucket, vb.high_seqno):
+        through = vb.active_through
+        if through is not None and self.storage.snapshot_boundary(vbucket, through) <= seqno <= through:
             target = min(seqno, vb.high_seqno)
         vb.failover.prune_above(target)
         record = VBucketRecord(
@@ -547,6 +550,8 @@ class Bucket:
             record = VBucketRecord(vb.id, vb.state.value, vb.failover.to_pairs())
             self.storage.reset_vbucket(vbucket, record)
         vb.reset(target, map(item_from_row, self.storage.current(vbucket)))
+        if through is not None:
+            vb.active_through = min(through, target) or None
         self._dirty.discard(vbucket)
         vb.dirty = False
         self.replica_rollbacks += 1

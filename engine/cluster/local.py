@@ -350,7 +350,7 @@ class Cluster(ClusterManager):
         self.recovery_counts.superseded += counts.superseded
         self.recovery_counts.discarded += counts.discarded
         self.recovery_counts.prepares += counts.prepares
-        target = bucket.rollback_vbucket(vb, seqno, was_active=rec.was_active)
+        target = bucket.rollback_vbucket(vb, seqno)
         rec.report.rollbacks += 1
         log.info("recovery of %s: vbucket %d rolled back to %d (asked %d): %d repaired, %d superseded, "
                  "%d discarded, %d prepares not repaired", dst, vb, target, seqno, counts.repaired,
@@ -435,7 +435,7 @@ class Cluster(ClusterManager):
         self.failover_copies.pop(name, None)
         report.revision = self._map.revision
         for vb in report.replicas:
-            self._recovering[(name, vb)] = RecoveringCopy(report, held[vb])
+            self._recovering[(name, vb)] = RecoveringCopy(report)
         report.pending = list(report.replicas)
         self._apply_states(name)
         self._connect()  # the copies' stream requests: rollbacks and repairs happen here

@@ -126,8 +126,6 @@ class RecoveringCopy:
     """A vbucket copy of a recovering node until its first stream request succeeds."""
 
     report: RecoveryReport
-    #: the copy was active when its node was failed over (its own writes are consistent points)
-    was_active: bool
 
 
 __all__ = ["RecoveringCopy", "RecoveryMode", "RecoveryReport", "RepairCounts", "repair_before_rollback"]

@@ -198,6 +198,9 @@ class VBucket:
         self.prepares: dict[bytes, Item] = {}
         self.durability: ActiveDurabilityMonitor | None = None
         self.sync_seen = False
+        #: the high seqno when this copy last stopped being active (None: not since it was loaded): every seqno
+        #: it wrote as an active is a consistent rollback point (engine/bucket.py ``rollback_vbucket``)
+        self.active_through: int | None = None
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
