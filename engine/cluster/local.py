@@ -23,7 +23,7 @@ from engine.bucket import Bucket
 from engine.cluster.manager import ClusterManager, FailoverReport, ObserveResult
 from engine.cluster.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
 from engine.cluster.rebalance import Rebalance, RebalanceProgress
-from engine.cluster.recovery import RecoveringCopy, RecoveryReport, RepairCounts, repair_before_rollback
+from engine.cluster.recovery import RecoveringCopy, RecoveryReport, repair_before_rollback
 from engine.cluster.vbucket_map import VBucketMap
 from engine.config import BucketConfig
 from engine.dcp.producer import DcpProducer
@@ -75,12 +75,8 @@ class Cluster(ClusterManager):
         self.ejected: list[str] = []
         #: every node's bucket clock (durability timeouts, docs/durability.md); a ManualClock makes them deterministic
         self.clock: Callable[[], float] = time.time
-        #: rollback repair of recovering copies (setting ``rollback_repair``; docs/cluster.md "Rollback repair")
-        self.rollback_repair = True
         #: (node, vbucket) -> a copy of a recovering node until its first stream request succeeds
         self._recovering: dict[tuple[str, int], RecoveringCopy] = {}
-        #: totals over every recovery (metrics): document versions repaired / superseded / discarded
-        self.recovery_counts = RepairCounts()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -346,10 +342,7 @@ class Cluster(ClusterManager):
         active = self.nodes[src].require_bucket()
         counts = repair_before_rollback(active.vbucket(vb), bucket.vbucket(vb), seqno, repair=rec.report.rollback_repair)
         rec.report.add(counts)
-        self.recovery_counts.repaired += counts.repaired
-        self.recovery_counts.superseded += counts.superseded
-        self.recovery_counts.discarded += counts.discarded
-        self.recovery_counts.prepares += counts.prepares
+        self.recovery_counts.add(counts)
         target = bucket.rollback_vbucket(vb, seqno)
         rec.report.rollbacks += 1
         log.info("recovery of %s: vbucket %d rolled back to %d (asked %d): %d repaired, %d superseded, "
@@ -372,19 +365,7 @@ class Cluster(ClusterManager):
         node, a node in the map (never failed over), a node a rebalance removed, a bad mode or a rebalance
         running."""
         t0 = self._monotonic()
-        if mode not in ("delta", "full"):
-            raise InvalidArgument(f"recovery mode must be 'delta' or 'full', got {mode!r}")
-        if type(name) is not str or not name:
-            raise InvalidArgument(f"invalid node name {name!r}")
-        if name in self._map.nodes:
-            raise InvalidArgument(f"node {name} was never failed over: it is in the cluster")
-        if name not in self.failed:
-            if name in self.ejected:
-                raise InvalidArgument(f"node {name} was removed by a rebalance, not failed over: add it back "
-                                      f"with a rebalance")
-            raise InvalidArgument(f"unknown node {name!r} (failed over: {', '.join(self.failed) or 'none'})")
-        if self._rebalance is not None:
-            raise InvalidArgument("a rebalance is running: recover the node after it")
+        self._check_recover(name, mode)
         node = self.nodes.get(name)
         cfg = node.config if node is not None else self.node_config(name)
         store = Path(cfg.data_dir) / f"{cfg.name}{STORE_SUFFIX}"
@@ -412,28 +393,7 @@ class Cluster(ClusterManager):
             self.nodes[name] = node
         if not node.up:
             node.bucket = Bucket(cfg, clock=self.clock)
-        held = dict(self.failover_copies.get(name, {}))
-        if not held:
-            # failed over before this manager ran (a rebuilt map): the vbuckets it holds data of
-            bucket = node.require_bucket()
-            held = {vb: False for vb in range(self._map.num_vbuckets) if bucket.vbucket_info(vb).high_seqno > 0}
-        chains: list[list[str | None]] = [list(c) for c in self._map.chains]
-        report = RecoveryReport(name, mode, requested, 0, message=message,
-                                rollback_repair=self.rollback_repair and mode == "delta")
-        for vb in sorted(held):
-            chain = chains[vb]
-            if chain[0] is None and mode == "delta":
-                chain[0] = name
-                report.actives.append(vb)
-            elif chain[0] is not None and None in chain[1:]:
-                chain[chain.index(None, 1)] = name
-                report.replicas.append(vb)
-            else:
-                report.skipped.append(vb)
-        self._set_map(self._map.with_chains(chains, [*self._map.nodes, name]))
-        self.failed.remove(name)
-        self.failover_copies.pop(name, None)
-        report.revision = self._map.revision
+        report = self._place_recovered(name, mode, requested, message)
         for vb in report.replicas:
             self._recovering[(name, vb)] = RecoveringCopy(report)
         report.pending = list(report.replicas)

@@ -48,6 +48,12 @@ class RepairCounts:
     #: prepares above the rollback point (never repaired: the durability rules decide them)
     prepares: int = 0
 
+    def add(self, c: RepairCounts) -> None:
+        self.repaired += c.repaired
+        self.superseded += c.superseded
+        self.discarded += c.discarded
+        self.prepares += c.prepares
+
 
 def repair_before_rollback(active: VBucket, copy: VBucket, since: int, *, repair: bool = True) -> RepairCounts:
     """Rollback repair of ``copy`` (a recovering replica copy about to roll back from ROLLBACK(``since``))
@@ -105,10 +111,7 @@ class RecoveryReport:
     seconds: float = 0.0
 
     def add(self, c: RepairCounts) -> None:
-        self.counts.repaired += c.repaired
-        self.counts.superseded += c.superseded
-        self.counts.discarded += c.discarded
-        self.counts.prepares += c.prepares
+        self.counts.add(c)
 
     def to_json(self) -> dict[str, object]:
         return {
