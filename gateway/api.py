@@ -708,7 +708,7 @@ async def cluster_recover(request: web.Request) -> web.Response:
                        '"node" must be a node name (1..64 of letters, digits, "_", ".", "-")')
     if mode not in ("delta", "full"):
         raise ApiError(400, "invalid_argument", '"mode" must be "delta" or "full"')
-    report = svc.recover(node, mode)
+    report = await svc.recover(node, mode)
     return web.json_response(report.to_json())
 
 

@@ -319,17 +319,27 @@ class GatewayService:
         self.wake()
         return report
 
-    def recover(self, node: str, mode: str) -> RecoveryReport:
+    async def recover(self, node: str, mode: str) -> RecoveryReport:
         """Recover failed-over ``node`` (``delta`` or ``full``; docs/cluster.md "Delta recovery"): it rejoins the
         map, its copies roll back (after the rollback repair) and stream the difference in the pump loop; a
-        rebalance restores the map's balance. :class:`InvalidArgument` for an unknown node, a node never failed
-        over, a bad mode or a rebalance running or starting."""
+        rebalance restores the map's balance. A node engine that must be (re)opened -- the node is down, or a
+        full recovery wiped it -- is opened on a worker thread, like a rebalance's new nodes.
+        :class:`InvalidArgument` for an unknown node, a node never failed over, a bad mode or a rebalance
+        running or starting."""
         c = self.cluster
         if c is None:
             raise InvalidArgument("the gateway runs a single bucket, not a cluster (dcpgw up --nodes N)")
         if self._rebalance_setup is not None:
             raise InvalidArgument("a rebalance is starting: recover the node after it")
-        report = c.recover(node, mode)
+        c.prepare_recovery(node, mode)
+        opened: Bucket | None = None
+        try:
+            if not c.nodes[node].up:
+                opened = await asyncio.get_running_loop().run_in_executor(None, c.open_recovery_bucket, node)
+            report = c.recover(node, mode, bucket=opened)
+        except BaseException:
+            c.abandon_recovery(node)
+            raise
         self.wake()
         return report
 

@@ -77,6 +77,8 @@ class Cluster(ClusterManager):
         self.clock: Callable[[], float] = time.time
         #: (node, vbucket) -> a copy of a recovering node until its first stream request succeeds
         self._recovering: dict[tuple[str, int], RecoveringCopy] = {}
+        #: node -> (requested mode, mode, message) between prepare_recovery and recover
+        self._recovery_prep: dict[str, tuple[str, str, str]] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -351,21 +353,14 @@ class Cluster(ClusterManager):
         return target
 
     # ------------------------------------------------------------------ recovery (engine/cluster/recovery.py)
-    def recover(self, name: str, mode: str = "delta") -> RecoveryReport:
-        """Bring failed-over node ``name`` back (ns_server's recovery; docs/cluster.md "Delta recovery").
-
-        ``delta``: the node keeps its data (started from its data directory when down); it rejoins the map as a
-        replica of every vbucket it held at failover whose chain has a free slot (and as the active of one
-        that lost every other copy); each copy stream-requests from its own position and failover log, rolls
-        back only what the active's history does not share -- after the rollback repair when
-        :attr:`rollback_repair` is on -- and streams the difference. ``full``: its data is wiped first and
-        the same copies are streamed from zero. When the node's data directory is gone a delta recovery
-        becomes a full one (``message`` says so). The node then holds no active copy of the other vbuckets:
-        a rebalance (run by the user) restores the map's balance. :class:`InvalidArgument` for an unknown
-        node, a node in the map (never failed over), a node a rebalance removed, a bad mode or a rebalance
-        running."""
-        t0 = self._monotonic()
+    def prepare_recovery(self, name: str, mode: str = "delta") -> str:
+        """The first half of :meth:`recover`: the checks, then the node's engine is closed when it must be
+        reopened (a full recovery wipes its files; a data directory that is gone makes a delta recovery a full
+        one). Returns the mode that will run. When the node is down afterwards, its engine may be opened off the
+        caller's thread (:meth:`open_recovery_bucket`, as the gateway does) and handed to :meth:`recover`."""
         self._check_recover(name, mode)
+        if name in self._recovery_prep:
+            raise InvalidArgument(f"a recovery of node {name} is already starting")
         node = self.nodes.get(name)
         cfg = node.config if node is not None else self.node_config(name)
         store = Path(cfg.data_dir) / f"{cfg.name}{STORE_SUFFIX}"
@@ -389,10 +384,49 @@ class Cluster(ClusterManager):
             for f in Path(cfg.data_dir).glob(f"{cfg.name}{STORE_SUFFIX}*"):
                 f.unlink()  # full recovery: the node starts empty (ns_server wipes it)
         if node is None:
-            node = Node(name, cfg)
-            self.nodes[name] = node
-        if not node.up:
-            node.bucket = Bucket(cfg, clock=self.clock)
+            self.nodes[name] = Node(name, cfg)
+        self._recovery_prep[name] = (requested, mode, message)
+        return mode
+
+    def open_recovery_bucket(self, name: str) -> Bucket:
+        """Open (warm up) the engine of node ``name`` prepared by :meth:`prepare_recovery`; touches nothing of
+        the cluster, so it may run on another thread."""
+        return Bucket(self.node(name).config, clock=self.clock)
+
+    def abandon_recovery(self, name: str) -> None:
+        """Forget a :meth:`prepare_recovery` that will not be completed (the node stays failed over; an engine
+        it closed stays closed)."""
+        self._recovery_prep.pop(name, None)
+
+    def recover(self, name: str, mode: str = "delta", *, bucket: Bucket | None = None) -> RecoveryReport:
+        """Bring failed-over node ``name`` back (ns_server's recovery; docs/cluster.md "Delta recovery").
+
+        ``delta``: the node keeps its data (started from its data directory when down); it rejoins the map as a
+        replica of every vbucket it held at failover whose chain has a free slot (and as the active of one
+        that lost every other copy); each copy stream-requests from its own position and failover log, rolls
+        back only what the active's history does not share -- after the rollback repair when
+        :attr:`rollback_repair` is on -- and streams the difference. ``full``: its data is wiped first and
+        the same copies are streamed from zero. When the node's data directory is gone a delta recovery
+        becomes a full one (``message`` says so). The node then holds no active copy of the other vbuckets:
+        a rebalance (run by the user) restores the map's balance. :class:`InvalidArgument` for an unknown
+        node, a node in the map (never failed over), a node a rebalance removed, a bad mode or a rebalance
+        running."""
+        t0 = self._monotonic()
+        if name not in self._recovery_prep:
+            self.prepare_recovery(name, mode)
+        elif self._recovery_prep[name][0] != mode:
+            raise InvalidArgument(f"node {name} was prepared for a {self._recovery_prep[name][0]} recovery")
+        try:
+            self._check_recover(name, mode)
+            requested, mode, message = self._recovery_prep[name]
+            node = self.nodes[name]
+            if not node.up:
+                node.bucket = bucket if bucket is not None else self.open_recovery_bucket(name)
+                bucket = None
+        finally:
+            self._recovery_prep.pop(name, None)
+            if bucket is not None:
+                bucket.close()  # not needed: the node was up
         report = self._place_recovered(name, mode, requested, message)
         for vb in report.replicas:
             self._recovering[(name, vb)] = RecoveringCopy(report)

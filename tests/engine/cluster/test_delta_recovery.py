@@ -187,3 +187,25 @@ def test_recover_a_node_whose_data_directory_is_gone_falls_back_to_full(tmp_path
     assert_replicas_equal_actives(c)
     assert c.nodes["n0"].require_bucket().stats()["items"] > 0
     c.close()
+
+
+def test_prepares_are_never_repaired(tmp_path) -> None:
+    from engine.kv.durability import Durability, Level
+
+    c = Cluster.create(tmp_path, nodes=3, replicas=1, num_vbuckets=NVB, seed=3)
+    keys = _keys_of(c, "n0")
+    c.write(keys[0], "base")
+    c.settle()
+    c.write(keys[1], "plain")  # unreplicated plain write: repaired
+    c.submit(keys[2], b"durable", durability=Durability(Level.MAJORITY))  # a prepare nobody acknowledged
+    c.nodes["n0"].require_bucket().flush_all()
+    c.kill("n0")
+    c.failover("n0")
+    rep = c.recover("n0")
+    assert rep.counts.prepares == 1 and rep.counts.repaired == 1
+    c.settle()
+    assert c.get(keys[1]).value == b"plain"
+    with pytest.raises(KeyNotFound):
+        c.get(keys[2])  # the prepare's outcome is the durability rules': never committed
+    assert_replicas_equal_actives(c)
+    c.close()
