@@ -619,6 +619,7 @@ class Bucket:
         vb.state = new
         vb.state_cas = self._new_state_cas()
         if old is VBucketState.ACTIVE:
+            vb.active_through = vb.high_seqno  # its own writes: consistent points for a later rollback
             vb.end_streams(StreamEndReason.STATE_CHANGED)
             if vb.durability is not None:
                 vb.durability.state_changed()  # waiters: SYNC_WRITE_AMBIGUOUS (docs/durability.md)
@@ -705,6 +706,11 @@ class Bucket:
         history of prior versions; when that history was purged the vbucket is rebuilt from zero (returns 0;
         counted in ``replica_rebuilds``). The hash table and checkpoints are reloaded from storage; streams
         reading the vbucket end with ROLLBACK. kv_engine rolls back replica (and pending) vbuckets only.
+
+        A copy that was active until it became dead / replica (``active_through``, e.g. a failed-over node's
+        copy rejoining by a delta recovery, docs/cluster.md "Delta recovery") has a consistent state at every
+        seqno it wrote as an active (no de-duplicated snapshot there): a ``seqno`` between its newest
+        complete-snapshot end below ``active_through`` and ``active_through`` is itself the boundary.
         """
         self._check_open()
         vb = self._replica(vbucket)
@@ -713,6 +719,9 @@ class Bucket:
         vb.end_streams(StreamEndReason.ROLLBACK)
         self.flush_all()  # everything received reaches disk first; storage then cuts it back exactly
         target = min(self.storage.snapshot_boundary(vbucket, seqno), vb.high_seqno)
+        through = vb.active_through
+        if through is not None and self.storage.snapshot_boundary(vbucket, through) <= seqno <= through:
+            target = min(seqno, vb.high_seqno)
         vb.failover.prune_above(target)
         record = VBucketRecord(
             vb.id, vb.state.value, vb.failover.to_pairs(), target, target, target, vb.purge_seqno, vb.max_cas,
@@ -726,6 +735,8 @@ class Bucket:
             record = VBucketRecord(vb.id, vb.state.value, vb.failover.to_pairs(), max_deleted_rev=vb.max_deleted_rev)
             self.storage.reset_vbucket(vbucket, record)
         vb.reset(target, map(item_from_row, self.storage.current(vbucket)))
+        if through is not None:
+            vb.active_through = min(through, target) or None
         self._dirty.discard(vbucket)
         vb.dirty = False
         self.replica_rollbacks += 1

@@ -13,7 +13,8 @@ Operations: ``GET /health`` (= ``GET /health/ready``: 200 or 503 with ``{"status
 Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST /cluster/failover``
 (``{"node": "n1", "graceful": false}``; answers the failover report), ``POST /cluster/rebalance``
 (``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
-(progress of the running or last rebalance). ``GET /openapi.json``: the OpenAPI document (gateway/openapi.py).
+(progress of the running or last rebalance), ``POST /cluster/recover`` (``{"node": "n1", "mode": "delta"}``;
+answers the recovery report). ``GET /openapi.json``: the OpenAPI document (gateway/openapi.py).
 
 Authentication (Basic or bearer token) and the role each route needs: gateway/auth.py, docs/security.md;
 ``/auth/token`` and ``/users``: gateway/auth_api.py.
@@ -637,6 +638,9 @@ async def metrics(request: web.Request) -> web.Response:
     assert svc.publisher is not None
     svc.metrics.collect_health(svc.publisher.oldest_unacked_age(), len(svc.readiness.stalled), svc.unacked.total)
     svc.metrics.collect_conflicts(svc.settings.conflict_resolution, ConflictCounters.total(b.conflict_counters for b in svc.buckets()).as_dict())
+    if svc.cluster is not None:
+        rc = svc.cluster.recovery_counts
+        svc.metrics.collect_recovery(rc.repaired, rc.superseded)
     return web.Response(body=svc.metrics.render(svc.publisher),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -721,6 +725,27 @@ async def cluster_failover(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid_argument", '"graceful" must be true or false')
     report = svc.failover(node, graceful)
     return web.json_response(failover_report_json(report))
+
+
+async def cluster_recover(request: web.Request) -> web.Response:
+    """``POST /cluster/recover`` {"node", "mode": "delta"|"full"}: the recovery report (docs/cluster.md "Delta recovery")."""
+    svc = _svc(request)
+    _cluster(svc)
+    body = await _read_json(request, MAX_ADMIN_BODY, "object")
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_argument", 'body must be a JSON object {"node": ..., "mode": "delta"|"full"}')
+    unknown = sorted(set(body) - {"node", "mode"})
+    if unknown:
+        raise ApiError(400, "invalid_argument", f"unknown fields {unknown}")
+    node = body.get("node")
+    mode = body.get("mode", "delta")
+    if not isinstance(node, str) or not NODE_NAME.fullmatch(node):
+        raise ApiError(400, "invalid_argument",
+                       '"node" must be a node name (1..64 of letters, digits, "_", ".", "-")')
+    if mode not in ("delta", "full"):
+        raise ApiError(400, "invalid_argument", '"mode" must be "delta" or "full"')
+    report = await svc.recover(node, mode)
+    return web.json_response(report.to_json())
 
 
 def _node_list(body: dict[str, Any], field: str, most: int) -> list[str]:
@@ -821,6 +846,7 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_get("/cluster/map", cluster_map)
     app.router.add_post("/cluster/failover", cluster_failover)
     app.router.add_post("/cluster/rebalance", cluster_rebalance)
+    app.router.add_post("/cluster/recover", cluster_recover)
     app.router.add_get("/cluster/rebalance", cluster_rebalance_progress)
     app.router.add_get("/openapi.json", openapi_json)
     add_auth_routes(app)  # /auth/token, /users (docs/security.md)

@@ -65,6 +65,7 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     # cluster operations and users
     ("POST", "/cluster/failover"): Role.ADMIN,
     ("POST", "/cluster/rebalance"): Role.ADMIN,
+    ("POST", "/cluster/recover"): Role.ADMIN,
     ("GET", "/users"): Role.ADMIN,
     ("PUT", "/users/{name}"): Role.ADMIN,
     ("DELETE", "/users/{name}"): Role.ADMIN,

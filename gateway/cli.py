@@ -2,8 +2,8 @@
 
 * ``dcpgw up``      engine + gateway + HTTP API, on the embedded broker unless ``KAFKA_BOOTSTRAP_SERVERS`` is set;
   ``--nodes 3 --replicas 1`` runs an in-process cluster of engine nodes behind the one gateway
-* ``dcpgw cluster status|map|failover NODE [--graceful]|rebalance [--add N] [--remove N]``  the running
-  gateway's cluster (HTTP admin API)
+* ``dcpgw cluster status|map|failover NODE [--graceful]|rebalance [--add N] [--remove N]|recover NODE
+  --delta|--full``  the running gateway's cluster (HTTP admin API)
 * ``dcpgw load``    write generator (through the HTTP API), with a progress bar
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
@@ -776,6 +776,33 @@ def _wait_following(bar: Any, task: Any, base: str, total: int, deadline: float,
         if time.monotonic() > deadline:
             _fail(f"the gateway follows the map for only {done}/{total} vbuckets after {timeout:.0f}s")
         time.sleep(0.2)
+
+
+@cluster_app.command("recover")
+def cluster_recover(
+    node: str = typer.Argument(..., help="The failed-over node to bring back (e.g. n1)."),
+    delta: bool = typer.Option(False, "--delta", help="Keep its data: only what differs from the actives is "
+                               "rolled back (after the rollback repair) and streamed. The default."),
+    full: bool = typer.Option(False, "--full", help="Wipe its data and stream every copy from zero."),
+    url: str | None = _URL,
+    data_dir: Path = _DATA_DIR,
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
+    timeout: float = typer.Option(120.0, help="Seconds to wait for the answer."),
+) -> None:
+    """Recover failed-over NODE (ns_server's delta / full recovery, docs/cluster.md "Delta recovery"); prints
+    the recovery report as one JSON line. Run ``dcpgw cluster rebalance`` afterwards to restore the map's
+    balance (the recovered node holds no active copy until then)."""
+    if delta and full:
+        _fail("--delta and --full exclude each other")
+    mode = "full" if full else "delta"
+    base = _connect(url, data_dir, user, password, cacert)
+    report = _http("POST", f"{base}/cluster/recover", json.dumps({"node": node, "mode": mode}).encode(),
+                   timeout=timeout)
+    if report.get("message"):
+        typer.echo(report["message"], err=True)
+    typer.echo(json.dumps(report))
 
 
 @cluster_app.command("rebalance")

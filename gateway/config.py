@@ -425,6 +425,9 @@ class GatewaySettings(BaseSettings):
     #: publish only persisted items (flush the engine before every DCP step): a crash of the process then
     #: never needs a rollback record (docs/gateway.md)
     rollback_mitigation: bool = True
+    #: cluster mode: a delta recovery writes a recovering node's unreplicated document versions back to the
+    #: actives before its copies roll back (docs/cluster.md "Rollback repair")
+    rollback_repair: bool = True
     # topics
     create_topic_partitions: int | None = Field(default=None, ge=1)
     topic_replication_factor: int = Field(default=1, ge=1, le=32767)

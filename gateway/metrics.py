@@ -49,6 +49,12 @@ class GatewayMetrics:
                                registry=r)
         self.cr_mode = Gauge("dcpgw_conflict_resolution_mode", "The bucket's conflict-resolution mode (label; "
                              "always 1)", ["mode"], registry=r)
+        #: cluster mode: delta recoveries' rollback repair (docs/cluster.md "Rollback repair"), set at scrape time
+        self.repaired = Gauge("dcpgw_rollback_repaired_documents", "Document versions a recovering node wrote back "
+                              "to the actives before rolling back (rollback repair)", registry=r)
+        self.superseded = Gauge("dcpgw_rollback_superseded_documents", "Document versions a recovering node "
+                                "dropped because the active had changed the key since the rollback point",
+                                registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
                       "oversize": 0}
         self._last = (time.monotonic(), 0)
@@ -68,6 +74,10 @@ class GatewayMetrics:
         self.oldest_unacked.set(oldest_age)
         self.stalled.set(stalled)
         self.unacked_bytes.set(unacked_bytes)
+
+    def collect_recovery(self, repaired: int, superseded: int) -> None:
+        self.repaired.set(repaired)
+        self.superseded.set(superseded)
 
     def collect(self, pub: Publisher) -> None:
         for name, counter, value in (

@@ -195,6 +195,13 @@ PATHS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["node"], "additionalProperties": False,
             "properties": {"node": NODE_NAME, "graceful": {"type": "boolean", "default": False}}}}}},
         "responses": {"200": _resp("the failover report", OBJECT), **_errors(400, 404, 413, 503)}}},
+    "/cluster/recover": {"post": {
+        "summary": "cluster mode: recover a failed-over node (delta: with its data; full: streamed from zero)",
+        "requestBody": {"required": True, "content": {_JSON: {"schema": {
+            "type": "object", "required": ["node"], "additionalProperties": False,
+            "properties": {"node": NODE_NAME, "mode": {"type": "string", "enum": ["delta", "full"],
+                                                       "default": "delta"}}}}}},
+        "responses": {"200": _resp("the recovery report", OBJECT), **_errors(400, 404, 413, 503)}}},
     "/cluster/rebalance": {
         "post": {
             "summary": "cluster mode: start a rebalance (at most 8 nodes added, 64 nodes in the cluster)",

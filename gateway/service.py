@@ -25,6 +25,7 @@ from aiohttp import web
 from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
+from engine.cluster.recovery import RecoveryReport
 from engine.kv.data_dir import DataDirLock, Layout, check_layout
 from engine.security import UserStore, server_context
 from gateway.config import GatewaySettings
@@ -323,10 +324,12 @@ class GatewayService:
                 cluster.close()
                 raise InvalidArgument(f"the cluster under {s.data_dir} has {cluster.num_vbuckets} vbuckets, "
                                       f"not {s.num_vbuckets}")
-            return cluster
-        return Cluster.create(s.data_dir, nodes=s.cluster_nodes, replicas=s.cluster_replicas,
-                              num_vbuckets=s.num_vbuckets, seed=None, name=s.bucket,
-                              conflict_resolution=s.conflict_resolution)
+        else:
+            cluster = Cluster.create(s.data_dir, nodes=s.cluster_nodes, replicas=s.cluster_replicas,
+                                     num_vbuckets=s.num_vbuckets, seed=None, name=s.bucket,
+                                     conflict_resolution=s.conflict_resolution)
+        cluster.rollback_repair = s.rollback_repair  # docs/cluster.md "Rollback repair"
+        return cluster
 
     def buckets(self) -> list[Bucket]:
         """The live engine buckets (one, or every live node of the cluster)."""
@@ -346,6 +349,30 @@ class GatewayService:
         if node in vbmap.nodes and len(vbmap.nodes) <= 1:
             raise InvalidArgument(f"node {node} is the last node of the cluster: it cannot be failed over")
         report = c.failover(node, graceful=graceful)
+        self.wake()
+        return report
+
+    async def recover(self, node: str, mode: str) -> RecoveryReport:
+        """Recover failed-over ``node`` (``delta`` or ``full``; docs/cluster.md "Delta recovery"): it rejoins the
+        map, its copies roll back (after the rollback repair) and stream the difference in the pump loop; a
+        rebalance restores the map's balance. A node engine that must be (re)opened -- the node is down, or a
+        full recovery wiped it -- is opened on a worker thread, like a rebalance's new nodes.
+        :class:`InvalidArgument` for an unknown node, a node never failed over, a bad mode or a rebalance
+        running or starting."""
+        c = self.cluster
+        if c is None:
+            raise InvalidArgument("the gateway runs a single bucket, not a cluster (dcpgw up --nodes N)")
+        if self._rebalance_setup is not None:
+            raise InvalidArgument("a rebalance is starting: recover the node after it")
+        c.prepare_recovery(node, mode)
+        opened: Bucket | None = None
+        try:
+            if not c.nodes[node].up:
+                opened = await asyncio.get_running_loop().run_in_executor(None, c.open_recovery_bucket, node)
+            report = c.recover(node, mode, bucket=opened)
+        except BaseException:
+            c.abandon_recovery(node)
+            raise
         self.wake()
         return report
 

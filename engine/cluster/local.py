@@ -11,6 +11,7 @@ Synchronous and deterministic: nothing moves unless :meth:`Cluster.pump` is call
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -22,6 +23,7 @@ from engine.bucket import Bucket
 from engine.cluster.manager import ClusterManager, FailoverReport, ObserveResult
 from engine.cluster.map_recovery import MapRebuild, read_node_states, rebuild_map, salvage_revision
 from engine.cluster.rebalance import Rebalance, RebalanceProgress
+from engine.cluster.recovery import RecoveringCopy, RecoveryReport, repair_before_rollback
 from engine.cluster.vbucket_map import VBucketMap
 from engine.config import BucketConfig
 from engine.dcp.producer import DcpProducer
@@ -32,7 +34,7 @@ from engine.exceptions import (
     TemporaryFailure,
 )
 from engine.kv.conflict_resolution import ItemMeta
-from engine.kv.data_dir import MAP_FILE
+from engine.kv.data_dir import MAP_FILE, STORE_SUFFIX
 from engine.kv.durability import Durability, ManualClock, SyncWrite
 from engine.kv.durable_file import write_atomically
 from engine.kv.vbucket import GetResult, MutationResult, vbucket_of
@@ -74,6 +76,10 @@ class Cluster(ClusterManager):
         self.ejected: list[str] = []
         #: every node's bucket clock (durability timeouts, docs/durability.md); a ManualClock makes them deterministic
         self.clock: Callable[[], float] = time.time
+        #: (node, vbucket) -> a copy of a recovering node until its first stream request succeeds
+        self._recovering: dict[tuple[str, int], RecoveringCopy] = {}
+        #: node -> (requested mode, mode, message) between prepare_recovery and recover
+        self._recovery_prep: dict[str, tuple[str, str, str]] = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -334,6 +340,7 @@ class Cluster(ClusterManager):
                     f"replication:{src}->{dst}")
                 conn = DcpConsumer(f"replication:{src}->{dst}", self.nodes[dst].require_bucket(), producer,
                                    consumer_name=dst)
+                conn.rollback_handler = functools.partial(self._replica_rollback, src, dst)
                 self._conns[key] = conn
             vbs = set(wanted[key])
             for vb in sorted(set(conn.streams) - vbs):
@@ -344,6 +351,113 @@ class Cluster(ClusterManager):
                         conn.add_stream(vb)
                     except (NotMyVBucket, TemporaryFailure):
                         continue  # retried on the next pump
+                    rec = self._recovering.pop((dst, vb), None)
+                    if rec is not None and vb in rec.report.pending:
+                        rec.report.pending.remove(vb)
+
+    def _replica_rollback(self, src: str, dst: str, vb: int, seqno: int) -> int:
+        """A replication stream request of ``dst``'s copy of ``vb`` was answered ROLLBACK(``seqno``): a copy of a
+        recovering node is repaired first (engine/cluster/recovery.py), then rolled back (a copy that was
+        active at failover to exactly ``seqno``); any other copy just rolls back."""
+        bucket = self.nodes[dst].require_bucket()
+        rec = self._recovering.get((dst, vb))
+        if rec is None:
+            return bucket.rollback_vbucket(vb, seqno)
+        active = self.nodes[src].require_bucket()
+        counts = repair_before_rollback(active.vbucket(vb), bucket.vbucket(vb), seqno, repair=rec.report.rollback_repair)
+        rec.report.add(counts)
+        self.recovery_counts.add(counts)
+        target = bucket.rollback_vbucket(vb, seqno)
+        rec.report.rollbacks += 1
+        log.info("recovery of %s: vbucket %d rolled back to %d (asked %d): %d repaired, %d superseded, "
+                 "%d discarded, %d prepares not repaired", dst, vb, target, seqno, counts.repaired,
+                 counts.superseded, counts.discarded, counts.prepares)
+        return target
+
+    # ------------------------------------------------------------------ recovery (engine/cluster/recovery.py)
+    def prepare_recovery(self, name: str, mode: str = "delta") -> str:
+        """The first half of :meth:`recover`: the checks, then the node's engine is closed when it must be
+        reopened (a full recovery wipes its files; a data directory that is gone makes a delta recovery a full
+        one). Returns the mode that will run. When the node is down afterwards, its engine may be opened off the
+        caller's thread (:meth:`open_recovery_bucket`, as the gateway does) and handed to :meth:`recover`."""
+        self._check_recover(name, mode)
+        if name in self._recovery_prep:
+            raise InvalidArgument(f"a recovery of node {name} is already starting")
+        node = self.nodes.get(name)
+        cfg = node.config if node is not None else self.node_config(name)
+        store = Path(cfg.data_dir) / f"{cfg.name}{STORE_SUFFIX}"
+        requested = mode
+        message = ""
+        if not store.exists():
+            if mode == "delta":
+                message = (f"the data directory of node {name} ({cfg.data_dir}) is gone: full recovery "
+                           f"(every copy streamed from zero)")
+                log.warning("recovery of %s: %s", name, message)
+            mode = "full"
+            if node is not None and node.up:
+                assert node.bucket is not None
+                node.bucket.close(clean=False)  # its files are gone: nothing to flush
+                node.bucket = None
+        elif mode == "full" and node is not None and node.up:
+            assert node.bucket is not None
+            node.bucket.close()
+            node.bucket = None
+        if mode == "full":
+            for f in Path(cfg.data_dir).glob(f"{cfg.name}{STORE_SUFFIX}*"):
+                f.unlink()  # full recovery: the node starts empty (ns_server wipes it)
+        if node is None:
+            self.nodes[name] = Node(name, cfg)
+        self._recovery_prep[name] = (requested, mode, message)
+        return mode
+
+    def open_recovery_bucket(self, name: str) -> Bucket:
+        """Open (warm up) the engine of node ``name`` prepared by :meth:`prepare_recovery`; touches nothing of
+        the cluster, so it may run on another thread."""
+        return Bucket(self.node(name).config, clock=self.clock)
+
+    def abandon_recovery(self, name: str) -> None:
+        """Forget a :meth:`prepare_recovery` that will not be completed (the node stays failed over; an engine
+        it closed stays closed)."""
+        self._recovery_prep.pop(name, None)
+
+    def recover(self, name: str, mode: str = "delta", *, bucket: Bucket | None = None) -> RecoveryReport:
+        """Bring failed-over node ``name`` back (ns_server's recovery; docs/cluster.md "Delta recovery").
+
+        ``delta``: the node keeps its data (started from its data directory when down); it rejoins the map as a
+        replica of every vbucket it held at failover whose chain has a free slot (and as the active of one
+        that lost every other copy); each copy stream-requests from its own position and failover log, rolls
+        back only what the active's history does not share -- after the rollback repair when
+        :attr:`rollback_repair` is on -- and streams the difference. ``full``: its data is wiped first and
+        the same copies are streamed from zero. When the node's data directory is gone a delta recovery
+        becomes a full one (``message`` says so). The node then holds no active copy of the other vbuckets:
+        a rebalance (run by the user) restores the map's balance. :class:`InvalidArgument` for an unknown
+        node, a node in the map (never failed over), a node a rebalance removed, a bad mode or a rebalance
+        running."""
+        t0 = self._monotonic()
+        if name not in self._recovery_prep:
+            self.prepare_recovery(name, mode)
+        elif self._recovery_prep[name][0] != mode:
+            raise InvalidArgument(f"node {name} was prepared for a {self._recovery_prep[name][0]} recovery")
+        try:
+            self._check_recover(name, mode)
+            requested, mode, message = self._recovery_prep[name]
+            node = self.nodes[name]
+            if not node.up:
+                node.bucket = bucket if bucket is not None else self.open_recovery_bucket(name)
+                bucket = None
+        finally:
+            self._recovery_prep.pop(name, None)
+            if bucket is not None:
+                bucket.close()  # not needed: the node was up
+        report = self._place_recovered(name, mode, requested, message)
+        for vb in report.replicas:
+            self._recovering[(name, vb)] = RecoveringCopy(report)
+        report.pending = list(report.replicas)
+        self._apply_states(name)
+        self._connect()  # the copies' stream requests: rollbacks and repairs happen here
+        report.seconds = self._monotonic() - t0
+        log.info("recovery of %s (%s): %s", name, mode, report.to_json())
+        return report
 
     def connections(self) -> list[tuple[str, str]]:
         """The (active node, replica node) pairs replicating now."""

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from engine.cluster.recovery import RecoveryReport, RepairCounts
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import (
     InvalidArgument,
@@ -120,6 +121,13 @@ class ClusterManager(ABC):
         self._second_chains: dict[int, list[str | None]] = {}
         #: the rebalance in progress, if any
         self._rebalance: Rebalance | None = None
+        #: node -> {vbucket: was it the active copy} held when the node was failed over (ns_server keeps the
+        #: failed-over node's vbuckets for a delta recovery; docs/cluster.md "Delta recovery")
+        self.failover_copies: dict[str, dict[int, bool]] = {}
+        #: rollback repair of recovering copies (setting ``rollback_repair``; docs/cluster.md "Rollback repair")
+        self.rollback_repair = True
+        #: totals over every recovery (metrics): document versions repaired / superseded / discarded
+        self.recovery_counts = RepairCounts()
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
@@ -280,6 +288,51 @@ class ClusterManager(ABC):
             raise TemporaryFailure(f"rebalance failed: {reb.error}")
         return reb.progress()
 
+    # ------------------------------------------------------------------ recovery (engine/cluster/recovery.py)
+    def _check_recover(self, name: str, mode: str) -> None:
+        """``recover``'s argument checks (docs/cluster.md "Delta recovery" step 1)."""
+        if mode not in ("delta", "full"):
+            raise InvalidArgument(f"recovery mode must be 'delta' or 'full', got {mode!r}")
+        if type(name) is not str or not name:
+            raise InvalidArgument(f"invalid node name {name!r}")
+        if name in self._map.nodes:
+            raise InvalidArgument(f"node {name} was never failed over: it is in the cluster")
+        if name not in self.failed:
+            if name in getattr(self, "ejected", ()):
+                raise InvalidArgument(f"node {name} was removed by a rebalance, not failed over: add it back "
+                                      f"with a rebalance")
+            raise InvalidArgument(f"unknown node {name!r} (failed over: {', '.join(self.failed) or 'none'})")
+        if self._rebalance is not None:
+            raise InvalidArgument("a rebalance is running: recover the node after it")
+
+    def _place_recovered(self, name: str, mode: str, requested: str, message: str) -> RecoveryReport:
+        """Put recovered node ``name`` (up) back into the map (docs/cluster.md "Delta recovery" step 3): a
+        replica in the empty slot of every chain it held at failover, the active of a chain left without a
+        copy (delta only); revision + 1. Returns the report (counts still 0)."""
+        held = dict(self.failover_copies.get(name, {}))
+        if not held:
+            # failed over before this manager ran (a rebuilt map): the vbuckets it holds data of
+            node = self._control(name)
+            held = {vb: False for vb in range(self._map.num_vbuckets) if node.vbucket_info(vb).high_seqno > 0}
+        chains: list[list[str | None]] = [list(c) for c in self._map.chains]
+        report = RecoveryReport(name, mode, requested, 0, message=message,
+                                rollback_repair=self.rollback_repair and mode == "delta")
+        for vb in sorted(held):
+            chain = chains[vb]
+            if chain[0] is None and mode == "delta":
+                chain[0] = name
+                report.actives.append(vb)
+            elif chain[0] is not None and None in chain[1:]:
+                chain[chain.index(None, 1)] = name
+                report.replicas.append(vb)
+            else:
+                report.skipped.append(vb)
+        self._set_map(self._map.with_chains(chains, [*self._map.nodes, name]))
+        self.failed.remove(name)
+        self.failover_copies.pop(name, None)
+        report.revision = self._map.revision
+        return report
+
     # ------------------------------------------------------------------ map
     def vbucket_map(self) -> VBucketMap:
         """The current map (clients reload it on NOT_MY_VBUCKET)."""
@@ -436,6 +489,7 @@ class ClusterManager(ABC):
                 self._set_state(name, vb, VBucketState.DEAD)
         self._stop_replication(name)  # its replication streams stop before anything is promoted
         chains: list[list[str | None]] = [list(c) for c in self._map.chains]
+        self.failover_copies[name] = {vb: c[0] == name for vb, c in enumerate(chains) if name in c}
         promoted: dict[int, str] = {}
         entries: dict[int, FailoverEntry | None] = {}
         lost: list[int] = []

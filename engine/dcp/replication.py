@@ -23,7 +23,7 @@ Everything is synchronous: :meth:`DcpConsumer.step` pulls one batch from the pro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
@@ -154,6 +154,9 @@ class DcpConsumer:
         self.consumer_name = consumer_name
         self._acked: dict[int, int] = {}
         self.seqno_acks = 0
+        #: who executes a ROLLBACK answer (default: ``replica.rollback_vbucket``); delta recovery installs the
+        #: rollback repair here (engine/cluster/recovery.py, docs/cluster.md "Rollback repair")
+        self.rollback_handler: Callable[[int, int], int] | None = None
         if consumer_name is not None:
             control = getattr(producer, "control", None)
             if control is None:
@@ -193,7 +196,7 @@ class DcpConsumer:
                     vbucket, start, MAX_SEQNO, log[0].vbuuid, snap_start, snap_end,
                     flags=StreamFlags.ACTIVE_VB_ONLY, failover_log=log if self.use_client_log else None)
             except RollbackRequired as rb:
-                self.replica.rollback_vbucket(vbucket, rb.seqno)
+                self._rollback(vbucket, rb.seqno)
                 stream.rollbacks += 1
                 self.rollbacks += 1
                 continue
@@ -227,7 +230,7 @@ class DcpConsumer:
                 vbucket, start, MAX_SEQNO, log[0].vbuuid, snap_start, snap_end, flags=flags,
                 failover_log=log if self.use_client_log else None)
         except RollbackRequired as rb:
-            self.replica.rollback_vbucket(vbucket, rb.seqno)
+            self._rollback(vbucket, rb.seqno)
             stream.rollbacks += 1
             self.rollbacks += 1
             self.streams.setdefault(vbucket, stream)
@@ -238,6 +241,11 @@ class DcpConsumer:
         stream.end_reason = None
         self.streams[vbucket] = stream
         return entries
+
+    def _rollback(self, vbucket: int, seqno: int) -> int:
+        if self.rollback_handler is not None:
+            return self.rollback_handler(vbucket, seqno)
+        return self.replica.rollback_vbucket(vbucket, seqno)
 
     def close_stream(self, vbucket: int) -> None:
         """Stop replicating ``vbucket`` on this connection (no error if it is not open)."""

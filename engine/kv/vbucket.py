@@ -201,6 +201,9 @@ class VBucket:
         self.sync_seen = False
         #: document locks (GET_LOCKED, engine/kv/locks.py): key -> (lock CAS, deadline); memory only
         self.locks: dict[bytes, tuple[int, float]] = {}
+        #: the high seqno when this copy last stopped being active (None: not since it was loaded): every seqno
+        #: it wrote as an active is a consistent rollback point (engine/bucket.py ``rollback_vbucket``)
+        self.active_through: int | None = None
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -386,6 +389,48 @@ class VBucket:
         self.num_items -= 1
         self.expiring.discard(key)
         self.queue_item(item)
+        return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
+
+    def restore_version(self, item: Item, since: int) -> MutationResult | None:
+        """Rollback repair (docs/cluster.md "Rollback repair"): write ``item`` -- a document version a
+        recovering copy holds above the branch point ``since`` -- as a normal write of this active vbucket:
+        a new seqno and a new CAS, its value, flags, expiry, datatype and revision kept (the revision is raised
+        only if this copy's version of the key already has a higher one). A deletion / expiration writes a
+        tombstone over a live document. ``None`` when the key was changed here above ``since`` (a document,
+        tombstone or prepare with a higher seqno: the active's version wins) or when a deletion finds nothing
+        to delete."""
+        self.check_active()
+        key = item.key
+        p = self.prepares.get(key)
+        cur = self.ht.get(key)
+        if (p is not None and p.seqno > since) or (cur is not None and cur.seqno > since):
+            return None
+        if p is not None:
+            self._sync_write_in_progress(key)  # a prepare from before the branch point: decided by durability
+        live = cur is not None and cur.op is _MUTATION
+        if item.op is not _MUTATION and not live:
+            return None
+        rev = item.rev_seqno
+        floor = cur.rev_seqno + 1 if cur is not None else self.max_deleted_rev + 1
+        rev = max(rev, floor)
+        seqno = self.high_seqno + 1
+        new_cas = self.next_cas()
+        if item.op is _MUTATION:
+            new = Item(key, item.value, self.id, seqno, rev, new_cas, item.flags, item.expiry, item.datatype,
+                       _MUTATION, 0 if cur is None else cur.seqno)
+            if not live:
+                self.num_items += 1
+            if item.expiry:
+                self.expiring.add(key)
+            else:
+                self.expiring.discard(key)
+        else:
+            assert cur is not None
+            new = Item(key, None, self.id, seqno, rev, new_cas, item.flags, item.expiry, Datatype.RAW, item.op,
+                       cur.seqno)
+            self.num_items -= 1
+            self.expiring.discard(key)
+        self.queue_item(new)
         return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
     def touch(self, key: bytes, expiry: int, cas: int = 0) -> MutationResult:

@@ -15,6 +15,7 @@ their own. Tests make replicas lag with :meth:`ProcessCluster.pause_replication`
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -31,14 +32,27 @@ import orjson
 import engine
 from engine.cluster.manager import ClusterManager, NodeControl
 from engine.cluster.rebalance import RebalanceProgress
+from engine.cluster.recovery import RecoveryReport, RepairCounts
 from engine.cluster.vbucket_map import VBucketMap
-from engine.exceptions import InvalidArgument, NotMyVBucket, TemporaryFailure
-from engine.kv.data_dir import MAP_FILE
+from engine.config import BucketConfig
+from engine.dcp.stream import StreamEnd
+from engine.exceptions import (
+    InvalidArgument,
+    KeyExists,
+    KeyNotFound,
+    NotMyVBucket,
+    SyncWriteInProgress,
+    TemporaryFailure,
+)
+from engine.kv.data_dir import MAP_FILE, STORE_SUFFIX
 from engine.kv.durable_file import write_atomically
+from engine.kv.item import Item, Op
 from engine.kv.vbucket import GetResult, MutationResult, VBucketState, vbucket_of
 from engine.network.process_rebalance import ProcessRebalance
 from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode
-from schemas.failover_log import FailoverEntry
+from schemas.failover_log import FailoverEntry, rollback_point
+
+log = logging.getLogger(__name__)
 
 _ROOT = Path(engine.__file__).resolve().parents[1]
 
@@ -311,6 +325,127 @@ class ProcessCluster(ClusterManager):
     def _after_failover(self, name: str) -> None:
         self._save_map()
         self._rewire()
+
+    # ------------------------------------------------------------------ recovery (docs/cluster.md "Delta recovery")
+    def recover(self, name: str, mode: str = "delta") -> RecoveryReport:
+        """:meth:`engine.cluster.local.Cluster.recover` over node processes: the node process is started from its
+        data directory when down (wiped first for ``full``; a full recovery when the directory is gone), put back
+        into the map as a replica of what it held at failover, its copies repaired (below) and then wired: the
+        node's replication link makes the stream requests, rolls back (to exactly the branch point within its own
+        former active writes, ``Bucket.rollback_vbucket``) and streams the difference.
+
+        The repair runs in the manager before the wiring (a node's replication link cannot write to another
+        node): the branch point is the producer's rollback decision (``rollback_point``) on the two copies'
+        failover logs; the copy's versions above it and the active's keys changed above it are read by DCP
+        streams, and each repair is a CAS-guarded SET / DELETE on the active (a key the active does not hold is
+        SET without a CAS). Over the memcached protocol the revision is the active's next one, not the copy's
+        (no SET_WITH_META here)."""
+        t0 = self._monotonic()
+        self._check_recover(name, mode)
+        node = self.node(name)
+        bucket = str(node.config.get("name", BucketConfig.model_fields["name"].default))
+        store = node.data_dir / f"{bucket}{STORE_SUFFIX}"
+        requested, message = mode, ""
+        if not store.exists():
+            if mode == "delta":
+                message = (f"the data directory of node {name} ({node.data_dir}) is gone: full recovery "
+                           f"(every copy streamed from zero)")
+                log.warning("recovery of %s: %s", name, message)
+            mode = "full"
+            node.kill()
+        elif mode == "full":
+            node.stop()
+        if mode == "full":
+            for f in node.data_dir.glob(f"{bucket}{STORE_SUFFIX}*"):
+                f.unlink()  # full recovery: the node starts empty (ns_server wipes it)
+        if not node.up:
+            node.kill()  # reap a process that died on its own
+            node.start()
+        report = self._place_recovered(name, mode, requested, message)
+        self._apply_states(name)
+        if mode == "delta":
+            for vb in report.replicas:
+                try:
+                    counts = self._repair_copy(name, vb, repair=report.rollback_repair)
+                except (NodeUnavailable, TemporaryFailure, NotMyVBucket) as e:
+                    log.warning("recovery of %s: vbucket %d not repaired: %s", name, vb, e)
+                    continue
+                if counts is None:
+                    continue  # on the active's history: no rollback
+                report.rollbacks += 1  # carried out by the node's replication link
+                report.add(counts)
+                self.recovery_counts.add(counts)
+        self._rewire()
+        report.seconds = self._monotonic() - t0
+        log.info("recovery of %s (%s): %s", name, mode, report.to_json())
+        return report
+
+    def _read_stream(self, node: str, conn: str, vb: int, start: int, end: int, log_: list[FailoverEntry],
+                     timeout: float = 30.0) -> dict[bytes, Item]:
+        """The newest version of every key of ``vb`` on ``node`` with a seqno in (``start``, ``end``], by DCP."""
+        out: dict[bytes, Item] = {}
+        if end <= start:
+            return out
+        p = self.client(node).dcp_producer(conn)
+        try:
+            p.stream_request(vb, start, end, log_[0].vbuuid, start, start, failover_log=log_)
+            deadline = self._monotonic() + timeout
+            while True:
+                for m in p.step():
+                    if isinstance(m, StreamEnd):
+                        return out
+                    if type(m) is Item and m.op < Op.PREPARE and m.seqno > start:
+                        out[m.key] = m
+                if self._monotonic() > deadline:
+                    raise TemporaryFailure(f"{conn}: vbucket {vb} not read within {timeout:.0f}s")
+        finally:
+            p.close()
+
+    def _repair_copy(self, name: str, vb: int, *, repair: bool) -> RepairCounts | None:
+        """The rollback repair of ``name``'s copy of ``vb`` against its active (docs/cluster.md "Rollback
+        repair"), before the copy's stream request; None when the copy will not roll back."""
+        counts = RepairCounts()
+        active = self._map.active(vb)
+        if active is None or not self._is_up(active):
+            return None
+        ni = self.client(name).vbucket_info(vb)
+        ai = self.client(active).vbucket_info(vb)
+        nlog = [FailoverEntry(u, s) for u, s in ni.failover]
+        alog = [FailoverEntry(u, s) for u, s in ai.failover]
+        start = ni.high_seqno
+        snap = min(ni.snapshot_complete, start)
+        since = rollback_point(server_log=alog, client_log=nlog, start_seqno=start, high_seqno=ai.high_seqno,
+                               snap_start=snap, snap_end=start, purge_seqno=0)
+        if since is None or since >= start:
+            return None
+        mine = self._read_stream(name, f"recovery:{name}", vb, since, start, nlog)
+        if not repair:
+            counts.discarded = len(mine)
+            return counts
+        changed = self._read_stream(active, f"recovery:{name}:{active}", vb, since, ai.high_seqno, alog)
+        client = self.client(active)
+        for key, it in sorted(mine.items(), key=lambda kv: kv[1].seqno):
+            if key in changed:
+                counts.superseded += 1
+                continue
+            try:
+                cur: GetResult | None = client.get(key, vbucket=vb)
+            except KeyNotFound:
+                cur = None
+            try:
+                if it.op is Op.MUTATION:
+                    assert it.value is not None
+                    client.set(key, it.value, vbucket=vb, cas=0 if cur is None else cur.cas, flags=it.flags,
+                               expiry=it.expiry)
+                elif cur is not None:
+                    client.delete(key, vbucket=vb, cas=cur.cas)
+            except (KeyExists, KeyNotFound, SyncWriteInProgress):
+                counts.superseded += 1  # changed meanwhile: the active's version wins
+                continue
+            counts.repaired += 1
+        log.info("recovery of %s: vbucket %d above seqno %d: %d repaired, %d superseded", name, vb, since,
+                 counts.repaired, counts.superseded)
+        return counts
 
     # ------------------------------------------------------------------ access
     def node(self, name: str) -> NodeProcess:
