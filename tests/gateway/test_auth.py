@@ -134,7 +134,8 @@ def test_the_table_in_prose() -> None:
     assert [r for r, need in ROUTE_ACCESS.items() if need == PUBLIC] == [("GET", "/health/live")]
     assert Role.REPLICATION_TARGET not in ROUTE_ACCESS.values()
     assert {r for r, need in ROUTE_ACCESS.items() if need is Role.ADMIN} == {
-        ("POST", "/cluster/failover"), ("POST", "/cluster/rebalance"), ("GET", "/users"), ("PUT", "/users/{name}"),
+        ("POST", "/cluster/failover"), ("POST", "/cluster/rebalance"), ("POST", "/cluster/recover"), ("GET", "/users"),
+        ("PUT", "/users/{name}"),
         ("DELETE", "/users/{name}")}
     assert access_of("POST", "/a/route/nobody/declared") is Role.ADMIN  # fail closed
     assert access_of("GET", None) == AUTHENTICATED  # no route: authenticate, then 404
