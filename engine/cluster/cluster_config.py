@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.cluster.vbucket_map import VBucketMap
 from engine.exceptions import InvalidArgument
+
+#: ns_server's placeholder for "the address the client connected to" (kv_engine / the SDKs substitute it); a
+#: :class:`NodeAddress` with this host gets the ``host`` given to :func:`build_cluster_config`.
+HOST_PLACEHOLDER = "$HOST"
 
 #: What this engine supports of Couchbase Server's bucket capabilities (ns_server ``bucket_capabilities``); the SDK
 #: reads them from the config. ``collections`` is not listed: the KV port serves the default collection only.
@@ -67,14 +71,21 @@ class NodeAddress:
 
 def build_cluster_config(
     vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], *, rev: int, rev_epoch: int = 1,
-    bucket: str = "default", bucket_uuid: str, this_node: str | None = None,
-    capabilities: Sequence[str] = DEFAULT_BUCKET_CAPABILITIES,
+    bucket: str = "default", bucket_uuid: str, this_node: str | None = None, host: str | None = None,
+    capabilities: Sequence[str] = DEFAULT_BUCKET_CAPABILITIES, with_bucket: bool = True,
 ) -> dict[str, Any]:
     """The bucket config of ``vbmap`` with the nodes at ``addresses`` (see the module docstring). ``this_node``:
-    the node whose connection the config is sent on (``thisNode: true`` in its ``nodesExt`` / ``nodes`` entry).
-    Nodes of the map without an address are left out of ``serverList``: their slots read ``-1``."""
+    the node whose connection the config is sent on (``thisNode: true`` in its ``nodesExt`` / ``nodes`` entry);
+    ``host``: the address that connection's client used, written for every address whose host is
+    :data:`HOST_PLACEHOLDER`. Nodes of the map without an address are left out of ``serverList``: their slots
+    read ``-1``. ``with_bucket=False``: the cluster config without a selected bucket (GCCCP: ``rev``,
+    ``revEpoch``, ``nodesExt``)."""
     if type(rev) is not int or rev < 0 or type(rev_epoch) is not int or rev_epoch < 0:
         raise InvalidArgument(f"rev and revEpoch must be integers >= 0, got {rev!r}, {rev_epoch!r}")
+    if host is not None:
+        if not host:
+            raise InvalidArgument("the client's host must not be empty")
+        addresses = {n: replace(a, host=host) if a.host == HOST_PLACEHOLDER else a for n, a in addresses.items()}
     servers = [n for n in vbmap.nodes if n in addresses]
     index = {n: i for i, n in enumerate(servers)}
     vbucket_map = [[index.get(n, -1) if n is not None else -1 for n in chain] for chain in vbmap.chains]
@@ -97,6 +108,9 @@ def build_cluster_config(
             legacy["thisNode"] = True
         nodes_ext.append(ext)
         nodes.append(legacy)
+    if not with_bucket:
+        return {"rev": rev, "revEpoch": rev_epoch, "nodesExt": nodes_ext, "clusterCapabilitiesVer": [1, 0],
+                "clusterCapabilities": {}}
     return {
         "rev": rev,
         "revEpoch": rev_epoch,
@@ -136,7 +150,7 @@ class ClusterConfigTracker:
         self._key: tuple[Any, ...] | None = None
         self._rev = 0
         self._last: tuple[VBucketMap, dict[str, NodeAddress]] | None = None
-        self._encoded: dict[str | None, bytes] = {}
+        self._encoded: dict[tuple[str | None, str | None, bool], bytes] = {}
 
     def revision(self, vbmap: VBucketMap, addresses: Mapping[str, NodeAddress]) -> int:
         """The ``rev`` of this (map, addresses): unchanged while both are, else the next one."""
@@ -151,21 +165,27 @@ class ClusterConfigTracker:
         self._last = (vbmap, dict(addresses))
         return self._rev
 
-    def config(self, vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], this_node: str | None = None,
-               ) -> dict[str, Any]:
+    def config(self, vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], this_node: str | None = None, *,
+               host: str | None = None, with_bucket: bool = True) -> dict[str, Any]:
+        """The current config (:func:`build_cluster_config`) for a connection to ``this_node`` made to ``host``."""
         return build_cluster_config(
             vbmap, addresses, rev=self.revision(vbmap, addresses), rev_epoch=self.rev_epoch, bucket=self.bucket,
-            bucket_uuid=self.bucket_uuid, this_node=this_node, capabilities=self.capabilities)
+            bucket_uuid=self.bucket_uuid, this_node=this_node, host=host, capabilities=self.capabilities,
+            with_bucket=with_bucket)
 
-    def encoded(self, vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], this_node: str | None = None,
-                ) -> tuple[int, bytes]:
-        """``(rev, JSON bytes)`` of :meth:`config`, built once per revision and node."""
+    def encoded(self, vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], this_node: str | None = None, *,
+                host: str | None = None, with_bucket: bool = True) -> tuple[int, bytes]:
+        """``(rev, JSON bytes)`` of :meth:`config`, built once per revision, node, host and kind."""
         rev = self.revision(vbmap, addresses)
-        body = self._encoded.get(this_node)
+        key = (this_node, host, with_bucket)
+        body = self._encoded.get(key)
         if body is None:
-            body = self._encoded[this_node] = encode_cluster_config(self.config(vbmap, addresses, this_node))
+            if len(self._encoded) > 256:  # clients using many host names: keep the cache bounded
+                self._encoded.clear()
+            body = self._encoded[key] = encode_cluster_config(
+                self.config(vbmap, addresses, this_node, host=host, with_bucket=with_bucket))
         return rev, body
 
 
-__all__ = ["DEFAULT_BUCKET_CAPABILITIES", "ClusterConfigTracker", "NodeAddress", "build_cluster_config",
+__all__ = ["DEFAULT_BUCKET_CAPABILITIES", "HOST_PLACEHOLDER", "ClusterConfigTracker", "NodeAddress", "build_cluster_config",
            "encode_cluster_config"]

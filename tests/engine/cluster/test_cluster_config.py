@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine import InvalidArgument
 from engine.cluster.cluster_config import (
+    HOST_PLACEHOLDER,
     ClusterConfigTracker,
     NodeAddress,
     build_cluster_config,
@@ -165,3 +166,22 @@ def test_property_actives_in_server_list_and_replicas_distinct(drawn: tuple, thi
             assert numbers[0] == -1
         assert [None if i < 0 else servers[i] for i in numbers] == [
             addrs[n].server if n is not None and n in addrs else None for n in chain]
+
+
+def test_host_placeholder_is_the_clients_address_and_gcccp_has_no_bucket() -> None:
+    m = VBucketMap.generate(["a", "b"], 1, 4)
+    addrs = {"a": NodeAddress(HOST_PLACEHOLDER, kv=1000), "b": NodeAddress("10.0.0.2", kv=1001)}
+    tracker = ClusterConfigTracker(bucket_uuid="u")
+    cfg = tracker.config(m, addrs, "a", host="localhost")
+    assert cfg["vBucketServerMap"]["serverList"] == ["localhost:1000", "10.0.0.2:1001"]
+    assert [e["hostname"] for e in cfg["nodesExt"]] == ["localhost", "10.0.0.2"]
+    rev = cfg["rev"]
+    # another client's host name is the same revision (the placeholder, not the host, is what changes revisions)
+    assert tracker.encoded(m, addrs, "a", host="::1")[0] == rev
+    assert json.loads(tracker.encoded(m, addrs, "a", host="::1")[1])["vBucketServerMap"]["serverList"][0] == \
+        "[::1]:1000"
+    g = tracker.config(m, addrs, "b", host="h", with_bucket=False)
+    assert g["rev"] == rev and "vBucketServerMap" not in g and "name" not in g
+    assert g["nodesExt"][1] == {"services": {"kv": 1001}, "hostname": "10.0.0.2", "thisNode": True}
+    with pytest.raises(InvalidArgument):
+        tracker.config(m, addrs, "a", host="")

@@ -1,0 +1,237 @@
+"""KV port benchmark: ``python -m bench.kv [--docs N] [--concurrency C]``.
+
+Figures (one JSON line each, bench/report.py; the baseline measured in the same run on the same machine):
+
+* ``kv.memcslap_set`` / ``kv.memcslap_get``  ops/s of ``memcslap --binary`` (Debian's libmemcached-tools) against
+  the KV port, baseline the same ``memcslap`` command against Debian's ``memcached`` (informational);
+* ``kv.sdk_upsert`` / ``kv.sdk_get``          ops/s of the official Couchbase Python SDK (``upsert_multi`` /
+  ``get_multi`` in batches) against the KV port; the SDK cannot bootstrap against memcached (no HELLO, no
+  GET_CLUSTER_CONFIG), so the baseline is memcslap's figure against memcached (informational);
+* ``kv.ingest``                               documents/s written through the KV port by a pipeline of quiet SETs
+  (bench/kv_wire.py) vs ``Bucket.set`` in process (target >= 0.5x, issue 15).
+
+The KV port runs in a child process (``python -m bench.kv --serve``): one Bucket, the user store with a bench
+user, the front end of engine/network/kv on its own event loop -- the clients (memcslap, the SDK, the pipeline)
+run in other processes / threads, so the port does not share the GIL with them. See docs/kv-protocol.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.kv_wire import KvConnection, setq_batches
+from bench.report import figure
+from engine import Bucket, BucketConfig
+
+VALUE_SIZE = 256
+BENCH_USER = "bench"
+BENCH_PASSWORD = "bench-password"  # a throw-away user of a temporary data directory
+NUM_VBUCKETS = 1024
+_MEMCSLAP_TIME = re.compile(r"Time to (set|get)\s+(\d+) keys by\s+(\d+) threads:\s+([\d.]+) seconds")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def keys_value(n: int, prefix: str = "user::") -> tuple[list[bytes], bytes]:
+    body = b'{"name": "' + b"x" * (VALUE_SIZE - 12) + b'"}'
+    return [f"{prefix}{i:010d}".encode() for i in range(n)], body
+
+
+# ---------------------------------------------------------------------------------------------- the servers
+@contextmanager
+def memcached() -> Iterator[int]:
+    """Debian's memcached on a free port (1 GiB, 2 threads, no UDP)."""
+    exe = shutil.which("memcached")
+    if exe is None:
+        raise RuntimeError("memcached is not installed (apt-get install memcached)")
+    port = free_port()
+    cmd = [exe, "-p", str(port), "-U", "0", "-l", "127.0.0.1", "-m", "1024", "-t", "2"]
+    if os.geteuid() == 0:
+        cmd += ["-u", "root"]  # memcached refuses to run as root without it
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc)
+        yield port
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def kv_port_server(data_dir: Path) -> Iterator[int]:
+    """The KV port serving one fresh Bucket in a child process (``--serve``)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.kv", "--serve", str(data_dir), "--port", str(port)],
+                            stdout=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc)
+        yield port
+    finally:
+        stop(proc)
+
+
+def serve(data_dir: Path, port: int) -> None:
+    """Child process: the KV port (engine/network/kv) on ``port`` serving one Bucket under ``data_dir``."""
+    import asyncio
+
+    from engine.network.kv.bench_server import serve_bucket  # type: ignore[import-not-found]
+
+    asyncio.run(serve_bucket(data_dir, port, BENCH_USER, BENCH_PASSWORD, NUM_VBUCKETS))
+
+
+# ---------------------------------------------------------------------------------------------- the clients
+def memcslap(port: int, test: str, docs: int, concurrency: int, user: str | None = None) -> float:
+    """ops/s of ``memcslap --binary --test=TEST`` (``docs`` operations over ``concurrency`` threads)."""
+    exe = shutil.which("memcslap")
+    if exe is None:
+        raise RuntimeError("memcslap is not installed (apt-get install libmemcached-tools)")
+    cmd = [exe, f"--servers=127.0.0.1:{port}", "--binary", f"--test={test}", f"--concurrency={concurrency}",
+           f"--execute-number={max(1, docs // concurrency)}"]
+    if user is not None:
+        cmd += [f"--username={user}", f"--password={BENCH_PASSWORD}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    found = [m for m in _MEMCSLAP_TIME.finditer(out.stdout) if m.group(1) == test]
+    if out.returncode != 0 or not found:
+        raise RuntimeError(f"memcslap failed ({out.returncode}): {out.stdout[-500:]} {out.stderr[-500:]}")
+    m = found[-1]
+    return int(m.group(2)) / max(float(m.group(4)), 1e-6)
+
+
+def sdk_rates(port: int, docs: int, batch: int = 500) -> tuple[float, float]:
+    """(upsert ops/s, get ops/s) of the official SDK: ``upsert_multi`` / ``get_multi`` in batches."""
+    from datetime import timedelta
+
+    from couchbase.auth import PasswordAuthenticator
+    from couchbase.cluster import Cluster
+    from couchbase.options import ClusterOptions, ClusterTimeoutOptions
+
+    opts = ClusterOptions(PasswordAuthenticator(BENCH_USER, BENCH_PASSWORD),
+                          timeout_options=ClusterTimeoutOptions(kv_timeout=timedelta(seconds=10),
+                                                                connect_timeout=timedelta(seconds=10),
+                                                                bootstrap_timeout=timedelta(seconds=20)))
+    cluster = Cluster(f"couchbase://127.0.0.1:{port}", opts)
+    try:
+        cluster.wait_until_ready(timedelta(seconds=20))
+        coll = cluster.bucket("default").default_collection()
+        keys = [f"sdk::{i:010d}" for i in range(docs)]
+        doc = {"name": "x" * (VALUE_SIZE - 12)}
+        t = time.perf_counter()
+        for i in range(0, docs, batch):
+            res = coll.upsert_multi({k: doc for k in keys[i:i + batch]})
+            if not res.all_ok:
+                raise RuntimeError(f"SDK upserts failed: {list(res.exceptions.items())[:3]}")
+        up = docs / (time.perf_counter() - t)
+        t = time.perf_counter()
+        for i in range(0, docs, batch):
+            got = coll.get_multi(keys[i:i + batch])
+            if not got.all_ok:
+                raise RuntimeError(f"SDK gets failed: {list(got.exceptions.items())[:3]}")
+        return up, docs / (time.perf_counter() - t)
+    finally:
+        cluster.close()
+
+
+def port_ingest(port: int, keys: Sequence[bytes], value: bytes) -> float:
+    """documents/s of a SETQ pipeline through the KV port (authenticated, bucket selected)."""
+    batches = setq_batches(keys, value, num_vbuckets=NUM_VBUCKETS)
+    with KvConnection("127.0.0.1", port) as c:
+        c.hello()
+        c.authenticate(BENCH_USER, BENCH_PASSWORD)
+        c.select_bucket("default")
+        t = time.perf_counter()
+        failed = c.send_batches(batches)
+        rate = len(keys) / (time.perf_counter() - t)
+    if failed:
+        raise RuntimeError(f"{failed} SETs failed through the KV port")
+    return rate
+
+
+def inprocess_ingest(data_dir: Path, keys: Sequence[bytes], value: bytes) -> float:
+    """documents/s of ``Bucket.set`` in process on a fresh bucket (the baseline of ``kv.ingest``)."""
+    b = Bucket(BucketConfig(data_dir=data_dir, num_vbuckets=NUM_VBUCKETS, checkpoint_quota_bytes=4 * 1024**3))
+    try:
+        bset = b.set
+        t = time.perf_counter()
+        for k in keys:
+            bset(k, value)
+        return len(keys) / (time.perf_counter() - t)
+    finally:
+        b.close()
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=100_000, help="operations per measurement (default 100000)")
+    ap.add_argument("--concurrency", type=int, default=2, help="memcslap threads (default 2: the cores here)")
+    ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve is not None:
+        serve(args.serve, args.port)
+        return
+    n = args.docs
+    if n < 10:
+        ap.error("--docs must be at least 10")
+    if args.concurrency < 1:
+        ap.error("--concurrency must be at least 1")
+    keys, value = keys_value(n)
+    with tempfile.TemporaryDirectory(prefix="bench-kv-") as td:
+        tmp = Path(td)
+        with memcached() as mport:
+            base_set = memcslap(mport, "set", n, args.concurrency)
+            base_get = memcslap(mport, "get", n, args.concurrency)
+        with kv_port_server(tmp / "port") as port:
+            kv_set = memcslap(port, "set", n, args.concurrency, BENCH_USER)
+            kv_get = memcslap(port, "get", n, args.concurrency, BENCH_USER)
+            sdk_up, sdk_get = sdk_rates(port, n)
+        figure("kv.memcslap_set", kv_set, "ops/s", base_set, None, "higher")
+        figure("kv.memcslap_get", kv_get, "ops/s", base_get, None, "higher")
+        figure("kv.sdk_upsert", sdk_up, "ops/s", base_set, None, "higher")
+        figure("kv.sdk_get", sdk_get, "ops/s", base_get, None, "higher")
+        base_ingest = inprocess_ingest(tmp / "inprocess", keys, value)
+        with kv_port_server(tmp / "ingest") as port:
+            ingest = port_ingest(port, keys, value)
+        figure("kv.ingest", ingest, "docs/s", base_ingest, 0.5, "higher")
+
+
+if __name__ == "__main__":
+    main()
