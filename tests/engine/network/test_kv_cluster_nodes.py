@@ -12,7 +12,7 @@ import pytest
 
 from engine.cluster.cluster_config import HOST_PLACEHOLDER, ClusterConfigTracker, NodeAddress
 from engine.cluster.local import Cluster
-from engine.exceptions import NotMyVBucket, TemporaryFailure
+from engine.exceptions import KeyNotFound, NotMyVBucket, TemporaryFailure
 from engine.network.kv.cluster_nodes import ClusterNodeConfig
 
 NVB = 16
@@ -121,3 +121,23 @@ def test_blocked_writes_and_a_down_node(cluster: Cluster) -> None:
     vb2 = cluster.vbucket_map().vbuckets_of("n2", slot=0)[0]
     with pytest.raises(TemporaryFailure):
         prov["n2"].bucket_for(vb2)
+
+
+def test_replica_reads(cluster: Cluster) -> None:
+    prov = _providers(cluster, {"n0": 1, "n1": 2, "n2": 3})
+    cluster.write("k1", b'{"a": 1}')
+    cluster.write("gone", b"x", expiry=1)  # an absolute expiry long past
+    cluster.settle()
+    vb = cluster.vbucket_of("k1")
+    active, replica = cluster.vbucket_map().chains[vb]
+    g = prov[replica].replica_bucket_for(vb).get_replica(b"k1", vbucket=vb)  # type: ignore[index]
+    assert g.value == b'{"a": 1}' and g.cas == cluster.get("k1").cas
+    with pytest.raises(NotMyVBucket):
+        cluster.nodes[active].bucket.get_replica(b"k1", vbucket=vb)  # type: ignore[union-attr,index]
+    missing = next(k for k in (f"nope{i}".encode() for i in range(1000)) if cluster.vbucket_of(k) == vb)
+    with pytest.raises(KeyNotFound):
+        prov[replica].replica_bucket_for(vb).get_replica(missing, vbucket=vb)  # type: ignore[index]
+    vb2 = cluster.vbucket_of("gone")
+    r2 = cluster.vbucket_map().chains[vb2][1]
+    with pytest.raises(KeyNotFound):
+        prov[r2].replica_bucket_for(vb2).get_replica(b"gone", vbucket=vb2)  # type: ignore[index]
