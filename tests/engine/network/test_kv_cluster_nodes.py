@@ -13,6 +13,7 @@ import pytest
 from engine.cluster.cluster_config import HOST_PLACEHOLDER, ClusterConfigTracker, NodeAddress
 from engine.cluster.local import Cluster
 from engine.exceptions import KeyNotFound, NotMyVBucket, TemporaryFailure
+from engine.kv.vbucket import RELATIVE_EXPIRY_LIMIT
 from engine.network.kv.cluster_nodes import ClusterNodeConfig
 
 NVB = 16
@@ -126,7 +127,7 @@ def test_blocked_writes_and_a_down_node(cluster: Cluster) -> None:
 def test_replica_reads(cluster: Cluster) -> None:
     prov = _providers(cluster, {"n0": 1, "n1": 2, "n2": 3})
     cluster.write("k1", b'{"a": 1}')
-    cluster.write("gone", b"x", expiry=1)  # an absolute expiry long past
+    cluster.write("gone", b"x", expiry=RELATIVE_EXPIRY_LIMIT + 1)  # an absolute expiry long past
     cluster.settle()
     vb = cluster.vbucket_of("k1")
     active, replica = cluster.vbucket_map().chains[vb]
