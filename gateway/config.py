@@ -438,6 +438,8 @@ class GatewaySettings(BaseSettings):
     kafka: KafkaConnection = Field(default_factory=_default_kafka)
     #: `dcpgw up` fails (one line naming the address) when Kafka answers no metadata request within this
     kafka_connect_timeout_s: PositiveSeconds = 10.0
+    #: the KV port (memcached binary protocol for the Couchbase SDKs, docs/kv-protocol.md); 0 picks a free one
+    kv_port: int = Field(default=11210, ge=0, le=65535)
 
     def __init__(self, *args: Any, **values: Any) -> None:
         path = _config_file_path()
