@@ -109,12 +109,33 @@ def kv_port_server(data_dir: Path) -> Iterator[int]:
 
 
 def serve(data_dir: Path, port: int) -> None:
-    """Child process: the KV port (engine/network/kv) on ``port`` serving one Bucket under ``data_dir``."""
+    """Child process: the KV port (engine/network/kv) on ``port`` serving one Bucket under ``data_dir``, with a
+    user store holding the bench user; runs until SIGTERM. Nothing is flushed while it runs (as the in-process
+    baseline does not flush either)."""
     import asyncio
 
-    from engine.network.kv.bench_server import serve_bucket  # type: ignore[import-not-found]
+    from engine.network.kv.cluster_config import SingleNodeConfig
+    from engine.network.kv.frontend import KVServer
+    from engine.security.roles import Role
+    from engine.security.users import UserStore
 
-    asyncio.run(serve_bucket(data_dir, port, BENCH_USER, BENCH_PASSWORD, NUM_VBUCKETS))
+    async def run() -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        users = UserStore.open(data_dir)
+        users.add(BENCH_USER, BENCH_PASSWORD, [Role.DATA_WRITER, Role.DATA_READER])
+        bucket = Bucket(BucketConfig(data_dir=data_dir / "bucket", num_vbuckets=NUM_VBUCKETS,
+                                     checkpoint_quota_bytes=4 * 1024**3))
+        server = KVServer(SingleNodeConfig(lambda: bucket, "default", lambda: server.port), users, port=port)
+        await server.start()
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stopped.set)
+        loop.add_signal_handler(signal.SIGINT, stopped.set)
+        await stopped.wait()
+        await server.stop()
+        bucket.close()
+
+    asyncio.run(run())
 
 
 # ---------------------------------------------------------------------------------------------- the clients
