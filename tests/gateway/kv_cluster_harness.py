@@ -43,7 +43,7 @@ class KvClusterNodes:
                 self.loop.run_until_complete(self.ports.start())
                 self._pump = self.loop.create_task(self._pump_loop())
                 ready.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the constructor
+            except BaseException as e:  # handed to the constructor
                 ready.set_exception(e)
                 return
             self.loop.run_forever()
@@ -67,7 +67,7 @@ class KvClusterNodes:
         def run() -> None:
             try:
                 fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            except BaseException as e:  # handed back to the caller
                 fut.set_exception(e)
 
         self.loop.call_soon_threadsafe(run)
