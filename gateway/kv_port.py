@@ -6,6 +6,7 @@ writes waited for without blocking the loop (the same as the HTTP API's ``?durab
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING
 
 from engine.bucket import Bucket
@@ -15,12 +16,14 @@ from engine.kv.vbucket import MutationResult
 from engine.network.kv.cluster_config import ClusterConfigProvider, SingleNodeConfig
 from engine.network.kv.frontend import KVServer
 from engine.network.kv.sasl import UserDirectory
-from gateway.exceptions import Backpressure
+from engine.security.users import UserStore
+from gateway.exceptions import Backpressure, GatewayError
 
 if TYPE_CHECKING:
-    import ssl
-
     from gateway.service import GatewayService
+
+
+__all__ = ["GatewayWriteHooks", "KVServer", "kv_provider", "start_kv_port"]
 
 
 class GatewayWriteHooks:
@@ -59,12 +62,18 @@ def kv_provider(svc: GatewayService, port: list[int], tls: bool) -> ClusterConfi
     return SingleNodeConfig(lambda: svc.bucket, svc.settings.bucket, lambda: port[0], tls=tls)
 
 
-async def start_kv_port(svc: GatewayService, users: UserDirectory,
-                        ssl_context: ssl.SSLContext | None = None) -> KVServer:
-    """Listen on ``kv_port`` (0: a free port) on ``http_host``; the returned server's ``port`` is the one bound."""
+async def start_kv_port(svc: GatewayService) -> KVServer:
+    """Listen on ``kv_port`` (0: a free port) on ``http_host``, with the service's user store and TLS context;
+    the returned server's ``port`` is the one bound. A port that cannot be bound is one GatewayError."""
     s = svc.settings
+    users: UserDirectory = svc.users if svc.users is not None else UserStore.open(s.data_dir)
+    ssl_context = svc.tls_context
     port = [s.kv_port]
     server = KVServer(kv_provider(svc, port, ssl_context is not None), users, host=s.http_host, port=s.kv_port,
                       ssl_context=ssl_context, hooks=GatewayWriteHooks(svc))
-    port[0] = await server.start()
+    try:
+        port[0] = await server.start()
+    except OSError as e:
+        raise GatewayError(f"cannot listen on {s.http_host}:{s.kv_port} (kv_port): "
+                           f"{os.strerror(e.errno) if e.errno else e}") from e
     return server

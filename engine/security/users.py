@@ -252,13 +252,30 @@ class UserStore:
             return ScramCredential(mechanism=mechanism, salt=_unb64(c["salt"]), iterations=int(c["iterations"]),
                                    stored_key=_unb64(c["stored_key"]), server_key=_unb64(c["server_key"]))
 
+    def _check_key(self, name: str, password: str) -> bytes:
+        return hmac.new(self._cache_key, name.encode("utf-8", "surrogatepass") + b"\x00"
+                        + password.encode("utf-8", "surrogatepass"), "sha256").digest()
+
+    def remembered(self, name: str, password: str) -> User | None:
+        """The user when this exact ``name``/``password`` was checked successfully before and the user's password
+        has not changed since (no scrypt: cheap enough for an event loop); None when it needs
+        :meth:`authenticate`."""
+        if not isinstance(name, str) or not isinstance(password, str):
+            return None
+        key = self._check_key(name, password)
+        with self._lock:
+            self._reload()
+            cred = self.credential_id(name)
+            if cred is not None and hmac.compare_digest(self._verified.get(key, ""), cred):
+                return self._user(name)
+            return None
+
     def authenticate(self, name: str, password: str) -> User:
         """The user, when ``password`` is its password; :class:`AuthenticationFailed` otherwise (the same error,
         and the same cost, for an unknown user and a wrong password)."""
         if not isinstance(name, str) or not isinstance(password, str):
             raise AuthenticationFailed("authentication failed")
-        key = hmac.new(self._cache_key, name.encode("utf-8", "surrogatepass") + b"\x00"
-                       + password.encode("utf-8", "surrogatepass"), "sha256").digest()
+        key = self._check_key(name, password)
         with self._lock:
             self._reload()
             rec = self._users.get(name)

@@ -17,9 +17,10 @@ from typing import Final, Protocol
 
 from engine.bucket import Bucket
 from engine.cluster.manager import branch_end
-from engine.exceptions import NotMyVBucket, SyncWriteReCommitInProgress, ValueTooLarge
+from engine.exceptions import KeyNotFound, NotMyVBucket, SyncWriteReCommitInProgress, ValueTooLarge
 from engine.kv.durability import Durability, SyncWrite
 from engine.kv.item import Datatype
+from engine.kv.item import Op as ItemOp
 from engine.kv.locks import LOCKED_CAS
 from engine.kv.vbucket import GetResult, MutationResult, StoreMode, VBucketState
 from engine.network.kv.cluster_config import ClusterConfigProvider
@@ -41,6 +42,7 @@ from engine.network.protocol import (
 )
 
 ARITH_EXTRAS: Final = struct.Struct(">QQI")  # delta, initial, expiration
+META_EXTRAS: Final = struct.Struct(">IIIQ")  # deleted, flags, expiry, rev seqno
 _STORE_MODES: Final = {Op.SET: StoreMode.SET, Op.ADD: StoreMode.ADD, Op.REPLACE: StoreMode.REPLACE}
 #: opcodes that take a durability frame (kv_engine: the mutations)
 DURABLE: Final = frozenset({Op.SET, Op.ADD, Op.REPLACE, Op.DELETE, Op.APPEND, Op.PREPEND, Op.INCREMENT,
@@ -86,7 +88,7 @@ class DocumentOps:
             Op.GET_LOCKED: self._get_locked, Op.UNLOCK_KEY: self._unlock, Op.TOUCH: self._touch,
             Op.SET: self._store, Op.ADD: self._store, Op.REPLACE: self._store, Op.DELETE: self._delete,
             Op.APPEND: self._append, Op.PREPEND: self._append, Op.INCREMENT: self._arith,
-            Op.DECREMENT: self._arith, Op.OBSERVE_SEQNO: self._observe,
+            Op.DECREMENT: self._arith, Op.OBSERVE_SEQNO: self._observe, Op.GET_META: self._get_meta,
         }
 
     def handles(self, opcode: int) -> bool:
@@ -185,6 +187,24 @@ class DocumentOps:
         _need(f, 0, value=False)
         self.provider.bucket_for(f.vbucket).unlock(f.key, f.cas, vbucket=f.vbucket)
         return response(f.opcode, opaque=f.opaque)
+
+    async def _get_meta(self, s: Session, f: Frame) -> bytes:
+        # kv_engine GET_META (the SDKs' ``exists``): deleted u32, flags u32, expiry u32, rev seqno u64 [,
+        # datatype u8 when the request's 1-byte extras ask for version 2]; a tombstone answers deleted = 1
+        _need(f, (0, 1), value=False)
+        b = self.provider.bucket_for(f.vbucket)
+        vb = b.vbucket(f.vbucket)
+        vb.check_active()
+        if b.vbucket_of(f.key) != f.vbucket:
+            raise NotMyVBucket(f"key {f.key!r} does not map to vbucket {f.vbucket}")
+        it = vb.ht.get(f.key)
+        if it is None:
+            raise KeyNotFound(f"key {f.key!r} not found in vbucket {f.vbucket}")
+        deleted = it.op is not ItemOp.MUTATION or bool(it.expiry and it.expiry <= b.clock())
+        extras = META_EXTRAS.pack(1 if deleted else 0, it.flags, it.expiry, it.rev_seqno)
+        if f.extras == b"\x02":
+            extras += bytes([self._dt(s, it.datatype)])
+        return response(f.opcode, extras=extras, opaque=f.opaque, cas=it.cas)
 
     async def _observe(self, s: Session, f: Frame) -> bytes:
         # kv_engine OBSERVE_SEQNO (engine/network/server.py ``_observe`` answers the same for node processes)

@@ -82,7 +82,7 @@ class KVNode:
         def run() -> None:
             try:
                 fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            except BaseException as e:
                 fut.set_exception(e)
 
         self.loop.call_soon_threadsafe(run)
