@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import ssl
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine.cluster.cluster_config import HOST_PLACEHOLDER, ClusterConfigTracker, NodeAddress
 from engine.cluster.local import Cluster
@@ -33,6 +35,12 @@ from engine.network.kv.cluster_nodes import ClusterNodeConfig
 from engine.network.kv.documents import WriteHooks
 from engine.network.kv.frontend import KVServer
 from engine.network.kv.sasl import UserDirectory
+from engine.security.users import UserStore
+from gateway.exceptions import GatewayError
+from gateway.kv_port import GatewayWriteHooks
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayService
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,14 @@ class ClusterKvPorts:
     def ports(self) -> dict[str, int]:
         """node -> its KV port (listening now)."""
         return {n: s.port for n, s in self.servers.items()}
+
+    @property
+    def first(self) -> int | None:
+        """The port of the node with the lowest port offset (``n0`` on ``kv_port`` while it is in the cluster):
+        what ``GET /health`` calls ``kv_port``."""
+        if not self.servers:
+            return None
+        return self.servers[min(self.servers, key=lambda n: self._offsets.get(n, 0))].port
 
     @property
     def tls(self) -> bool:
@@ -143,4 +159,20 @@ class ClusterKvPorts:
             await self.servers.pop(name).stop()
 
 
-__all__ = ["ClusterKvPorts"]
+async def start_cluster_kv_ports(svc: GatewayService) -> ClusterKvPorts:
+    """The KV listeners of the service's cluster on ``http_host``, the first node on ``kv_port``, with the service's
+    user store, TLS context and write hooks; a first port that cannot be bound is one GatewayError."""
+    s = svc.settings
+    assert svc.cluster is not None
+    users: UserDirectory = svc.users if svc.users is not None else UserStore.open(s.data_dir)
+    ports = ClusterKvPorts(svc.cluster, users, bucket=s.bucket, host=s.http_host, first_port=s.kv_port,
+                           ssl_context=svc.tls_context, hooks=GatewayWriteHooks(svc))
+    try:
+        await ports.start()
+    except OSError as e:
+        raise GatewayError(f"cannot listen on {s.http_host}:{s.kv_port} (kv_port): "
+                           f"{os.strerror(e.errno) if e.errno else e}") from e
+    return ports
+
+
+__all__ = ["ClusterKvPorts", "start_cluster_kv_ports"]
