@@ -3,11 +3,13 @@
 Figures (one JSON line each, bench/report.py; the baseline measured in the same run on the same machine):
 
 * ``kv.memcslap_set`` / ``kv.memcslap_get``  ops/s of ``memcslap --binary`` (Debian's libmemcached-tools) against
-  the KV port, baseline the same ``memcslap`` command against Debian's ``memcached`` (informational);
+  the KV port, baseline the same ``memcslap`` command against Debian's ``memcached`` (informational). memcslap
+  is a plain memcached client (SASL as the user named ``default``, which selects that bucket, and vbucket 0 in
+  every request), so it runs against a bucket of one vbucket;
 * ``kv.sdk_upsert`` / ``kv.sdk_get``          ops/s of the official Couchbase Python SDK (``upsert_multi`` /
   ``get_multi`` in batches) against the KV port; the SDK cannot bootstrap against memcached (no HELLO, no
   GET_CLUSTER_CONFIG), so the baseline is memcslap's figure against memcached (informational);
-* ``kv.ingest``                               documents/s written through the KV port by a pipeline of quiet SETs
+* ``kv.ingest``                               documents/s written through the KV port by a pipeline of SETs
   (bench/kv_wire.py) vs ``Bucket.set`` in process (target >= 0.5x, issue 15).
 
 The KV port runs in a child process (``python -m bench.kv --serve``): one Bucket, the user store with a bench
@@ -31,12 +33,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.kv_wire import KvConnection, setq_batches
+from bench.kv_wire import OP_SETQ, KvConnection, set_batches
 from bench.report import figure
 from engine import Bucket, BucketConfig
 
 VALUE_SIZE = 256
-BENCH_USER = "bench"
+#: the bench's user is named as the bucket: kv_engine selects that bucket at authentication, which is how
+#: memcslap (no SELECT_BUCKET) reaches it
+BENCH_USER = "default"
 BENCH_PASSWORD = "bench-password"  # a throw-away user of a temporary data directory
 NUM_VBUCKETS = 1024
 _MEMCSLAP_TIME = re.compile(r"Time to (set|get)\s+(\d+) keys by\s+(\d+) threads:\s+([\d.]+) seconds")
@@ -96,11 +100,11 @@ def memcached() -> Iterator[int]:
 
 
 @contextmanager
-def kv_port_server(data_dir: Path) -> Iterator[int]:
-    """The KV port serving one fresh Bucket in a child process (``--serve``)."""
+def kv_port_server(data_dir: Path, num_vbuckets: int = NUM_VBUCKETS) -> Iterator[int]:
+    """The KV port serving one fresh Bucket of ``num_vbuckets`` in a child process (``--serve``)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.kv", "--serve", str(data_dir), "--port", str(port)],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.kv", "--serve", str(data_dir), "--port", str(port),
+                             "--num-vbuckets", str(num_vbuckets)], stdout=subprocess.DEVNULL)
     try:
         wait_port(port, proc)
         yield port
@@ -108,7 +112,7 @@ def kv_port_server(data_dir: Path) -> Iterator[int]:
         stop(proc)
 
 
-def serve(data_dir: Path, port: int) -> None:
+def serve(data_dir: Path, port: int, num_vbuckets: int) -> None:
     """Child process: the KV port (engine/network/kv) on ``port`` serving one Bucket under ``data_dir``, with a
     user store holding the bench user; runs until SIGTERM. Nothing is flushed while it runs (as the in-process
     baseline does not flush either)."""
@@ -123,7 +127,7 @@ def serve(data_dir: Path, port: int) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         users = UserStore.open(data_dir)
         users.add(BENCH_USER, BENCH_PASSWORD, [Role.DATA_WRITER, Role.DATA_READER])
-        bucket = Bucket(BucketConfig(data_dir=data_dir / "bucket", num_vbuckets=NUM_VBUCKETS,
+        bucket = Bucket(BucketConfig(data_dir=data_dir / "bucket", num_vbuckets=num_vbuckets,
                                      checkpoint_quota_bytes=4 * 1024**3))
         server = KVServer(SingleNodeConfig(lambda: bucket, "default", lambda: server.port), users, port=port)
         await server.start()
@@ -191,8 +195,8 @@ def sdk_rates(port: int, docs: int, batch: int = 500) -> tuple[float, float]:
 
 
 def port_ingest(port: int, keys: Sequence[bytes], value: bytes) -> float:
-    """documents/s of a SETQ pipeline through the KV port (authenticated, bucket selected)."""
-    batches = setq_batches(keys, value, num_vbuckets=NUM_VBUCKETS)
+    """documents/s of a quiet-SET (SETQ) pipeline through the KV port (authenticated, bucket selected)."""
+    batches = set_batches(keys, value, num_vbuckets=NUM_VBUCKETS, opcode=OP_SETQ)
     with KvConnection("127.0.0.1", port) as c:
         c.hello()
         c.authenticate(BENCH_USER, BENCH_PASSWORD)
@@ -225,9 +229,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=2, help="memcslap threads (default 2: the cores here)")
     ap.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--num-vbuckets", type=int, default=NUM_VBUCKETS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve is not None:
-        serve(args.serve, args.port)
+        serve(args.serve, args.port, args.num_vbuckets)
         return
     n = args.docs
     if n < 10:
@@ -240,9 +245,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         with memcached() as mport:
             base_set = memcslap(mport, "set", n, args.concurrency)
             base_get = memcslap(mport, "get", n, args.concurrency)
-        with kv_port_server(tmp / "port") as port:
+        # memcslap is a plain memcached client: vbucket 0 in every request, so it is measured against a bucket
+        # of one vbucket (against more it would get NOT_MY_VBUCKET for most keys, as from Couchbase Server)
+        with kv_port_server(tmp / "memcslap", num_vbuckets=1) as port:
             kv_set = memcslap(port, "set", n, args.concurrency, BENCH_USER)
             kv_get = memcslap(port, "get", n, args.concurrency, BENCH_USER)
+        with kv_port_server(tmp / "sdk") as port:
             sdk_up, sdk_get = sdk_rates(port, n)
         figure("kv.memcslap_set", kv_set, "ops/s", base_set, None, "higher")
         figure("kv.memcslap_get", kv_get, "ops/s", base_get, None, "higher")
