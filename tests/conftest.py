@@ -25,6 +25,9 @@ from tests.harness import Harness, harnesses
 # Authentication is on in every test: services and `dcpgw up` processes create the user Administrator with this
 # password, and the tests' HTTP clients send it (tests/credentials.py, docs/security.md).
 os.environ[ADMIN_PASSWORD_ENV] = ADMIN_PASSWORD
+# Every gateway a test starts picks a free KV port (docs/kv-protocol.md): the default 11210 would collide
+# between tests and with other processes on the machine.
+os.environ.setdefault("DCPGW_KV_PORT", "0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

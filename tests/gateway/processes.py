@@ -31,7 +31,7 @@ NVB = 16
 #: (tests/credentials.py): `dcpgw up` creates Administrator with it, the CLI falls back to it
 CLEAN_ENV = {**{k: v for k, v in os.environ.items()
                 if not k.startswith("DCPGW_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "CALF_TANSU_BIN")},
-             ADMIN_PASSWORD_ENV: ADMIN_PASSWORD}
+             ADMIN_PASSWORD_ENV: ADMIN_PASSWORD, "DCPGW_KV_PORT": "0"}
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 #: the checkout: the working directory of the processes, so that they import this copy of the packages

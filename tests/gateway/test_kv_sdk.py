@@ -14,6 +14,10 @@ the engine gets one here through its own API (a single node has no other way to 
 from __future__ import annotations
 
 import json
+import re
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -49,13 +53,12 @@ from couchbase.transcoder import RawStringTranscoder
 
 from engine.kv.vbucket import vbucket_of
 from engine.security.roles import Role
-from engine.security.tls import server_context
 from engine.security.users import UserStore
 from gateway.broker import Broker
 from schemas.records import RecordType
 from tests.engine.network.kv.harness import KVNode
 from tests.gateway.kafka_util import read_topic
-from tests.gateway.processes import GatewayProc, request, verify
+from tests.gateway.processes import CLEAN_ENV, GatewayProc, dcpgw_background, request, verify
 
 PASSWORD = "sdk-secret-pw"
 NVB = 16
@@ -63,26 +66,28 @@ LEVELS = [DurabilityLevel.MAJORITY, DurabilityLevel.MAJORITY_AND_PERSIST_TO_ACTI
           DurabilityLevel.PERSIST_TO_MAJORITY]
 
 
-def sdk_options(user: str, password: str = PASSWORD, **auth: Any) -> ClusterOptions:
+def sdk_options(user: str, password: str = PASSWORD, timeout_s: float = 10, **auth: Any) -> ClusterOptions:
     timeouts = ClusterTimeoutOptions(kv_timeout=timedelta(seconds=5), kv_durable_timeout=timedelta(seconds=8),
-                                     connect_timeout=timedelta(seconds=10), bootstrap_timeout=timedelta(seconds=10))
+                                     connect_timeout=timedelta(seconds=timeout_s),
+                                     bootstrap_timeout=timedelta(seconds=timeout_s))
     return ClusterOptions(PasswordAuthenticator(user, password, **auth), timeout_options=timeouts)
 
 
-def connect(port: int, user: str, password: str = PASSWORD, *, scheme: str = "couchbase",
+def connect(port: int, user: str, password: str = PASSWORD, *, scheme: str = "couchbase", timeout_s: float = 10,
             **auth: Any) -> Cluster:
-    return Cluster(f"{scheme}://127.0.0.1:{port}", sdk_options(user, password, **auth))
+    return Cluster(f"{scheme}://127.0.0.1:{port}", sdk_options(user, password, timeout_s, **auth))
 
 
 @pytest.fixture(scope="module")
 def gateway(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     data = tmp_path_factory.mktemp("kvsdk") / "data"
     data.mkdir()
+    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0")
+    gw.start()
+    # users of the store `dcpgw up` created (with Administrator): the running gateway reloads the file
     users = UserStore.open(data)
     users.add("app", PASSWORD, [Role.DATA_READER, Role.DATA_WRITER])
     users.add("reader", PASSWORD, [Role.DATA_READER])
-    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0")
-    gw.start()
     try:
         yield gw
     finally:
@@ -236,18 +241,34 @@ def test_durability_impossible_with_an_empty_replica_slot(tmp_path: Path) -> Non
         node.close()
 
 
-def test_tls_couchbases(tmp_path: Path) -> None:
+def test_dcpgw_up_with_tls_serves_couchbases(kafka_broker: Broker, tmp_path: Path) -> None:
+    """``dcpgw up --tls-cert --tls-key``: the KV port serves TLS, the SDK connects with ``couchbases://``."""
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert.private_key_pem.write_to_path(tmp_path / "key.pem")
     cert.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
     ca.cert_pem.write_to_path(tmp_path / "ca.pem")
-    node = KVNode(tmp_path / "data", num_vbuckets=NVB,
-                  ssl_context=server_context(tmp_path / "cert.pem", tmp_path / "key.pem"))
+    data = tmp_path / "data"
+    env = {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers, "DCPGW_DATA_DIR": str(data),
+           "DCPGW_NUM_VBUCKETS": str(NVB), "DCPGW_HTTP_PORT": "0"}
+    proc = dcpgw_background("up", "--no-progress", "--kv-port", "0", "--tls-cert", str(tmp_path / "cert.pem"),
+                            "--tls-key", str(tmp_path / "key.pem"), env=env)
     try:
-        from tests.engine.network.kv.harness import PASSWORD as NODE_PW
-
-        cluster = connect(node.port, "app", NODE_PW, scheme="couchbases", cert_path=str(tmp_path / "ca.pem"))
+        assert proc.stderr is not None
+        port = 0
+        deadline = time.monotonic() + 90
+        while not port and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "dcpgw up exited"
+            m = re.search(r"KV port (\d+) \(bucket default\): couchbases://", line)
+            if m:
+                port = int(m.group(1))
+        assert port, "no KV port line"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining its log
+        UserStore.open(data).add("app", PASSWORD, [Role.DATA_READER, Role.DATA_WRITER])
+        with pytest.raises(Exception):  # noqa: B017 - plain text on the TLS port: the SDK cannot bootstrap
+            connect(port, "app", timeout_s=3)
+        cluster = connect(port, "app", scheme="couchbases", cert_path=str(tmp_path / "ca.pem"))
         try:
             c = cluster.bucket("default").default_collection()
             c.upsert("tls-doc", {"secure": True})
@@ -255,4 +276,9 @@ def test_tls_couchbases(tmp_path: Path) -> None:
         finally:
             cluster.close()
     finally:
-        node.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -21,16 +21,18 @@ from engine.exceptions import KeyNotFound, NotMyVBucket, SyncWriteReCommitInProg
 from engine.kv.durability import Durability, SyncWrite
 from engine.kv.item import Datatype
 from engine.kv.item import Op as ItemOp
-from engine.kv.locks import LOCKED_CAS
-from engine.kv.vbucket import GetResult, MutationResult, StoreMode, VBucketState
+from engine.kv.locks import LOCKED_CAS, locked
+from engine.kv.vbucket import MAX_KEY_LEN, GetResult, MutationResult, StoreMode, VBucketState, vbucket_of
 from engine.network.kv.cluster_config import ClusterConfigProvider
 from engine.network.kv.opcodes import MAX_VALUE
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.session import Session
 from engine.network.protocol import (
     GET_EXTRAS,
+    HEADER,
     OBSERVE0,
     OBSERVE1,
+    RES_MAGIC,
     SET_EXTRAS,
     TOKEN_EXTRAS,
     U32,
@@ -43,7 +45,8 @@ from engine.network.protocol import (
 
 ARITH_EXTRAS: Final = struct.Struct(">QQI")  # delta, initial, expiration
 META_EXTRAS: Final = struct.Struct(">IIIQ")  # deleted, flags, expiry, rev seqno
-_STORE_MODES: Final = {Op.SET: StoreMode.SET, Op.ADD: StoreMode.ADD, Op.REPLACE: StoreMode.REPLACE}
+_STORE_MODES: Final[dict[int, StoreMode]] = {Op.SET: StoreMode.SET, Op.ADD: StoreMode.ADD,
+                                             Op.REPLACE: StoreMode.REPLACE}
 #: opcodes that take a durability frame (kv_engine: the mutations)
 DURABLE: Final = frozenset({Op.SET, Op.ADD, Op.REPLACE, Op.DELETE, Op.APPEND, Op.PREPEND, Op.INCREMENT,
                             Op.DECREMENT})
@@ -94,6 +97,9 @@ class DocumentOps:
     def handles(self, opcode: int) -> bool:
         return opcode in self._handlers
 
+    def handler(self, opcode: int) -> Callable[[Session, Frame], Awaitable[bytes]] | None:
+        return self._handlers.get(opcode)
+
     def register(self, opcode: int, handler: Callable[[Session, Frame], Awaitable[bytes]]) -> None:
         """Add an opcode (GET_META / *_WITH_META: engine/network/kv/access.py has their roles)."""
         self._handlers[opcode] = handler
@@ -112,8 +118,11 @@ class DocumentOps:
                         opaque=f.opaque, cas=g.cas if cas is None else cas)
 
     def _mutation(self, s: Session, f: Frame, r: MutationResult, value: bytes = b"") -> bytes:
-        extras = TOKEN_EXTRAS.pack(r.vbuuid, r.seqno) if s.mutation_seqno else b""
-        return response(f.opcode, extras=extras, value=value, opaque=f.opaque, cas=r.cas)
+        # a success answer, packed directly (the hot path of every write)
+        if s.mutation_seqno:
+            body = TOKEN_EXTRAS.pack(r.vbuuid, r.seqno) + value
+            return HEADER.pack(RES_MAGIC, f.opcode, 0, 16, 0, 0, len(body), f.opaque, r.cas) + body
+        return HEADER.pack(RES_MAGIC, f.opcode, 0, 0, 0, 0, len(value), f.opaque, r.cas) + value
 
     async def _settle(self, bucket: Bucket, r: MutationResult | SyncWrite, nbytes: int) -> MutationResult:
         if isinstance(r, SyncWrite):
@@ -149,9 +158,15 @@ class DocumentOps:
     async def _get(self, s: Session, f: Frame) -> bytes:
         _need(f, 0, value=False)
         b = self.provider.bucket_for(f.vbucket)
-        self._readable(b, f)
+        vb = b.vbucket(f.vbucket)
+        if vb.prepares:
+            self._readable(b, f)
         g = b.get(f.key, vbucket=f.vbucket)
-        return self._doc(s, f, g, LOCKED_CAS if b.is_locked(f.key, vbucket=f.vbucket) else None)
+        # the hot path of every read: the answer packed directly
+        cas = LOCKED_CAS if vb.locks and locked(vb, f.key) else g.cas
+        body = GET_EXTRAS.pack(g.flags) + g.value
+        return HEADER.pack(RES_MAGIC, f.opcode, 0, 4, g.datatype & Datatype.JSON if s.json else 0, 0, len(body),
+                           f.opaque, cas) + body
 
     async def _get_replica(self, s: Session, f: Frame) -> bytes:
         _need(f, 0, value=False)
@@ -236,8 +251,11 @@ class DocumentOps:
             raise ProtocolError("ADD with a CAS")
         dt = f.datatype or None
         if mode is StoreMode.SET and durability is None:
-            r: MutationResult | SyncWrite = b.set(f.key, value, cas=f.cas, flags=flags, expiry=expiry, datatype=dt,
-                                                  vbucket=f.vbucket)
+            if not f.cas and 0 < len(f.key) <= MAX_KEY_LEN and vbucket_of(f.key, b.num_vbuckets) == f.vbucket:
+                # the ingest path of Bucket.set (it maps the key to the same vbucket)
+                r: MutationResult | SyncWrite = b.set(f.key, value, flags=flags, expiry=expiry, datatype=dt)
+            else:
+                r = b.set(f.key, value, cas=f.cas, flags=flags, expiry=expiry, datatype=dt, vbucket=f.vbucket)
         else:
             r = b.store(f.key, value, mode, cas=f.cas, flags=flags, expiry=expiry, datatype=dt, vbucket=f.vbucket,
                         durability=durability)

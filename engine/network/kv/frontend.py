@@ -43,7 +43,7 @@ from engine.kv.durability import Level, SyncWrite
 from engine.kv.vbucket import MutationResult
 from engine.network.kv import access
 from engine.network.kv.cluster_config import ClusterConfigProvider
-from engine.network.kv.documents import DocumentOps, WriteHooks
+from engine.network.kv.documents import DURABLE, DocumentOps, WriteHooks
 from engine.network.kv.error_map import error_map_response_body
 from engine.network.kv.features import encode_features, negotiate, parse_hello
 from engine.network.kv.memcached_ops import register_memcached_ops
@@ -72,6 +72,8 @@ from engine.security.users import User
 log = logging.getLogger(__name__)
 
 _KNOWN: Final = frozenset(int(o) for o in Op)
+#: bytes read from a connection at a time (every whole frame in them is answered before the next read)
+READ_CHUNK: Final = 256 * 1024
 _JSON: Final = 0x01
 
 
@@ -170,25 +172,43 @@ class KVServer:
                           peer=f"{peer[0]}:{peer[1]}" if peer else "")
         conn = _Conn(session, writer)
         self.conns.add(conn)
+        buf = bytearray()
         try:
             while True:
-                header = await reader.readexactly(HEADER_LEN)
-                try:
-                    h = parse_header(header)
-                except ProtocolError as e:
-                    self.bad_frames += 1
-                    log.info("kv %s: closing the connection: %s", session.peer, e)
-                    break
-                body = await reader.readexactly(h[6])
-                f = frame_from(h, body)
-                if not f.is_request:
-                    continue  # a client's answer to a server request (DUPLEX)
-                out = await self._dispatch(session, f)
+                data = await reader.read(READ_CHUNK)
+                if not data:
+                    break  # hang-up: a truncated packet left in the buffer is never executed
+                buf += data
+                out: list[bytes] = []
+                pos = 0
+                closing = False
+                # every whole frame received so far, answered in order, the answers written together
+                while len(buf) - pos >= HEADER_LEN:
+                    try:
+                        h = parse_header(bytes(buf[pos:pos + HEADER_LEN]))
+                    except ProtocolError as e:
+                        self.bad_frames += 1
+                        log.info("kv %s: closing the connection: %s", session.peer, e)
+                        closing = True
+                        break
+                    end = pos + HEADER_LEN + h[6]
+                    if len(buf) < end:
+                        break
+                    f = frame_from(h, bytes(buf[pos + HEADER_LEN:end]))
+                    pos = end
+                    if not f.is_request:
+                        continue  # a client's answer to a server request (DUPLEX)
+                    res = await self._dispatch(session, f)
+                    if res:
+                        out.append(res)
+                del buf[:pos]
                 if out:
-                    writer.write(out)
+                    writer.write(b"".join(out))
                     await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError, asyncio.CancelledError):
-            pass  # hang-up (a truncated packet is never executed), or shutting down
+                if closing:
+                    break
+        except (ConnectionError, ssl.SSLError, asyncio.CancelledError):
+            pass  # hang-up, or shutting down
         finally:
             self.conns.discard(conn)
             with contextlib.suppress(Exception):
@@ -227,12 +247,20 @@ class KVServer:
 
     async def _execute(self, s: Session, f: Frame) -> bytes:
         op = f.opcode
+        handler = self.documents.handler(op)
+        if handler is not None and s.bucket is not None and s.user is not None:
+            # the document path of an authenticated connection with a bucket: one role check, then the op
+            if not s.may(op, self.users):
+                raise AccessDenied(f"the user's roles do not allow opcode 0x{op:02x}")
+            if f.framing and op not in DURABLE:
+                raise ProtocolError(f"opcode 0x{op:02x} takes no framing extras")
+            return await handler(s, f)
         if op not in _KNOWN and not self.documents.handles(op):
             return self._status(s, f, KVStatus.UNKNOWN_COMMAND, f"unknown opcode 0x{op:02x}")
         if op not in access.BEFORE_AUTH:
             if s.user is None:
                 raise AccessDenied("authenticate first (SASL_AUTH)")
-            if not access.allowed(s.roles(self.users), op):
+            if not s.may(op, self.users):
                 raise AccessDenied(f"the user's roles do not allow opcode 0x{op:02x}")
         if op == Op.NOOP:
             return response(op, opaque=f.opaque)
@@ -261,7 +289,7 @@ class KVServer:
         if f.extras:
             raise ProtocolError("HELLO takes no extras")
         enabled = negotiate(parse_hello(f.value))
-        s.features = frozenset(enabled)
+        s.set_features(enabled)
         s.agent = f.key.decode("utf-8", "replace")[:250]
         return response(f.opcode, value=encode_features(enabled), opaque=f.opaque)
 

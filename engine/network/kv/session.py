@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+from engine.network.kv.access import allowed
 from engine.network.kv.features import Feature
 from engine.network.kv.sasl import ScramServer, UserDirectory
 from engine.security.roles import Role
@@ -33,33 +34,41 @@ class Session:
     scram: ScramServer | None = None
     monotonic: Callable[[], float] = time.monotonic
     _roles_at: float = field(default=0.0, repr=False)
+    #: opcode -> allowed, for the current roles (cleared when they are re-read)
+    _may: dict[int, bool] = field(default_factory=dict, repr=False)
 
-    # ---- features
-    @property
-    def xerror(self) -> bool:
-        return Feature.XERROR in self.features
+    # ---- features (plain booleans: read on every request)
+    xerror: bool = False
+    json: bool = False
+    mutation_seqno: bool = False
+    alt_requests: bool = False
+    duplex_notifications: bool = False
 
-    @property
-    def json(self) -> bool:
-        return Feature.JSON in self.features
-
-    @property
-    def mutation_seqno(self) -> bool:
-        return Feature.MUTATION_SEQNO in self.features
-
-    @property
-    def alt_requests(self) -> bool:
-        return Feature.ALT_REQUEST_SUPPORT in self.features
-
-    @property
-    def duplex_notifications(self) -> bool:
-        return Feature.DUPLEX in self.features and Feature.CLUSTERMAP_CHANGE_NOTIFICATION in self.features
+    def set_features(self, enabled: list[int]) -> None:
+        f = self.features = frozenset(enabled)
+        self.xerror = Feature.XERROR in f
+        self.json = Feature.JSON in f
+        self.mutation_seqno = Feature.MUTATION_SEQNO in f
+        self.alt_requests = Feature.ALT_REQUEST_SUPPORT in f
+        self.duplex_notifications = Feature.DUPLEX in f and Feature.CLUSTERMAP_CHANGE_NOTIFICATION in f
 
     # ---- identity
     def authenticated(self, user: User) -> None:
         self.user = user
         self.scram = None
         self._roles_at = self.monotonic()
+        self._may.clear()
+
+    def may(self, opcode: int, users: UserDirectory) -> bool:
+        """Whether the user's current roles allow ``opcode`` (engine/network/kv/access.py), cached per opcode
+        between two reads of the roles."""
+        if self.monotonic() - self._roles_at >= ROLES_REFRESH_S:
+            self.roles(users)
+        ok = self._may.get(opcode)
+        if ok is None:
+            u = self.user
+            ok = self._may[opcode] = u is not None and allowed(u.roles, opcode)
+        return ok
 
     def roles(self, users: UserDirectory) -> frozenset[Role]:
         """The user's current roles (re-read from the store at most every :data:`ROLES_REFRESH_S`; a deleted
@@ -72,4 +81,5 @@ class Session:
             self._roles_at = now
             fresh = users.get(u.name)
             self.user = u = fresh if fresh is not None else type(u)(name=u.name, roles=frozenset())
+            self._may.clear()
         return u.roles

@@ -8,9 +8,11 @@ import base64
 import hashlib
 import hmac
 import os
+import shutil
 import socket
 import ssl
 import struct
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,7 +28,7 @@ from engine.network.kv.frontend import KVServer
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.protocol import HEADER_LEN, Frame, decode_frame, parse_header, request
 from engine.security.roles import Role
-from engine.security.users import UserStore
+from engine.security.users import USERS_FILE, UserStore
 
 T = TypeVar("T")
 PASSWORD = "kv-port-secret"
@@ -44,16 +46,30 @@ ALL_FEATURES = [Feature.TCP_NODELAY, Feature.MUTATION_SEQNO, Feature.XERROR, Fea
                 Feature.CLUSTERMAP_CHANGE_NOTIFICATION]
 
 
+_TEMPLATE: list[Path] = []
+
+
+def _users_template() -> Path:
+    """A users file with :data:`USERS`, made once per test session (each user costs a slow scrypt hash)."""
+    if not _TEMPLATE:
+        d = Path(tempfile.mkdtemp(prefix="kv-users-"))
+        store = UserStore.open(d)
+        for name, roles in USERS.items():
+            store.add(name, PASSWORD, roles)
+        _TEMPLATE.append(d)
+    return _TEMPLATE[0]
+
+
 class KVNode:
     """A bucket + user store + KV port served by an event loop on a thread of its own."""
 
     def __init__(self, data_dir: Path, *, num_vbuckets: int = 16, ssl_context: ssl.SSLContext | None = None,
                  **bucket: Any) -> None:
         self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        if not (data_dir / USERS_FILE).exists():
+            shutil.copy2(_users_template() / USERS_FILE, data_dir / USERS_FILE)  # keeps mode 0600
         self.users = UserStore.open(data_dir)
-        for name, roles in USERS.items():
-            if self.users.get(name) is None:
-                self.users.add(name, PASSWORD, roles)
         self.bucket = Bucket(BucketConfig(data_dir=data_dir, num_vbuckets=num_vbuckets, **bucket))
         self.loop = asyncio.new_event_loop()
         self.server: KVServer | None = None

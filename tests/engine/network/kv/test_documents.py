@@ -94,6 +94,14 @@ def test_counters(connect: Callable[..., RawClient]) -> None:
     _set(c, b"t", b"text")
     assert arith(Op.INCREMENT, b"t", 1).status == KVStatus.DELTA_BADVAL
     assert c.doc(Op.GET, b"n").value == b"1"
+    # a counter created with an expiry has it; an existing counter keeps its own
+    assert arith(Op.INCREMENT, b"e", 1, 7, 3600).status == 0
+    meta = c.doc(Op.GET_META, b"e")
+    expiry = struct.unpack(">IIIQ", meta.extras)[2]
+    assert expiry > 3600
+    assert arith(Op.INCREMENT, b"e", 1, 0, 60).status == 0
+    assert struct.unpack(">IIIQ", c.doc(Op.GET_META, b"e").extras)[2] == expiry
+    assert c.doc(Op.GET, b"e").value == b"8"
     assert c.doc(Op.INCREMENT, b"n", extras=b"\0" * 8).status == KVStatus.EINVAL
 
 

@@ -12,6 +12,7 @@ import pytest
 from engine.network.kv.features import Feature
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.opcodes import KVStatus
+from engine.network.protocol import HEADER, HEADER_LEN
 from tests.engine.network.kv.harness import ALL_FEATURES, PASSWORD, KVNode, RawClient
 
 
@@ -144,3 +145,18 @@ def test_without_xerror_errors_carry_no_body_and_locked_is_remapped(connect: Cal
     assert c.doc(Op.GET_LOCKED, b"k").status == 0
     assert c.doc(Op.GET_LOCKED, b"k").status == KVStatus.TMPFAIL
     assert c.doc(Op.SET, b"k", extras=b"\0" * 8, value=b"v").status == KVStatus.KEY_EEXISTS
+
+
+def test_clustermap_change_notification_reaches_duplex_connections(node: KVNode,
+                                                                   connect: Callable[..., RawClient]) -> None:
+    c = connect().login()  # DUPLEX + CLUSTERMAP_CHANGE_NOTIFICATION
+    d = connect().login(features=[Feature.XERROR, Feature.SELECT_BUCKET])
+    assert node.server is not None
+    server = node.server
+    node.call(server.notify_config_change)
+    magic, opcode, keylen, extlen, datatype, _vb, bodylen, _opaque, _cas = HEADER.unpack(c._exact(HEADER_LEN))
+    body = c._exact(bodylen)
+    assert (magic, opcode, datatype) == (0x82, 0x01, 0x01)
+    assert int.from_bytes(body[:extlen], "big") == 1 and body[extlen:extlen + keylen] == b"default"
+    assert b"vBucketServerMap" in body[extlen + keylen:]
+    assert d.call(Op.NOOP).status == 0  # nothing was pushed to the connection that did not ask
