@@ -31,7 +31,7 @@ def test_kv_bench_smoke() -> None:
 
 
 def test_kv_bench_bad_arguments() -> None:
-    for args in (["--docs", "3"], ["--concurrency", "0"], ["--docs", "x"]):
+    for args in (["--docs", "3"], ["--concurrency", "0"], ["--docs", "x"], ["--repeat", "0"]):
         proc = subprocess.run([sys.executable, "-m", "bench.kv", *args], cwd=ROOT, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 2 and "error" in proc.stderr, (args, proc.stderr)

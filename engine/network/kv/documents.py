@@ -46,7 +46,7 @@ from engine.network.protocol import (
 ARITH_EXTRAS: Final = struct.Struct(">QQI")  # delta, initial, expiration
 META_EXTRAS: Final = struct.Struct(">IIIQ")  # deleted, flags, expiry, rev seqno
 _STORE_MODES: Final[dict[int, StoreMode]] = {Op.SET: StoreMode.SET, Op.ADD: StoreMode.ADD,
-                                             Op.REPLACE: StoreMode.REPLACE}
+                                             Op.REPLACE: StoreMode.REPLACE, Op.SETQ: StoreMode.SET}
 #: opcodes that take a durability frame (kv_engine: the mutations)
 DURABLE: Final = frozenset({Op.SET, Op.ADD, Op.REPLACE, Op.DELETE, Op.APPEND, Op.PREPEND, Op.INCREMENT,
                             Op.DECREMENT})
