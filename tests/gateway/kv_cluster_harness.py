@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,14 +27,14 @@ class KvClusterNodes:
     """``nodes`` engine nodes with ``replicas`` replicas, each behind its own KV port, pumped every millisecond."""
 
     def __init__(self, data_dir: Path, *, nodes: int = 3, replicas: int = 1, num_vbuckets: int = 16,
-                 first_port: int = 0, **cluster: Any) -> None:
+                 first_port: int = 0, ssl_context: ssl.SSLContext | None = None, **cluster: Any) -> None:
         self.users = UserStore.open(data_dir / "users")
         self.users.add("app", PASSWORD, [Role.DATA_READER, Role.DATA_WRITER])
         self.cluster = Cluster.create(data_dir / "cluster", nodes=nodes, replicas=replicas,
                                       num_vbuckets=num_vbuckets, **cluster)
         self.loop = asyncio.new_event_loop()
         self.ports = ClusterKvPorts(self.cluster, self.users, bucket="default", host="127.0.0.1",
-                                    first_port=first_port, hooks=StandaloneHooks())
+                                    first_port=first_port, ssl_context=ssl_context, hooks=StandaloneHooks())
         self._pump: asyncio.Task[None] | None = None
         ready: Future[None] = Future()
 

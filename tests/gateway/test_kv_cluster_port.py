@@ -276,3 +276,38 @@ def test_official_sdk_follows_failover_and_rebalance(nodes: KvClusterNodes) -> N
                                       if v.state.value == "active")) > on_n3  # the SDK writes to the new node
     finally:
         cluster.close()
+
+
+def test_tls_cluster_lists_kv_ssl_and_the_sdk_connects_with_couchbases(tmp_path: Path) -> None:
+    import trustme
+    from couchbase.auth import PasswordAuthenticator
+    from couchbase.cluster import Cluster
+    from couchbase.options import ClusterOptions, ClusterTimeoutOptions
+
+    from engine.security.tls import server_context
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_pem.write_to_path(tmp_path / "key.pem")
+    cert.cert_chain_pems[0].write_to_path(tmp_path / "cert.pem")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    h = KvClusterNodes(tmp_path / "c", nodes=3, replicas=1, num_vbuckets=NVB,
+                       ssl_context=server_context(tmp_path / "cert.pem", tmp_path / "key.pem"))
+    try:
+        ports = h.call(lambda: h.ports.ports)
+        cfg = h.call(lambda: h.ports.tracker.config(h.cluster.vbucket_map(), h.ports.addresses(), "n0",
+                                                      host="127.0.0.1"))
+        assert [e["services"] for e in cfg["nodesExt"]] == [{"kvSSL": p} for p in ports.values()]
+        timeouts = ClusterTimeoutOptions(kv_timeout=timedelta(seconds=5), connect_timeout=timedelta(seconds=10),
+                                         bootstrap_timeout=timedelta(seconds=10))
+        cluster = Cluster(f"couchbases://127.0.0.1:{ports['n2']}", ClusterOptions(
+            PasswordAuthenticator("app", PASSWORD, cert_path=str(tmp_path / "ca.pem")), timeout_options=timeouts))
+        try:
+            coll = cluster.bucket("default").default_collection()
+            for i in range(40):  # keys on every node
+                coll.upsert(f"tls{i}", {"i": i})
+            assert all(coll.get(f"tls{i}").content_as[dict] == {"i": i} for i in range(40))
+        finally:
+            cluster.close()
+    finally:
+        h.close()
