@@ -188,6 +188,12 @@ def test_writes_to_a_vbucket_being_moved_answer_tmpfail(nodes: KvClusterNodes) -
     nodes.call(lambda: nodes.cluster.block_writes(vb))
     assert c.doc(Op.SET, key, extras=SET_EXTRAS.pack(0, 0), value=b"x").status == KVStatus.TMPFAIL
     assert c.doc(Op.GET, key).status == KVStatus.KEY_ENOENT  # reads go on
+    f = c.doc(Op.SETQ, key, extras=SET_EXTRAS.pack(0, 0), value=b"x")  # the quiet-SET lane stops there too
+    assert (f.status, f.opcode) == (KVStatus.TMPFAIL, Op.SETQ)
+    other = _client(nodes, "n1")
+    f = other.doc(Op.SETQ, key, extras=SET_EXTRAS.pack(0, 0), value=b"x")  # not the active: the map as answer
+    assert f.status == KVStatus.NOT_MY_VBUCKET and json.loads(f.value)["vBucketServerMap"]
+    other.close()
     nodes.call(lambda: nodes.cluster.end_move(vb))
     assert c.doc(Op.SET, key, extras=SET_EXTRAS.pack(0, 0), value=b"x").status == 0
     c.close()

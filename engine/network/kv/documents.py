@@ -178,11 +178,12 @@ class DocumentOps:
     def _write_target(self, f: Frame) -> Bucket:
         """The bucket a write goes to, after the embedder's backpressure and -- with a cluster's provider -- the
         cluster manager's stop of writes to a vbucket being moved (TMPFAIL)."""
+        b = self.provider.bucket_for(f.vbucket)  # NOT_MY_VBUCKET first, as kv_engine
         self.hooks.admit_write()
         admit = getattr(self.provider, "admit_write", None)
         if admit is not None:
             admit(f.vbucket)
-        return self.provider.bucket_for(f.vbucket)
+        return b
 
     async def _gat(self, s: Session, f: Frame) -> bytes:
         _need(f, 4, value=False)

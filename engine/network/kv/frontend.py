@@ -46,7 +46,7 @@ from engine.network.kv.cluster_config import ClusterConfigProvider
 from engine.network.kv.documents import DURABLE, DocumentOps, WriteHooks
 from engine.network.kv.error_map import error_map_response_body
 from engine.network.kv.features import encode_features, negotiate, parse_hello
-from engine.network.kv.memcached_ops import register_memcached_ops
+from engine.network.kv.memcached_ops import SetqLane, register_memcached_ops
 from engine.network.kv.opcodes import CLUSTERMAP_CHANGE_NOTIFICATION, SERVER_REQ_MAGIC, KVStatus
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.sasl import (
@@ -121,6 +121,7 @@ class KVServer:
         self.hooks: WriteHooks = hooks if hooks is not None else StandaloneHooks()
         self.documents = DocumentOps(provider, self.hooks)
         register_memcached_ops(self.documents)
+        self.setq_lane = SetqLane(self.documents, users)
         self.random_bytes = random_bytes
         self._fake_secret = random_bytes(32)
         self._server: asyncio.Server | None = None
@@ -184,6 +185,10 @@ class KVServer:
                 closing = False
                 # every whole frame received so far, answered in order, the answers written together
                 while len(buf) - pos >= HEADER_LEN:
+                    if buf[pos + 1] == Op.SETQ:  # a run of quiet SETs: engine/network/kv/memcached_ops.py
+                        pos = self.setq_lane.run(session, buf, pos)
+                        if len(buf) - pos < HEADER_LEN:
+                            break
                     try:
                         h = parse_header(bytes(buf[pos:pos + HEADER_LEN]))
                     except ProtocolError as e:

@@ -112,3 +112,47 @@ def test_memcslap_sets_and_gets(tmp_path: Path) -> None:
             assert f"Time to {test}               0 keys" not in out.stdout
     finally:
         node.close()
+
+
+def test_a_run_of_quiet_sets_stops_at_what_it_cannot_take(node: KVNode, connect: Callable[..., RawClient]) -> None:
+    """The SETQ lane (memcached_ops.SetqLane) takes well-formed quiet SETs straight from the buffer; any other
+    frame in the run -- wrong vbucket, a CAS, a datatype not negotiated, bad extras -- is answered by the general
+    path, in order, and the frames after it go on."""
+    c = connect().login(features=[0x07, 0x08, 0x10, 0x11])  # XERROR, SELECT_BUCKET, ALT_REQUEST, SYNC_REPL: no JSON
+
+    def setq(key: bytes, *, vbucket: int | None = None, opaque: int = 0, **kw: object) -> bytes:
+        kw.setdefault("extras", SET_EXTRAS.pack(3, 0))
+        kw.setdefault("value", b"v-" + key)
+        vb = vbucket_of(key, c.nvb) if vbucket is None else vbucket
+        return request(Op.SETQ, key=key, vbucket=vb, opaque=opaque, **kw)  # type: ignore[arg-type]
+
+    frames = [setq(b"a1"), setq(b"a2"),
+              setq(b"wrong-vb", vbucket=(vbucket_of(b"wrong-vb", c.nvb) + 1) % c.nvb, opaque=11),
+              setq(b"a3"),
+              setq(b"with-cas", cas=12345, opaque=12),          # the general path: no such document with that CAS
+              setq(b"json", datatype=0x01, opaque=13),           # JSON not negotiated: EINVAL
+              setq(b"short", extras=b"\0\0\0\0", opaque=14),     # 4 bytes of extras: EINVAL
+              setq(b"a4")]
+    c.send(b"".join(frames) + request(Op.NOOP, opaque=99))
+    answers = []
+    while True:
+        f = c.recv()
+        answers.append((f.opaque, f.opcode, f.status))
+        if f.opcode == Op.NOOP:
+            break
+    assert answers == [(11, Op.SETQ, KVStatus.NOT_MY_VBUCKET), (12, Op.SETQ, KVStatus.KEY_ENOENT),
+                       (13, Op.SETQ, KVStatus.EINVAL), (14, Op.SETQ, KVStatus.EINVAL), (99, Op.NOOP, 0)]
+    for k in (b"a1", b"a2", b"a3", b"a4"):
+        f = c.doc(Op.GET, k)
+        assert (f.status, f.value, f.extras) == (0, b"v-" + k, b"\0\0\0\x03"), k
+    for k in (b"wrong-vb", b"with-cas", b"json", b"short"):
+        assert c.doc(Op.GET, k).status == KVStatus.KEY_ENOENT, k
+    # no write role: every quiet SET is answered EACCESS (nothing taken by the lane), unauthenticated likewise
+    r = connect().login("reader")
+    r.send(setq(b"r1", opaque=21) + setq(b"r2", opaque=22) + request(Op.NOOP, opaque=23))
+    assert [(f.opaque, f.status) for f in (r.recv(), r.recv(), r.recv())] == [
+        (21, KVStatus.EACCESS), (22, KVStatus.EACCESS), (23, 0)]
+    u = connect()
+    u.send(setq(b"u1", opaque=31) + request(Op.NOOP, opaque=32))
+    assert [(f.opaque, f.status) for f in (u.recv(), u.recv())] == [(31, KVStatus.EACCESS), (32, 0)]
+    assert c.doc(Op.GET, b"r1").status == KVStatus.KEY_ENOENT and c.doc(Op.GET, b"u1").status == KVStatus.KEY_ENOENT
