@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from engine.cluster.cluster_config import HOST_PLACEHOLDER, ClusterConfigTracker, NodeAddress
 from engine.cluster.local import Cluster
-from engine.exceptions import KeyNotFound, NotMyVBucket, TemporaryFailure
+from engine.exceptions import InvalidArgument, KeyNotFound, NotMyVBucket, TemporaryFailure
 from engine.kv.vbucket import RELATIVE_EXPIRY_LIMIT
 from engine.network.kv.cluster_nodes import ClusterNodeConfig
 
@@ -142,3 +144,66 @@ def test_replica_reads(cluster: Cluster) -> None:
     r2 = cluster.vbucket_map().chains[vb2][1]
     with pytest.raises(KeyNotFound):
         prov[r2].replica_bucket_for(vb2).get_replica(b"gone", vbucket=vb2)  # type: ignore[index]
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[tuple[str, str]]:
+    steps = []
+    for _ in range(draw(st.integers(1, 5))):
+        steps.append((draw(st.sampled_from(["failover", "add", "remove", "rebalance"])),
+                      draw(st.sampled_from(["n0", "n1", "n2", "n3", "n4"]))))
+    return steps
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_histories())
+def test_property_exactly_the_configs_active_serves_each_vbucket(tmp_path_factory: pytest.TempPathFactory,
+                                                                 history: list[tuple[str, str]]) -> None:
+    """Over random histories of hard failovers and rebalances (nodes added and removed): every node serves the same
+    revision, the revision goes up whenever the map changes, and for every vbucket exactly the node the config
+    names as active serves it (NOT_MY_VBUCKET everywhere else); replica slots likewise for GET_REPLICA."""
+    c = Cluster.create(tmp_path_factory.mktemp("h"), nodes=3, replicas=1, num_vbuckets=8)
+    try:
+        ports = {f"n{i}": 3000 + i for i in range(5)}
+        prov = _providers(c, ports)
+        last_rev, last_map = prov["n0"].rev, c.vbucket_map()
+        for op, node in history:
+            m = c.vbucket_map()
+            try:
+                if op == "failover" and node in m.nodes and len(m.nodes) > 1:
+                    c.failover(node)
+                elif op == "add" and node not in c.nodes:
+                    c.start_rebalance(add=[node])
+                elif op == "remove" and node in m.nodes and len(m.nodes) > 2:
+                    c.start_rebalance(remove=[node])
+                elif op == "rebalance":
+                    c.start_rebalance()
+            except InvalidArgument:
+                continue  # a refused request changes nothing
+            event(op)
+            _finish_rebalance(c)
+            revs = {p.rev for n, p in prov.items()}
+            assert len(revs) == 1
+            rev = revs.pop()
+            if c.vbucket_map() is not last_map:
+                assert rev > last_rev
+            last_rev, last_map = rev, c.vbucket_map()
+            cfg = prov["n0"].config("127.0.0.1", bucket=True)
+            servers = cfg["vBucketServerMap"]["serverList"]
+            by_server = {f"127.0.0.1:{p}": n for n, p in ports.items()}
+            for vb, chain in enumerate(cfg["vBucketServerMap"]["vBucketMap"]):
+                active = by_server[servers[chain[0]]] if chain[0] >= 0 else None
+                replicas = {by_server[servers[i]] for i in chain[1:] if i >= 0}
+                for n, p in prov.items():
+                    if n == active:
+                        assert p.bucket_for(vb) is c.nodes[n].bucket
+                    else:
+                        with pytest.raises((NotMyVBucket, TemporaryFailure)):
+                            p.bucket_for(vb)
+                    if n in replicas:
+                        assert p.replica_bucket_for(vb) is c.nodes[n].bucket
+                    else:
+                        with pytest.raises((NotMyVBucket, TemporaryFailure)):
+                            p.replica_bucket_for(vb)
+    finally:
+        c.close()
