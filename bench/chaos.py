@@ -283,6 +283,7 @@ class Session:
             # readiness: delivery_stalled after this (docs/reliability.md "Fault campaign", readiness)
             "DCPGW_HEALTH_DELIVERY_STALL_S": str(camp.args.ready_threshold_s),
             "DCPGW_ADMIN_PASSWORD": ADMIN_PASSWORD,
+            "DCPGW_KV_PORT": "0",  # free KV ports (one per node with --nodes): nothing else on the machine collides
         })
         self.env = env
         args = [sys.executable, "-m", "gateway.cli", "up", "--no-progress"]

@@ -221,6 +221,12 @@ class Bucket:
         k = _key(key)
         return self._vb_for(k, vbucket).get(k)
 
+    def get_replica(self, key: bytes | str, *, vbucket: int | None = None) -> GetResult:
+        """Read ``key`` from this node's replica of its vbucket (GET_REPLICA; NotMyVBucket unless a replica)."""
+        self._check_open()
+        k = _key(key)
+        return self._vb_for(k, vbucket).get_replica(k)
+
     def _store(
         self, key: bytes | str, value: bytes | str, mode: StoreMode, cas: int, flags: int, expiry: int,
         datatype: int | None, vbucket: int | None,

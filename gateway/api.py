@@ -620,6 +620,9 @@ async def health(request: web.Request) -> web.Response:
                  "streams": len(pub.streaming) if pub else 0})
     if svc.kv is not None:
         body["kv_port"] = svc.kv.port  # docs/kv-protocol.md
+    if svc.kv_cluster is not None:  # one KV port per node (docs/kv-protocol.md "Several nodes")
+        body["kv_port"] = svc.kv_cluster.first
+        body["kv_ports"] = svc.kv_cluster.ports
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
     if pub is not None and pub.failed_vbuckets:

@@ -480,6 +480,10 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
     if svc.kv is not None:
         typer.echo(f"KV port {svc.kv.port} (bucket {settings.bucket}): couchbase{'s' if svc.kv.tls else ''}://"
                    f"{settings.http_host}:{svc.kv.port}", err=True)
+    if svc.kv_cluster is not None:
+        ports = ", ".join(f"{n} {p}" for n, p in svc.kv_cluster.ports.items())
+        typer.echo(f"KV ports {ports} (bucket {settings.bucket}): couchbase{'s' if svc.kv_cluster.tls else ''}://"
+                   f"{settings.http_host}:{svc.kv_cluster.first}", err=True)
     try:
         if progress and sys.stderr.isatty():
             await _catch_up_progress(svc)

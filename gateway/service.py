@@ -32,6 +32,7 @@ from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
 from gateway.health import Readiness, UnackedWrites
 from gateway.kafka.client_log import ClientLog, with_client_log
+from gateway.kv_cluster import ClusterKvPorts, start_cluster_kv_ports
 from gateway.kv_port import KVServer, start_kv_port
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, ProducerFailed, Publisher, TopicLost
@@ -83,6 +84,8 @@ class GatewayService:
         self.http_port: int = settings.http_port
         #: the KV port's server (docs/kv-protocol.md), started with the HTTP API (single node)
         self.kv: KVServer | None = None
+        #: the KV ports of a cluster's nodes (``--nodes N``: gateway/kv_cluster.py), one listener per node
+        self.kv_cluster: ClusterKvPorts | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
@@ -185,6 +188,8 @@ class GatewayService:
             self.http_port = server.sockets[0].getsockname()[1]
         if self.bucket is not None:
             self.kv = await start_kv_port(self)
+        elif self.cluster is not None:
+            self.kv_cluster = await start_cluster_kv_ports(self)
         self.started_at = time.time()
         self._tasks = [
             asyncio.create_task(self._pump_loop(), name="dcpgw-pump"),
@@ -461,6 +466,8 @@ class GatewayService:
                     n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
                     if cluster.rebalance_running is not None:
                         n += 1  # pump() stepped the rebalance: keep going (yielding to the loop each round)
+                    if self.kv_cluster is not None:
+                        await self.kv_cluster.sync()  # listeners follow the nodes; a new map is pushed to clients
             except (TopicLost, ProducerFailed) as e:
                 try:
                     await self._reopen(e)
@@ -603,6 +610,8 @@ class GatewayService:
                 await asyncio.wait_for(self.runner.cleanup(), timeout=max(0.1, budget * 0.2))
         if self.kv is not None:
             await self.kv.stop()
+        if self.kv_cluster is not None:
+            await self.kv_cluster.stop()
         if self.publisher is not None:
             self.publisher.close(timeout=max(0.0, deadline - time.monotonic() - budget * 0.2))
             self._checkpoint()

@@ -342,6 +342,10 @@ class ClusterManager(ABC):
     def num_vbuckets(self) -> int:
         return self._map.num_vbuckets
 
+    def writes_blocked(self, vbucket: int) -> bool:
+        """Whether front-end writes to ``vbucket`` are stopped now (a move's takeover, a graceful failover)."""
+        return vbucket in self._blocked
+
     def _check_blocked(self, vbucket: int) -> None:
         if vbucket in self._blocked:
             # kv_engine takeover: the front end gets a temporary failure while the vbucket moves.

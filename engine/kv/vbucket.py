@@ -285,6 +285,20 @@ class VBucket:
             it.key, it.value, it.cas, it.flags, it.expiry, it.datatype, it.rev_seqno, it.seqno, self.id
         )
 
+    def get_replica(self, key: bytes) -> GetResult:
+        """A replica read (kv_engine GET_REPLICA): the committed item this replica holds; NotMyVBucket unless the
+        vbucket is a replica. An expired item reads as not found but is not expired here: a replica never
+        creates mutations, its active does."""
+        if self.state is not VBucketState.REPLICA:
+            raise NotMyVBucket(f"vbucket {self.id} is {self.state.value}, not a replica")
+        it = self.ht.get(key)
+        if it is None or it.op is not Op.MUTATION or (it.expiry and it.expiry <= self.clock()):
+            raise KeyNotFound(f"key {key!r} not found in replica vbucket {self.id}")
+        assert it.value is not None
+        return GetResult(
+            it.key, it.value, it.cas, it.flags, it.expiry, it.datatype, it.rev_seqno, it.seqno, self.id
+        )
+
     def store(
         self,
         key: bytes,

@@ -259,7 +259,8 @@ def encode_durability_frame(durability: Durability) -> bytes:
 def decode_framing(framing: bytes) -> Durability | None:
     """The durability requirements among a request's framing extras (None: none). kv_engine rules: frame
     info = id (high nibble) | length (low nibble); durability has length 1 (level) or 3 (level, timeout u16);
-    an invalid level is DURABILITY_INVALID_LEVEL, any other malformation EINVAL."""
+    the last one counts when it is repeated; an invalid level is DURABILITY_INVALID_LEVEL, any other malformation
+    EINVAL."""
     out: Durability | None = None
     i = 0
     n = len(framing)
@@ -277,8 +278,9 @@ def decode_framing(framing: bytes) -> Durability | None:
             raise ProtocolError(f"unsupported frame info id 0x{fid:x}")
         if flen not in (1, 3):
             raise ProtocolError(f"durability frame info of {flen} bytes (1 or 3 expected)")
-        if out is not None:
-            raise ProtocolError("durability frame info given twice")
+        # A repeated durability frame info replaces the earlier one, as kv_engine's request parsing does: the
+        # official SDK's C++ core appends it again each time it resends a request (a retry after
+        # NOT_MY_VBUCKET or TMPFAIL), docs/kv-protocol.md "What differs".
         level = parse_level(data[0])
         if level is Level.NONE:
             raise DurabilityInvalidLevel("durability level none in a durability frame")

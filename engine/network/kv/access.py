@@ -46,6 +46,10 @@ NEEDS: Final[dict[int, tuple[Role, ...]]] = {
     Op.SET_WITH_META: (Role.REPLICATION_TARGET,),
     Op.ADD_WITH_META: (Role.REPLICATION_TARGET,),
     Op.DEL_WITH_META: (Role.REPLICATION_TARGET,),
+    Op.GETQ: _R,
+    Op.GETK: _R,
+    Op.GETKQ: _R,
+    Op.SETQ: _W,
     Op.GET_CLUSTER_CONFIG: _ANY,
     Op.SELECT_BUCKET: _ANY,
 }

@@ -47,7 +47,7 @@ from engine.network.with_meta import apply_write_with_meta, conflict_response, h
 ARITH_EXTRAS: Final = struct.Struct(">QQI")  # delta, initial, expiration
 META_EXTRAS: Final = struct.Struct(">IIIQ")  # deleted, flags, expiry, rev seqno
 _STORE_MODES: Final[dict[int, StoreMode]] = {Op.SET: StoreMode.SET, Op.ADD: StoreMode.ADD,
-                                             Op.REPLACE: StoreMode.REPLACE}
+                                             Op.REPLACE: StoreMode.REPLACE, Op.SETQ: StoreMode.SET}
 #: opcodes that take a durability frame (kv_engine: the mutations)
 DURABLE: Final = frozenset({Op.SET, Op.ADD, Op.REPLACE, Op.DELETE, Op.APPEND, Op.PREPEND, Op.INCREMENT,
                             Op.DECREMENT})
@@ -173,13 +173,25 @@ class DocumentOps:
 
     async def _get_replica(self, s: Session, f: Frame) -> bytes:
         _need(f, 0, value=False)
-        raise NotMyVBucket(f"vbucket {f.vbucket}: no replica on this node")
+        replica_bucket_for = getattr(self.provider, "replica_bucket_for", None)  # a cluster's provider
+        if replica_bucket_for is None:
+            raise NotMyVBucket(f"vbucket {f.vbucket}: no replica on this node")
+        return self._doc(s, f, replica_bucket_for(f.vbucket).get_replica(f.key, vbucket=f.vbucket))
+
+    def _write_target(self, f: Frame) -> Bucket:
+        """The bucket a write goes to, after the embedder's backpressure and -- with a cluster's provider -- the
+        cluster manager's stop of writes to a vbucket being moved (TMPFAIL)."""
+        b = self.provider.bucket_for(f.vbucket)  # NOT_MY_VBUCKET first, as kv_engine
+        self.hooks.admit_write()
+        admit = getattr(self.provider, "admit_write", None)
+        if admit is not None:
+            admit(f.vbucket)
+        return b
 
     async def _gat(self, s: Session, f: Frame) -> bytes:
         _need(f, 4, value=False)
         (expiry,) = U32.unpack(f.extras)
-        self.hooks.admit_write()
-        b = self.provider.bucket_for(f.vbucket)
+        b = self._write_target(f)
         g = b.get_and_touch(f.key, expiry, vbucket=f.vbucket)
         self.hooks.wrote(MutationResult(g.vbucket, 0, g.seqno, g.cas), len(f.key) + len(g.value))
         return self._doc(s, f, g)
@@ -236,8 +248,7 @@ class DocumentOps:
         flags, expiry = SET_EXTRAS.unpack(f.extras)
         value = self._value(s, f)
         durability = self._durability(s, f)
-        self.hooks.admit_write()
-        b = self.provider.bucket_for(f.vbucket)
+        b = self._write_target(f)
         mode = _STORE_MODES[Op(f.opcode)]
         if f.cas and mode is StoreMode.ADD:
             raise ProtocolError("ADD with a CAS")
@@ -256,8 +267,7 @@ class DocumentOps:
     async def _delete(self, s: Session, f: Frame) -> bytes:
         _need(f, 0, value=False)
         durability = self._durability(s, f)
-        self.hooks.admit_write()
-        b = self.provider.bucket_for(f.vbucket)
+        b = self._write_target(f)
         if durability is not None:
             r: MutationResult | SyncWrite = b.delete(f.key, cas=f.cas, vbucket=f.vbucket, durability=durability)
         else:
@@ -268,8 +278,7 @@ class DocumentOps:
         _need(f, 0)
         value = self._value(s, f)
         durability = self._durability(s, f)
-        self.hooks.admit_write()
-        b = self.provider.bucket_for(f.vbucket)
+        b = self._write_target(f)
         r = b.append(f.key, value, prepend=f.opcode == Op.PREPEND, cas=f.cas, vbucket=f.vbucket,
                      durability=durability)
         return self._mutation(s, f, await self._settle(b, r, len(f.key) + len(value)))
@@ -278,8 +287,7 @@ class DocumentOps:
         _need(f, ARITH_EXTRAS.size, value=False)
         delta, initial, expiry = ARITH_EXTRAS.unpack(f.extras)
         durability = self._durability(s, f)
-        self.hooks.admit_write()
-        b = self.provider.bucket_for(f.vbucket)
+        b = self._write_target(f)
         r, n = b.arithmetic(f.key, delta, initial=initial, expiry=expiry, decrement=f.opcode == Op.DECREMENT,
                             cas=f.cas, vbucket=f.vbucket, durability=durability)
         return self._mutation(s, f, await self._settle(b, r, len(f.key) + 20), U64.pack(n))
@@ -287,8 +295,7 @@ class DocumentOps:
     async def _touch(self, s: Session, f: Frame) -> bytes:
         _need(f, 4, value=False)
         (expiry,) = U32.unpack(f.extras)
-        self.hooks.admit_write()
-        b = self.provider.bucket_for(f.vbucket)
+        b = self._write_target(f)
         r = b.touch(f.key, expiry, vbucket=f.vbucket)
         self.hooks.wrote(r, len(f.key))
         return response(f.opcode, opaque=f.opaque, cas=r.cas)

@@ -46,9 +46,17 @@ from engine.network.kv.cluster_config import ClusterConfigProvider
 from engine.network.kv.documents import DURABLE, DocumentOps, WriteHooks
 from engine.network.kv.error_map import error_map_response_body
 from engine.network.kv.features import encode_features, negotiate, parse_hello
+from engine.network.kv.memcached_ops import SetqLane, register_memcached_ops
 from engine.network.kv.opcodes import CLUSTERMAP_CHANGE_NOTIFICATION, SERVER_REQ_MAGIC, KVStatus
 from engine.network.kv.opcodes import ClientOpcode as Op
-from engine.network.kv.sasl import PLAIN, ScramServer, UserDirectory, mechanisms, parse_plain
+from engine.network.kv.sasl import (
+    PLAIN,
+    ScramServer,
+    UserDirectory,
+    canonical_mechanism,
+    mechanisms,
+    parse_plain,
+)
 from engine.network.kv.session import Session
 from engine.network.protocol import (
     HEADER,
@@ -59,6 +67,7 @@ from engine.network.protocol import (
     parse_header,
     response,
 )
+from engine.security.users import User
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +120,8 @@ class KVServer:
         self.ssl_context = ssl_context
         self.hooks: WriteHooks = hooks if hooks is not None else StandaloneHooks()
         self.documents = DocumentOps(provider, self.hooks)
+        register_memcached_ops(self.documents)
+        self.setq_lane = SetqLane(self.documents, users)
         self.random_bytes = random_bytes
         self._fake_secret = random_bytes(32)
         self._server: asyncio.Server | None = None
@@ -174,6 +185,10 @@ class KVServer:
                 closing = False
                 # every whole frame received so far, answered in order, the answers written together
                 while len(buf) - pos >= HEADER_LEN:
+                    if buf[pos + 1] == Op.SETQ:  # a run of quiet SETs: engine/network/kv/memcached_ops.py
+                        pos = self.setq_lane.run(session, buf, pos)
+                        if len(buf) - pos < HEADER_LEN:
+                            break
                     try:
                         h = parse_header(bytes(buf[pos:pos + HEADER_LEN]))
                     except ProtocolError as e:
@@ -291,8 +306,15 @@ class KVServer:
         s.bucket = self.provider.bucket_name
         return response(f.opcode, opaque=f.opaque)
 
+    def _authenticated(self, s: Session, user: User) -> None:
+        """kv_engine: a user named as a bucket gets that bucket selected at once -- how clients that never send
+        SELECT_BUCKET (plain memcached clients such as ``memcslap``) reach a bucket."""
+        s.authenticated(user)
+        if user.name == self.provider.bucket_name:
+            s.bucket = user.name
+
     async def _sasl(self, s: Session, f: Frame) -> bytes:
-        mech = f.key.decode("utf-8", "replace")
+        mech = canonical_mechanism(f.key.decode("utf-8", "replace"))
         try:
             if f.opcode == Op.SASL_AUTH:
                 s.user = None  # a new authentication replaces the connection's identity
@@ -301,7 +323,7 @@ class KVServer:
                     name, password = parse_plain(f.value)
                     loop = asyncio.get_running_loop()
                     user = await loop.run_in_executor(None, self.users.authenticate, name, password)
-                    s.authenticated(user)
+                    self._authenticated(s, user)
                     return response(f.opcode, opaque=f.opaque)
                 if mech not in mechanisms(s.tls):
                     raise AuthenticationFailed(f"mechanism {mech[:40]!r} is not offered")
@@ -312,7 +334,7 @@ class KVServer:
             if scram is None or scram.mechanism != mech:
                 raise AuthenticationFailed("SASL_STEP without a SASL_AUTH of that mechanism")
             user, final = scram.final(f.value)
-            s.authenticated(user)
+            self._authenticated(s, user)
             return response(f.opcode, value=final, opaque=f.opaque)
         except AuthenticationFailed:
             s.scram = None

@@ -38,6 +38,11 @@ class ClientOpcode(IntEnum):
     DEL_WITH_META = 0xA8
     GET_CLUSTER_CONFIG = 0xB5
     GET_ERROR_MAP = 0xFE
+    # the classic memcached variants (engine/network/kv/memcached_ops.py)
+    GETQ = 0x09
+    GETK = 0x0C
+    GETKQ = 0x0D
+    SETQ = 0x11
 
 
 class KVStatus(IntEnum):

@@ -40,9 +40,21 @@ class UserDirectory(Protocol):
     def get(self, name: str) -> User | None: ...
 
 
+#: the RFC 5802 / 7677 names of the same mechanisms, listed after kv_engine's: Cyrus SASL clients (libmemcached, so
+#: ``memcslap``) know only these (docs/kv-protocol.md "What differs")
+IANA_ALIASES: Final = {"SCRAM-SHA-512": "SCRAM-SHA512", "SCRAM-SHA-256": "SCRAM-SHA256", "SCRAM-SHA-1": "SCRAM-SHA1"}
+
+
+def canonical_mechanism(name: str) -> str:
+    """kv_engine's name of a mechanism given by its IANA name (other names unchanged)."""
+    return IANA_ALIASES.get(name, name)
+
+
 def mechanisms(tls: bool) -> list[str]:
-    """SASL_LIST_MECHS: the SCRAM family, plus PLAIN on a TLS connection."""
-    return [*SCRAM_MECHANISMS, PLAIN] if tls else list(SCRAM_MECHANISMS)
+    """SASL_LIST_MECHS: the SCRAM family (kv_engine's names, then the IANA ones), plus PLAIN on a TLS
+    connection."""
+    scram = [*SCRAM_MECHANISMS, *IANA_ALIASES]
+    return [*scram, PLAIN] if tls else scram
 
 
 def _fail(why: str) -> AuthenticationFailed:
@@ -84,6 +96,7 @@ class ScramServer:
     _first_bare: str = ""
     _server_first: str = ""
     _nonce: str = ""
+    _gs2: str = ""
 
     def first(self, client_first: bytes) -> bytes:
         """The client-first message -> the server-first message."""
@@ -97,13 +110,17 @@ class ScramServer:
         if not (msg.startswith("n,") or msg.startswith("y,")):
             raise _fail("channel binding or a malformed gs2 header")
         parts = msg.split(",", 2)
-        if len(parts) != 3 or parts[1]:  # no authzid
-            raise _fail("gs2 header with authzid")
+        if len(parts) != 3:
+            raise _fail("malformed gs2 header")
         bare = parts[2]
         a = _attrs(bare)
         if "n" not in a or "r" not in a or not a["r"] or "m" in a:
             raise _fail("client-first without user or nonce")
         self._user = _saslname(a["n"])
+        # an authzid only when it is the user itself (Cyrus SASL clients send one; as PLAIN, parse_plain)
+        if parts[1] and (not parts[1].startswith("a=") or _saslname(parts[1][2:]) != self._user):
+            raise _fail("gs2 header with an authzid other than the user")
+        self._gs2 = base64.b64encode(f"{parts[0]},{parts[1]},".encode()).decode("ascii")
         cred = self.users.scram_credential(self._user, self.mechanism)
         self._known = cred is not None
         if cred is None:
@@ -133,7 +150,7 @@ class ScramServer:
             raise _fail("no proof")
         without_proof = msg[:idx]
         a = _attrs(without_proof)
-        if a.get("r") != self._nonce or a.get("c") not in ("biws", "eSws"):
+        if a.get("r") != self._nonce or a.get("c") != self._gs2:  # c= repeats the gs2 header (no channel binding)
             raise _fail("nonce or channel binding mismatch")
         try:
             proof = base64.b64decode(msg[idx + 3:], validate=True)

@@ -68,10 +68,14 @@ def test_framing_without_durability_and_bad_frames() -> None:
     for bad in (bytes([0x12, 1, 0]),        # length 2: not 1 or 3
                 bytes([0x11]),              # truncated
                 bytes([0x21, 1]),           # unknown frame id
-                bytes([0xF1, 1]),           # escaped id
-                bytes([0x11, 1, 0x11, 1])):  # twice
+                bytes([0xF1, 1])):          # escaped id
         with pytest.raises(ProtocolError):
             decode_framing(bad)
+    # repeated (the official SDK resends a retried request with the frame appended again): the last one counts
+    assert decode_framing(bytes([0x13, 1, 0x23, 0x28, 0x13, 1, 0x23, 0x28])) == Durability(Level.MAJORITY, 9000)
+    assert decode_framing(bytes([0x11, 1, 0x11, 3])) == Durability(Level.PERSIST_TO_MAJORITY)
+    with pytest.raises(DurabilityInvalidLevel):
+        decode_framing(bytes([0x11, 1, 0x11, 0]))
     with pytest.raises(DurabilityInvalidLevel):
         encode_durability_frame(Durability(Level.NONE))
     with pytest.raises(ProtocolError):
