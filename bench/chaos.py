@@ -275,7 +275,6 @@ class Session:
             "KAFKA_BOOTSTRAP_SERVERS": camp.bootstrap,
             "DCPGW_DATA_DIR": str(self.data),
             "DCPGW_HTTP_PORT": str(self.port),
-            "DCPGW_KV_PORT": "0",  # several gateways at once: a free KV port each
             "DCPGW_NUM_VBUCKETS": str(camp.args.vbuckets),
             "DCPGW_TOPIC_PREFIX": self.prefix,
             "DCPGW_EXPIRY_PAGER_INTERVAL_S": "1",
