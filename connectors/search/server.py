@@ -266,3 +266,40 @@ def build_app(indexer: SearchIndexer, source: GatewaySource | None = None) -> we
 
     app.on_cleanup.append(cleanup)
     return app
+
+
+async def serve(indexer: SearchIndexer, *, host: str, port: int, source: GatewaySource | None = None,
+                until_caught_up: bool = False, stop: asyncio.Event | None = None,
+                on_listening: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port``; returns the
+    summary when the indexer caught up (``until_caught_up``) or ``stop`` is set. An exception of the indexer
+    thread is raised here."""
+    app = build_app(indexer, source)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = port
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            bound = int(server.sockets[0].getsockname()[1])
+        if on_listening is not None:
+            on_listening(bound)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.run_in_executor(None, indexer.run, until_caught_up)
+        stopper: asyncio.Future[Any] = asyncio.ensure_future((stop or asyncio.Event()).wait())
+        try:
+            await asyncio.wait([done, stopper], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not done.done():
+                indexer.stop()
+            await done  # raises what the indexer raised
+    finally:
+        await runner.cleanup()
+    total = indexer.backend.search("*", 1).total
+    st = indexer.status()
+    return {"topic": indexer.topic, "index_dir": str(indexer.dir), "docs": total, "generation": st["generation"],
+            "indexed": st["indexed"], "deleted": st["deleted"], "binary_skipped": st["binary_skipped"],
+            "field_rejected": st["field_rejected"], "rollbacks": st["rollbacks"], "commits": st["commits"]}
