@@ -224,7 +224,7 @@ async def metrics(request: web.Request) -> web.Response:
                          ("field_rejected", "documents indexed without a field of the wrong type"),
                          ("rejected", "documents the backend refused"), ("rollbacks", "rollbacks applied"),
                          ("oversize", "changes without a value in the topic (too large for Kafka)"),
-                         ("commits", "index commits")):
+                         ("commits", "index commits"), ("sync_failures", "failed commits to the backend (retried)")):
         metric(f"dcpgw_search_{field}_total", "counter", help_, st[field])
     lines += ["# HELP dcpgw_search_commit_seconds index commit latency (apply + commit)",
               "# TYPE dcpgw_search_commit_seconds summary",
@@ -244,7 +244,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "generation": request.app[_INDEXER].visible.generation})
+    """200 while the backend commits; 503 with the error while commits to it fail (and are retried)."""
+    ix = request.app[_INDEXER]
+    if ix.backend_error is not None:
+        return web.json_response({"status": "failing", "generation": ix.visible.generation,
+                                  "reasons": [f"index backend: {ix.backend_error}"]}, status=503)
+    return web.json_response({"status": "ok", "generation": ix.visible.generation, "reasons": []})
 
 
 def build_app(indexer: SearchIndexer, source: SourcePositions | None = None) -> web.Application:
@@ -297,7 +302,10 @@ async def serve(indexer: SearchIndexer, *, host: str, port: int, source: SourceP
             await done  # raises what the indexer raised
     finally:
         await runner.cleanup()
-    total = indexer.backend.search("*", 1).total
+    try:
+        total: int | None = indexer.backend.search("*", 1).total
+    except SearchUnsupported:
+        total = None
     st = indexer.status()
     return {"topic": indexer.topic, "index_dir": str(indexer.dir), "docs": total, "generation": st["generation"],
             "indexed": st["indexed"], "deleted": st["deleted"], "binary_skipped": st["binary_skipped"],
