@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -272,24 +273,20 @@ def build_app(indexer: SearchIndexer, source: SourcePositions | None = None) -> 
     return app
 
 
-async def serve(indexer: SearchIndexer, *, host: str, port: int, source: SourcePositions | None = None,
+async def serve(indexer: SearchIndexer, sock: socket.socket, *, source: SourcePositions | None = None,
                 until_caught_up: bool = False, stop: asyncio.Event | None = None,
                 on_listening: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port``; returns the
-    summary when the indexer caught up (``until_caught_up``) or ``stop`` is set. An exception of the indexer
-    thread is raised here."""
+    """``dcpgw index``: consume in a worker thread while the query API answers on ``sock`` (bound by the caller
+    before the index is opened: a port in use fails before anything else); returns the summary when the indexer
+    caught up (``until_caught_up``) or ``stop`` is set. An exception of the indexer thread is raised here."""
     app = build_app(indexer, source)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.SockSite(runner, sock)
         await site.start()
-        bound = port
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            bound = int(server.sockets[0].getsockname()[1])
         if on_listening is not None:
-            on_listening(bound)
+            on_listening(int(sock.getsockname()[1]))
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.run_in_executor(None, indexer.run, until_caught_up)
         stopper: asyncio.Future[Any] = asyncio.ensure_future((stop or asyncio.Event()).wait())
