@@ -733,8 +733,8 @@ def index(
     if not bootstrap or not topic:
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
     source_url = source_url or st.get("http_url")
-    try:
-        sock = socket.create_server((http_host, http_port))
+    try:  # a port in use fails here, before the index is opened
+        socket.create_server((http_host, http_port)).close()
     except OSError as e:
         _fail(f"cannot listen on {http_host}:{http_port}: {e.strerror or e}")
     kafka = _kafka_client(bootstrap)
@@ -747,7 +747,7 @@ def index(
         src = GatewaySource(source_url, user, password) if source_url else None
         with SearchIndexer(kafka, topic, index_dir, mapping=doc_mapping, commit_docs=commit_docs,
                            commit_interval=commit_interval) as ix:
-            return await serve(ix, sock, source=src, until_caught_up=until_caught_up,
+            return await serve(ix, host=http_host, port=http_port, source=src, until_caught_up=until_caught_up,
                                stop=stop, on_listening=lambda p: typer.echo(
                                    f"search API on http://{http_host}:{p} (index {index_dir})", err=True))
 

@@ -273,16 +273,19 @@ def build_app(indexer: SearchIndexer, source: SourcePositions | None = None) -> 
     return app
 
 
-async def serve(indexer: SearchIndexer, sock: socket.socket, *, source: SourcePositions | None = None,
+async def serve(indexer: SearchIndexer, *, host: str = "127.0.0.1", port: int = 0,
+                sock: socket.socket | None = None, source: SourcePositions | None = None,
                 until_caught_up: bool = False, stop: asyncio.Event | None = None,
                 on_listening: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """``dcpgw index``: consume in a worker thread while the query API answers on ``sock`` (bound by the caller
-    before the index is opened: a port in use fails before anything else); returns the summary when the indexer
-    caught up (``until_caught_up``) or ``stop`` is set. An exception of the indexer thread is raised here."""
+    """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port`` (or on ``sock``,
+    already bound); returns the summary when the indexer caught up (``until_caught_up``) or ``stop`` is set. An
+    exception of the indexer thread is raised here."""
     app = build_app(indexer, source)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
+        if sock is None:
+            sock = socket.create_server((host, port))
         site = web.SockSite(runner, sock)
         await site.start()
         if on_listening is not None:
