@@ -76,7 +76,7 @@ class TantivyBackend:
         self.path = Path(path)
         self.mapping = mapping
         self.heap = heap
-        self._lock = threading.Lock()  # writer and reload vs. readers taking a searcher
+        self._lock = threading.Lock()  # the writer (apply runs in the indexer's thread; commit, reset, close)
         self._open()
         cp = self.checkpoint()
         if cp is not None and cp.mapping_id != mapping.id:
@@ -193,8 +193,9 @@ class TantivyBackend:
             self.index.reload()
 
     def _searcher(self) -> Any:
-        with self._lock:
-            return self.index.searcher()
+        # no lock: a searcher is a consistent view of one commit (documents and checkpoint together), taken
+        # without waiting for a commit in progress
+        return self.index.searcher()
 
     # ----------------------------------------------------------------------------------------- reading
     def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
