@@ -208,11 +208,12 @@ class TantivyBackend:
         q = tantivy.Query.boolean_query([(tantivy.Occur.Must, q), (tantivy.Occur.MustNot, self._meta_query)])
         s = self._searcher()
         try:
-            r = s.search(q, limit, count=True, offset=offset)
+            # limit 0 (only the total): tantivy's top-docs collector needs a limit of at least 1
+            r = s.search(q, max(limit, 1), count=True, offset=offset)
         except ValueError as e:
             raise SearchError(str(e)) from e
         hits = []
-        for score, addr in r.hits:
+        for score, addr in r.hits[:limit]:
             doc = s.doc(addr).to_dict()
             hits.append(Hit(doc["_key"][0], float(score), json.loads(bytes(doc["_stored"][0]))))
         return SearchResult(hits, int(r.count or 0), self._checkpoint_of(s))
