@@ -52,6 +52,7 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     ("POST", "/docs/_bulk"): Role.DATA_WRITER,
     # streams and status
     ("GET", "/streams"): Role.DCP_READER,
+    ("GET", "/vbuckets"): Role.DCP_READER,
     ("GET", "/vbuckets/{vb}"): Role.DCP_READER,
     ("GET", "/vbuckets/{vb}/failover-log"): Role.DCP_READER,
     ("GET", "/stats"): Role.DCP_READER,

@@ -1014,6 +1014,14 @@ def index(
     if not bootstrap or not topic:
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
     source_url = source_url or st.get("http_url")
+    if source_url and password is None:
+        # the same fallback as every command that calls the HTTP API (docs/security.md "CLI"): the first admin
+        from engine.security import ADMIN_USER, read_admin_password
+
+        if user not in (None, ADMIN_USER):
+            _fail(f"--user {user} needs --password (or DCPGW_PASSWORD)")
+        user = ADMIN_USER
+        password = os.environ.get("DCPGW_ADMIN_PASSWORD") or read_admin_password(data_dir)
     try:  # a port in use fails here, before the index is opened
         socket.create_server((http_host, http_port)).close()
     except OSError as e:

@@ -19,6 +19,7 @@ from connectors.search.indexer import SearchIndexer
 from connectors.search.server import build_app
 from gateway.broker import Broker
 from gateway.service import GatewayService
+from tests.credentials import ADMIN_PASSWORD, ADMIN_USER
 from tests.gateway.api_harness import expect_error, run
 
 
@@ -29,7 +30,7 @@ async def search_service(svc: GatewayService, gw_url: str, d: Path, *, source: b
     ix = SearchIndexer(svc.bootstrap_servers, svc.topic, d, **kw)
     t = threading.Thread(target=ix.run, daemon=True)
     t.start()
-    app = build_app(ix, GatewaySource(gw_url) if source else None)
+    app = build_app(ix, GatewaySource(gw_url, ADMIN_USER, ADMIN_PASSWORD) if source else None)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
