@@ -1,0 +1,208 @@
+"""The embedded index backend: a tantivy index on local disk (docs/search.md "The tantivy backend").
+
+One tantivy document per source document, keyed by the raw term ``_key``; the checkpoint (generation and
+per-vbucket positions) is one more document, ``_kind:meta``, replaced in every commit -- tantivy commits are
+atomic, so the index and the positions it reflects are always read together (a searcher sees both from the
+same commit). Mapped fields become tantivy fields of their type; a dynamic document type is indexed as the JSON
+field ``doc`` (the query parser's default field, so ``name:alice`` finds ``{"name": "alice"}``); what a hit
+returns is kept as JSON in the stored bytes field ``_stored``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import tantivy
+
+from connectors.search.backend import ApplyStats, Checkpoint, Delete, Hit, IndexOp, SearchError, SearchResult
+from connectors.search.mapping import DocumentMapping
+
+__all__ = ["META_KEY", "TantivyBackend"]
+
+log = logging.getLogger(__name__)
+
+#: ``_key`` of the checkpoint document (source keys never contain a NUL byte... and if one did, its _kind is doc)
+META_KEY: Final = "\x00dcpgw:checkpoint"
+#: the writer's memory budget (tantivy flushes a segment when it is reached; commits are the indexer's)
+WRITER_HEAP: Final = 64 * 1024 * 1024
+
+
+def _schema(mapping: DocumentMapping) -> Any:
+    sb = tantivy.SchemaBuilder()
+    sb.add_text_field("_key", stored=True, tokenizer_name="raw")
+    sb.add_text_field("_kind", stored=False, tokenizer_name="raw")
+    sb.add_text_field("_type", stored=True, tokenizer_name="raw")
+    sb.add_unsigned_field("_vb", stored=True, indexed=True, fast=True)
+    sb.add_unsigned_field("_seq", stored=True, indexed=True, fast=True)
+    sb.add_bytes_field("_stored", stored=True)
+    sb.add_bytes_field("_meta", stored=True)
+    for f in mapping.fields.values():
+        if f.type == "text":
+            sb.add_text_field(f.name, stored=False)
+        elif f.type == "keyword":
+            sb.add_text_field(f.name, stored=False, tokenizer_name="raw", fast=True)
+        elif f.type == "numeric":
+            sb.add_float_field(f.name, stored=False, indexed=True, fast=True)
+        elif f.type == "date":
+            sb.add_date_field(f.name, stored=False, indexed=True, fast=True)
+    if mapping.dynamic:
+        sb.add_json_field("doc", stored=False)
+    return sb.build()
+
+
+class TantivyBackend:
+    """:class:`~connectors.search.backend.IndexBackend` on a tantivy index in ``path``.
+
+    An index built with another mapping (its checkpoint names another mapping id) is removed and created
+    anew: the indexer then rebuilds it from its document store.
+    """
+
+    def __init__(self, path: str | Path, mapping: DocumentMapping, *, heap: int = WRITER_HEAP) -> None:
+        self.path = Path(path)
+        self.mapping = mapping
+        self.heap = heap
+        self._lock = threading.Lock()  # writer and reload vs. readers taking a searcher
+        self._open()
+        cp = self.checkpoint()
+        if cp is not None and cp.mapping_id != mapping.id:
+            log.warning("search index %s was built with another mapping (%s, now %s): rebuilding it",
+                        self.path, cp.mapping_id, mapping.id)
+            self.reset()
+        self.default_fields = [f.name for f in mapping.fields.values() if f.type in ("text", "keyword")]
+        if mapping.dynamic:
+            self.default_fields.append("doc")
+
+    def _open(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.schema = _schema(self.mapping)
+        exists = tantivy.Index.exists(str(self.path))
+        try:
+            self.index = tantivy.Index(self.schema, path=str(self.path), reuse=True)
+        except (OSError, ValueError) as e:
+            if not exists:
+                raise
+            # an index with another schema (another mapping) or from an older build
+            log.warning("search index %s cannot be opened with the current mapping (%s): rebuilding it", self.path, e)
+            shutil.rmtree(self.path)
+            self.path.mkdir(parents=True)
+            self.index = tantivy.Index(self.schema, path=str(self.path), reuse=False)
+        self.index.config_reader(reload_policy="Manual")
+        self.writer = self.index.writer(self.heap, 1)
+        self._meta_query = tantivy.Query.term_query(self.schema, "_kind", "meta")
+
+    # ----------------------------------------------------------------------------------------- writing
+    def apply(self, ops: Sequence[IndexOp]) -> ApplyStats:
+        st = ApplyStats()
+        w = self.writer
+        mapping = self.mapping
+        fields = mapping.fields
+        for op in ops:
+            w.delete_documents_by_term("_key", op.key)
+            if isinstance(op, Delete):
+                st.deleted += 1
+                continue
+            try:
+                body = json.loads(op.value)
+            except (ValueError, UnicodeDecodeError):
+                st.binary_skipped += 1  # a binary document is never indexed (its previous version is gone)
+                continue
+            ex = mapping.extract(op.key, body)
+            if ex.rejected:
+                st.field_rejected += 1
+            d = tantivy.Document()
+            d.add_text("_key", op.key)
+            d.add_text("_kind", "doc")
+            d.add_text("_type", ex.doc_type)
+            d.add_unsigned("_vb", op.vbucket)
+            d.add_unsigned("_seq", op.seqno)
+            d.add_bytes("_stored", json.dumps(ex.stored, separators=(",", ":")).encode())
+            for name, vals in ex.fields.items():
+                ftype = fields[name].type
+                for v in vals:
+                    if ftype == "text" or ftype == "keyword":
+                        d.add_text(name, v)
+                    elif ftype == "numeric":
+                        d.add_float(name, v)
+                    elif ftype == "date":
+                        d.add_date(name, v)
+            if ex.dynamic is not None:
+                d.add_json("doc", json.dumps(ex.dynamic))
+            w.add_document(d)
+            st.indexed += 1
+        return st
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        cp = Checkpoint(checkpoint.generation, checkpoint.positions, self.mapping.id)
+        d = tantivy.Document()
+        d.add_text("_key", META_KEY)
+        d.add_text("_kind", "meta")
+        d.add_bytes("_meta", json.dumps(cp.to_json()).encode())
+        with self._lock:
+            self.writer.delete_documents_by_term("_key", META_KEY)
+            self.writer.add_document(d)
+            self.writer.commit()
+            self.index.reload()
+
+    def checkpoint(self) -> Checkpoint | None:
+        return self._checkpoint_of(self._searcher())
+
+    def _checkpoint_of(self, searcher: Any) -> Checkpoint | None:
+        r = searcher.search(self._meta_query, 1, count=False)
+        if not r.hits:
+            return None
+        raw = searcher.doc(r.hits[0][1]).to_dict()["_meta"][0]
+        return Checkpoint.from_json(json.loads(bytes(raw)))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.writer.delete_all_documents()
+            self.writer.commit()
+            self.index.reload()
+
+    def _searcher(self) -> Any:
+        with self._lock:
+            return self.index.searcher()
+
+    # ----------------------------------------------------------------------------------------- reading
+    def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
+        """tantivy's query syntax (``field:value``, ``AND``/``OR``/``-``, phrases, ranges ``price:[1 TO 5]``);
+        unqualified terms search the text and keyword fields and, for dynamic types, the document."""
+        try:
+            q = self.index.parse_query(query, self.default_fields) if query.strip() else tantivy.Query.all_query()
+        except ValueError as e:
+            raise SearchError(str(e)) from e
+        q = tantivy.Query.boolean_query([(tantivy.Occur.Must, q), (tantivy.Occur.MustNot, self._meta_query)])
+        s = self._searcher()
+        try:
+            r = s.search(q, limit, count=True, offset=offset)
+        except ValueError as e:
+            raise SearchError(str(e)) from e
+        hits = []
+        for score, addr in r.hits:
+            doc = s.doc(addr).to_dict()
+            hits.append(Hit(doc["_key"][0], float(score), json.loads(bytes(doc["_stored"][0]))))
+        return SearchResult(hits, int(r.count or 0), self._checkpoint_of(s))
+
+    def keys(self) -> dict[str, tuple[int, int, dict[str, Any]]]:
+        """Every indexed document: key -> (vbucket, seqno, stored fields) (tests, ``dcpgw index`` checks)."""
+        s = self._searcher()
+        q = tantivy.Query.boolean_query([(tantivy.Occur.Must, tantivy.Query.all_query()),
+                                         (tantivy.Occur.MustNot, self._meta_query)])
+        n = s.num_docs
+        out = {}
+        if n:
+            for _, addr in s.search(q, n, count=False).hits:
+                d = s.doc(addr).to_dict()
+                out[d["_key"][0]] = (int(d["_vb"][0]), int(d["_seq"][0]), json.loads(bytes(d["_stored"][0])))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self.writer.rollback()
+            self.writer.wait_merging_threads()
