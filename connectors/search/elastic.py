@@ -1,28 +1,31 @@
-"""The Elasticsearch / OpenSearch backend of the search indexer (docs/search.md "Elasticsearch backend").
+"""The Elasticsearch / OpenSearch backend of the search indexer (docs/search.md "The Elasticsearch backend").
 
-Documents go to the cluster through the official ``elasticsearch`` client's ``_bulk`` API. What this module
-adds to a plain bulk loop, and why:
+An :class:`~connectors.search.backend.IndexBackend`: the indexer's document store stays the source of truth
+(rollback restores included, connectors/search/backend.py); this backend projects it into an index of a search
+cluster through the official ``elasticsearch`` client's ``_bulk`` API.
 
-* **Positions after the bulk.** The per-vbucket positions (the consumer state, its mutation log and the partition
-  offsets) live in a local SQLite file under the state directory, and its transaction is committed only after
-  every bulk request holding the documents of that transaction was acknowledged by the cluster
-  (:class:`BulkCommitStore`). The cluster may be ahead of the file, never behind it: a restart resumes from the
-  file's last commit and re-sends what came after it. Each bulk carries at most one operation per document id
-  (the last one of the batch) and re-sending an operation gives the same document, so re-sent batches leave the
-  index exactly as the source (no lost document, no stale version).
-* **Exact rollbacks.** The consumer's mutation log needs each key's prior version as the index holds it. It is
-  read from a local copy of the indexed versions (``search_es_docs`` in the same SQLite file, same
-  transaction), not from the cluster: after a crash between a bulk and its commit the cluster already holds the
-  re-delivered snapshot's versions, and reading them would record the snapshot itself as its prior version.
-  The copy costs one row (key, vbucket, seqno, value) per live JSON document.
-* **Retries.** 429 and 5xx answers (whole request or single items) and connection failures are retried with
-  exponential backoff (``backoff_initial_s`` doubling up to ``backoff_max_s``, full jitter from the injected
-  random source), ``max_retries`` times (None: until the cluster answers; the status shows it meanwhile).
-  Nothing is committed while a batch is not acknowledged, so nothing is lost either way.
-* **Rejections.** An item the cluster refuses with any other 4xx (a mapping conflict, a document too large) is
-  written to the rejection log (``rejections.jsonl`` under the state directory: one JSON object per line) and
-  counted; the indexer goes on. The local copy keeps the source's version all the same (it is what a rollback
-  must restore).
+* **Staging and limits.** :meth:`ElasticsearchBackend.apply` keeps at most one operation per document id (the
+  last one wins) and sends a bulk request as soon as the staged operations reach ``batch_docs`` operations,
+  ``batch_bytes`` bytes of NDJSON or wait ``batch_ms``; :meth:`~ElasticsearchBackend.commit` sends the rest.
+  Each bulk request holds at most ``batch_docs`` operations and about ``batch_bytes`` bytes.
+* **Checkpoint after the bulk.** :meth:`~ElasticsearchBackend.commit` returns once every staged operation was
+  acknowledged (or refused, see rejections), refreshes the index, and only then writes the checkpoint
+  (generation + per-vbucket positions) as one document of the checkpoint index ``<index>-dcpgw-checkpoint``.
+  The cluster may hold operations above its checkpoint (a crash between the two), never a checkpoint above
+  its operations: on restart the indexer applies again everything above the checkpoint's generation, and since
+  every operation replaces or deletes a whole document, applying it twice gives the same index. The checkpoint
+  lives in the cluster, next to the index: an index deleted or restored from a snapshot carries its own
+  checkpoint (or none: rebuilt from the store).
+* **Retries.** 429 and 5xx answers (of a whole request or of single items) and connection failures are retried
+  with exponential backoff (``backoff_initial_s`` doubling up to ``backoff_max_s``, jittered by the injected
+  random source), ``max_retries`` times (None: until the cluster answers; :meth:`~ElasticsearchBackend.status`
+  shows it meanwhile). The checkpoint does not move while a batch is not acknowledged, so nothing is lost
+  either way.
+* **Rejections.** An item the cluster refuses with any other status (a mapping conflict, a document too large)
+  is appended to the rejection log (``rejections.jsonl`` in the state directory: one JSON object per line) and
+  counted; indexing goes on.
+* **Routing.** ``key`` (default): Elasticsearch's own routing by ``_id``. ``vbucket``: ``routing=<vbucket>``,
+  every document of a vbucket on one shard (a read by id must then pass the same routing).
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import logging
 import os
 import random
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,14 +44,21 @@ from typing import Any, Literal
 
 import orjson
 
-from connectors.client.mutation_log import Prior
-from connectors.client.replay import ConsumerPosition
-from connectors.client.state import SqliteStateStore
 from connectors.exceptions import ConnectorError
+from connectors.search.backend import (
+    ApplyStats,
+    Checkpoint,
+    Delete,
+    Hit,
+    IndexOp,
+    SearchError,
+    SearchResult,
+)
 
 __all__ = [
-    "BulkCommitStore",
+    "CHECKPOINT_SUFFIX",
     "BulkOp",
+    "BulkSender",
     "ElasticsearchBackend",
     "ElasticsearchConfigError",
     "ElasticsearchSettings",
@@ -61,12 +70,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: memcached datatype bit of a JSON document (docs/record-format.md)
-DATATYPE_JSON = 0x01
-
 #: characters Elasticsearch refuses in an index name (its MetadataCreateIndexService.validateIndexOrAliasName)
 _ILLEGAL = set('\\/*?"<>| ,#:')
 _MAX_NAME_BYTES = 255
+#: the checkpoint index of index ``x`` is ``x`` + this suffix
+CHECKPOINT_SUFFIX = "-dcpgw-checkpoint"
+_CHECKPOINT_ID = "checkpoint"
 
 
 class ElasticsearchConfigError(ConnectorError):
@@ -74,7 +83,7 @@ class ElasticsearchConfigError(ConnectorError):
 
 
 class ElasticsearchUnavailable(ConnectorError):
-    """The cluster did not acknowledge a bulk request within ``max_retries`` retries."""
+    """The cluster did not acknowledge a request within ``max_retries`` retries (or refused it outright)."""
 
 
 def check_index_name(name: str) -> str:
@@ -99,45 +108,47 @@ def check_index_name(name: str) -> str:
 
 def index_name_for_topic(topic: str) -> str:
     """The default index name of a topic: lowercased, every illegal character replaced by ``_``, leading
-    ``-``, ``_``, ``+`` and ``.`` removed (a leading dot makes a hidden index), cut to 255 bytes. ``dcp.default``
-    stays ``dcp.default``."""
+    ``-``, ``_``, ``+`` and ``.`` removed (a leading dot makes a hidden index), cut so that the checkpoint
+    index name fits 255 bytes too. ``dcp.default`` stays ``dcp.default``."""
     s = "".join("_" if c in _ILLEGAL else c for c in topic.lower())
     s = re.sub(r"^[-_+.]+", "", s)
-    s = s.encode()[:_MAX_NAME_BYTES].decode("utf-8", "ignore")
+    s = s.encode()[:_MAX_NAME_BYTES - len(CHECKPOINT_SUFFIX)].decode("utf-8", "ignore")
     return check_index_name(s or "dcp")
 
 
 @dataclass(frozen=True)
 class ElasticsearchSettings:
-    """How the backend talks to the cluster (docs/search.md "Elasticsearch backend")."""
+    """How the backend talks to the cluster (docs/search.md "The Elasticsearch backend")."""
 
     url: str
     #: the index (None: :func:`index_name_for_topic` of the topic); checked by :func:`check_index_name`
     index: str | None = None
-    #: ``key``: Elasticsearch's default routing (by ``_id``); ``vbucket``: ``routing=<vbucket>``, every document
-    #: of a vbucket on one shard (reads by id must then pass the same routing)
+    #: ``key``: Elasticsearch's default routing (by ``_id``); ``vbucket``: ``routing=<vbucket>``
     routing: Literal["key", "vbucket"] = "key"
     #: a bulk request holds at most this many operations ...
     batch_docs: int = 1000
     #: ... and at most about this many bytes of NDJSON (one larger document goes alone)
     batch_bytes: int = 5 << 20
-    #: operations wait at most this long before a bulk request is sent (the commit that follows moves the positions)
+    #: staged operations wait at most this long before a bulk request is sent
     batch_ms: int = 1000
-    #: retries of a bulk request (whole or items) on 429 / 5xx / no connection; None: until it answers
+    #: retries of a request (whole or items) on 429 / 5xx / no connection; None: until it answers
     max_retries: int | None = None
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 30.0
     request_timeout_s: float = 30.0
-    #: create the index (with these settings) when it does not exist
-    index_settings: Mapping[str, Any] = field(default_factory=dict)
+    #: the body of the index creation (``settings``, ``mappings``) when the index does not exist
+    index_body: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not re.match(r"^https?://", self.url):
+        if not re.match(r"^https?://[^/\s]", self.url):
             raise ElasticsearchConfigError(f"--es-url {self.url!r}: must be an http:// or https:// URL")
         if self.index is not None:
             check_index_name(self.index)
+            if len((self.index + CHECKPOINT_SUFFIX).encode()) > _MAX_NAME_BYTES:
+                raise ElasticsearchConfigError(f"index name {self.index!r}: too long for its checkpoint index "
+                                               f"({self.index}{CHECKPOINT_SUFFIX}, 255 bytes at most)")
         if self.routing not in ("key", "vbucket"):
-            raise ElasticsearchConfigError(f"routing {self.routing!r}: must be 'key' or 'vbucket'")
+            raise ElasticsearchConfigError(f"--es-routing {self.routing!r}: must be 'key' or 'vbucket'")
         for name in ("batch_docs", "batch_bytes", "batch_ms"):
             if int(getattr(self, name)) < 1:
                 raise ElasticsearchConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -152,14 +163,10 @@ class BulkOp:
     """One bulk operation: ``index`` (``source`` is the compact JSON object) or ``delete``."""
 
     action: Literal["index", "delete"]
-    key: bytes
+    key: str
     vbucket: int
     seqno: int
     source: bytes | None = None
-
-    @property
-    def doc_id(self) -> str:
-        return self.key.decode("utf-8")
 
     def size(self) -> int:
         return len(self.key) + 80 + (len(self.source) if self.source else 0)
@@ -182,7 +189,7 @@ class RejectionLog:
         now = self.clock()
         with open(self.path, "ab") as f:
             for op, status, error in items:
-                f.write(orjson.dumps({"time": now, "index": index, "key": op.key.decode("utf-8", "replace"),
+                f.write(orjson.dumps({"time": now, "index": index, "key": _printable(op.key),
                                       "vbucket": op.vbucket, "seqno": op.seqno, "action": op.action,
                                       "status": status, "error": error}) + b"\n")
             f.flush()
@@ -195,6 +202,10 @@ class RejectionLog:
         return [json.loads(line) for line in self.path.read_bytes().splitlines() if line.strip()]
 
 
+def _printable(key: str) -> str:
+    return key.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def _retryable(status: int) -> bool:
     return status == 429 or status >= 500
 
@@ -204,16 +215,17 @@ class BulkSender:
     exponential backoff, logging refused items; :attr:`status` says how the cluster answers."""
 
     def __init__(self, client: Any, settings: ElasticsearchSettings, index: str, rejections: RejectionLog, *,
-                 sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None,
+                 sleep: Callable[[float], Any] | None = None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.time, stop: threading.Event | None = None) -> None:
         self.client = client
         self.settings = settings
         self.index = index
         self.rejections = rejections
-        self.sleep = sleep
+        self.stop = stop or threading.Event()
+        #: waits between retries (default: the stop event's wait, so that stopping cuts a backoff short)
+        self.sleep = sleep or self.stop.wait
         self.rng = rng or random.Random()
         self.clock = clock
-        self.stop = stop or threading.Event()
         self.requests = 0
         self.retries = 0
         self.indexed = 0
@@ -246,7 +258,7 @@ class BulkSender:
         lines: list[bytes] = []
         by_vb = self.settings.routing == "vbucket"
         for op in ops:
-            meta: dict[str, Any] = {"_index": self.index, "_id": op.doc_id}
+            meta: dict[str, Any] = {"_index": self.index, "_id": op.key}
             if by_vb:
                 meta["routing"] = str(op.vbucket)
             lines.append(orjson.dumps({op.action: meta}))
@@ -257,7 +269,8 @@ class BulkSender:
 
     def _backoff(self, attempt: int) -> None:
         cap = min(self.settings.backoff_max_s, self.settings.backoff_initial_s * (2 ** min(attempt, 30)))
-        self.stop.wait(0) if self.stop.is_set() else self.sleep(self.rng.uniform(cap / 2, cap))
+        if not self.stop.is_set():
+            self.sleep(self.rng.uniform(cap / 2, cap))
 
     def send(self, ops: Sequence[BulkOp]) -> None:
         """Every operation acknowledged or logged as rejected; raises :class:`ElasticsearchUnavailable` after
@@ -318,318 +331,239 @@ class BulkSender:
             pending = retry
 
 
-#: the local copy of the indexed versions, in the consumer's state file (same transaction as the positions)
-_SCHEMA = ("CREATE TABLE IF NOT EXISTS search_es_docs (key BLOB PRIMARY KEY, vbucket INTEGER NOT NULL, "
-           "seqno INTEGER NOT NULL, value BLOB NOT NULL) WITHOUT ROWID")
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (one request), retried like a bulk request on 429 / 5xx / no connection; another refusal
+        raises :class:`ElasticsearchUnavailable`."""
+        from elasticsearch import ApiError, TransportError
+
+        attempt = 0
+        while True:
+            try:
+                out = fn()
+                self.consecutive_failures = 0
+                self.last_success = self.clock()
+                return out
+            except ApiError as e:
+                if not _retryable(int(e.meta.status)):
+                    raise ElasticsearchUnavailable(f"{what}: refused by the cluster: {e}") from e
+                self.last_error = f"{what}: status {e.meta.status}: {e}"
+            except TransportError as e:
+                self.last_error = f"{what}: {type(e).__name__}: {e}"
+            self.consecutive_failures += 1
+            if self.settings.max_retries is not None and attempt >= self.settings.max_retries:
+                raise ElasticsearchUnavailable(f"{what}: not acknowledged after {attempt} retries: "
+                                               f"{self.last_error}")
+            if self.stop.is_set():
+                raise ElasticsearchUnavailable(f"stopped while retrying: {self.last_error}")
+            log.warning("elasticsearch: %s; retry %d", self.last_error, attempt + 1)
+            self._backoff(attempt)
+            attempt += 1
+            self.retries += 1
 
 
 class ElasticsearchBackend:
-    """Turns snapshots and rollback instructions into bulk operations (see the module docstring).
+    """:class:`~connectors.search.backend.IndexBackend` on an index of an Elasticsearch (or API-compatible)
+    cluster; see the module docstring. ``state_dir`` holds the rejection log. ``client``: an
+    ``elasticsearch.Elasticsearch`` (default: one for ``settings.url``). ``clock`` (monotonic seconds),
+    ``sleep`` and ``rng`` are injected for the batch timer and the backoff."""
 
-    ``conn``: the consumer state file's connection (the local copy lives there, in the consumer's
-    transaction). Pending operations are kept per document id, last one wins, and sent by :meth:`flush`
-    (called before each commit of the state file by :class:`BulkCommitStore`) or earlier when they exceed the
-    batch limits."""
-
-    def __init__(self, settings: ElasticsearchSettings, topic: str, state_dir: Path, conn: sqlite3.Connection, *,
+    def __init__(self, settings: ElasticsearchSettings, state_dir: str | Path, *, topic: str = "dcp",
                  client: Any = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None) -> None:
+                 sleep: Callable[[float], Any] | None = None, rng: random.Random | None = None) -> None:
         self.settings = settings
         self.index = settings.index or index_name_for_topic(topic)
-        self.conn = conn
-        conn.execute(_SCHEMA)
+        self.checkpoint_index = self.index + CHECKPOINT_SUFFIX
         if client is None:
             from elasticsearch import Elasticsearch
 
-            client = Elasticsearch(settings.url, request_timeout=settings.request_timeout_s)
+            # the transport's own retries (immediate, no backoff) are off: this backend retries with backoff
+            client = Elasticsearch(settings.url, request_timeout=settings.request_timeout_s, max_retries=0,
+                                   retry_on_status=(), retry_on_timeout=False)
         self.client = client
         self.clock = clock
         self.stop = threading.Event()
         self.rejections = RejectionLog(Path(state_dir) / "rejections.jsonl")
         self.sender = BulkSender(client, settings, self.index, self.rejections, sleep=sleep, rng=rng,
                                  stop=self.stop)
-        self._pending: dict[bytes, BulkOp] = {}
-        self._pending_bytes = 0
+        self._staged: dict[str, BulkOp] = {}
+        self._staged_bytes = 0
         self._oldest: float | None = None
-        self._index_ready = False
-        #: documents the backend did not send: binary (not JSON) or JSON that is not an object
-        self.skipped_binary = 0
-        self.skipped_not_object = 0
-        #: keys that are not UTF-8 (an Elasticsearch ``_id`` is a string): logged as rejections
-        self.skipped_bad_key = 0
+        self._ready = False
+        #: rejections not yet reported in an ApplyStats (found while committing)
+        self._unreported_rejections = 0
         self.commits = 0
         self.commit_seconds = 0.0
 
-    # ------------------------------------------------------------------------------------------ the index
-    def ensure_index(self) -> None:
-        """Create the index when it does not exist (retried like a bulk request while unreachable)."""
-        from elasticsearch import ApiError, TransportError
-
-        attempt = 0
-        while not self._index_ready:
-            try:
-                if not self.client.indices.exists(index=self.index):
-                    kw = {"settings": dict(self.settings.index_settings)} if self.settings.index_settings else {}
-                    self.client.indices.create(index=self.index, **kw)
-                self._index_ready = True
-            except ApiError as e:
-                if e.meta.status == 400 and "resource_already_exists" in str(e):
-                    self._index_ready = True
-                    break
-                if not _retryable(int(e.meta.status)):
-                    raise ElasticsearchUnavailable(f"cannot create the index {self.index!r}: {e}") from e
-                self._failed(attempt, f"status {e.meta.status}: {e}")
-                attempt += 1
-            except TransportError as e:
-                self._failed(attempt, f"{type(e).__name__}: {e}")
-                attempt += 1
-
-    def _failed(self, attempt: int, error: str) -> None:
-        s = self.sender
-        s.consecutive_failures += 1
-        s.last_error = error
-        if self.settings.max_retries is not None and attempt >= self.settings.max_retries:
-            raise ElasticsearchUnavailable(f"{self.settings.url}: not reachable after {attempt} retries: {error}")
-        if self.stop.is_set():
-            raise ElasticsearchUnavailable(f"stopped while waiting for {self.settings.url}: {error}")
-        log.warning("elasticsearch %s: %s; retry %d", self.settings.url, error, attempt + 1)
-        s.retries += 1
-        s._backoff(attempt)
-
-    # ---------------------------------------------------------------------------------------- priors
-    def priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
-        """The mutation log's ``prior_lookup``: the versions the index holds (from the local copy)."""
-        out: dict[bytes, Prior] = {}
-        for i in range(0, len(keys), 500):
-            chunk = list(keys[i:i + 500])
-            q = f"SELECT key, value, seqno FROM search_es_docs WHERE key IN ({','.join('?' * len(chunk))})"
-            for k, v, s in self.conn.execute(q, chunk):
-                out[bytes(k)] = (bytes(v), int(s))
-        return out
-
-    # ---------------------------------------------------------------------------------------- applying
-    def _source(self, key: bytes, value: bytes, datatype: int) -> bytes | None:
-        if not datatype & DATATYPE_JSON:
-            self.skipped_binary += 1
-            return None
-        try:
-            doc = orjson.loads(value)
-        except orjson.JSONDecodeError:
-            self.skipped_binary += 1
-            return None
-        if not isinstance(doc, dict):
-            self.skipped_not_object += 1
-            return None
-        return orjson.dumps(doc)
-
-    def _put(self, op: BulkOp) -> None:
-        try:
-            op.doc_id  # noqa: B018 - an Elasticsearch _id is a string
-        except UnicodeDecodeError:
-            self.skipped_bad_key += 1
-            self.rejections.write(self.index, [(op, 0, {"type": "key_not_utf8",
-                                                        "reason": "the key is not UTF-8: no _id for it"})])
+    # ------------------------------------------------------------------------------------------ indexes
+    def _ensure_indexes(self) -> None:
+        if self._ready:
             return
-        old = self._pending.get(op.key)
+        from elasticsearch import ApiError
+
+        def create(name: str, body: Mapping[str, Any]) -> None:
+            if self.client.indices.exists(index=name):
+                return
+            try:
+                self.client.indices.create(index=name, **body)
+            except ApiError as e:
+                if e.meta.status != 400 or "resource_already_exists" not in str(e):
+                    raise
+
+        self.sender.call(f"create the index {self.index!r}", lambda: create(self.index, self.settings.index_body))
+        # the checkpoint index indexes nothing of its one document (its positions are kept as a JSON string)
+        self.sender.call(f"create the index {self.checkpoint_index!r}",
+                         lambda: create(self.checkpoint_index, {"mappings": {"dynamic": False}}))
+        self._ready = True
+
+    # ------------------------------------------------------------------------------------------ writing
+    def apply(self, ops: Sequence[IndexOp]) -> ApplyStats:
+        st = ApplyStats()
+        for op in ops:
+            if isinstance(op, Delete):
+                self._stage(BulkOp("delete", op.key, op.vbucket, op.seqno), st)
+                st.deleted += 1
+                continue
+            try:
+                doc = orjson.loads(op.value)
+            except orjson.JSONDecodeError:
+                doc = None
+            if not isinstance(doc, dict):
+                # binary (or a JSON scalar / array: no _source for it): not indexed, and no older version left
+                st.binary_skipped += 1
+                self._stage(BulkOp("delete", op.key, op.vbucket, op.seqno), st)
+                continue
+            self._stage(BulkOp("index", op.key, op.vbucket, op.seqno, orjson.dumps(doc)), st)
+            st.indexed += 1
+        before = self.rejections.count
+        self._maybe_send()
+        st.rejected += self.rejections.count - before + self._unreported_rejections
+        self._unreported_rejections = 0
+        return st
+
+    def _stage(self, op: BulkOp, st: ApplyStats) -> None:
+        try:
+            op.key.encode("utf-8")
+        except UnicodeEncodeError:  # an _id is a UTF-8 string
+            self.rejections.write(self.index, [(op, 0, {"type": "key_not_utf8",
+                                                        "reason": "the key is not UTF-8: it cannot be an _id"})])
+            st.rejected += 1
+            return
+        old = self._staged.pop(op.key, None)
         if old is not None:
-            self._pending_bytes -= old.size()
-        self._pending[op.key] = op
-        self._pending_bytes += op.size()
+            self._staged_bytes -= old.size()
+        self._staged[op.key] = op
+        self._staged_bytes += op.size()
         if self._oldest is None:
             self._oldest = self.clock()
 
-    def _set(self, key: bytes, vbucket: int, seqno: int, value: bytes, datatype: int) -> None:
-        self.conn.execute("INSERT OR REPLACE INTO search_es_docs VALUES (?, ?, ?, ?)",
-                          (key, vbucket, seqno, value))
-        src = self._source(key, value, datatype)
-        if src is None:  # not indexable: make sure an older JSON version is not left behind
-            self._put(BulkOp("delete", key, vbucket, seqno))
-        else:
-            self._put(BulkOp("index", key, vbucket, seqno, src))
-
-    def _delete(self, key: bytes, vbucket: int, seqno: int) -> None:
-        self.conn.execute("DELETE FROM search_es_docs WHERE key = ?", (key,))
-        self._put(BulkOp("delete", key, vbucket, seqno))
-
-    def apply_changes(self, vbucket: int, changes: Iterable[Any]) -> None:
-        """Apply a complete snapshot's changes (``connectors.client.replay.Change``), in seqno order."""
-        for c in changes:
-            if c.deleted:
-                self._delete(c.key, vbucket, c.seqno)
-            else:
-                self._set(c.key, vbucket, c.seqno, c.value, c.datatype)
-        self.maybe_send()
-
-    def apply_rollback(self, vbucket: int, undo: Iterable[Any], rebuild_from_zero: bool) -> None:
-        """Restore the versions the undo list names (``prior_value`` None: delete), or delete every document
-        of the vbucket (rebuild from zero)."""
-        if rebuild_from_zero:
-            keys = [bytes(k) for (k,) in self.conn.execute("SELECT key FROM search_es_docs WHERE vbucket = ?",
-                                                          (vbucket,))]
-            for k in keys:
-                self._delete(k, vbucket, 0)
-        else:
-            for u in undo:
-                if u.prior_value is None:
-                    self._delete(u.key, vbucket, u.prior_seqno)
-                else:
-                    # the local copy keeps no datatype: a restored value is JSON if it parses as JSON
-                    self._set(u.key, vbucket, u.prior_seqno, u.prior_value, DATATYPE_JSON)
-        self.maybe_send()
-
-    # ---------------------------------------------------------------------------------------- sending
     @property
-    def pending(self) -> int:
-        return len(self._pending)
+    def staged(self) -> int:
+        return len(self._staged)
 
-    def maybe_send(self) -> None:
-        """Send early when the pending operations exceed a batch limit or waited ``batch_ms`` (the cluster may
-        be ahead of the positions, never behind)."""
+    def _maybe_send(self) -> None:
         s = self.settings
-        if self._pending and (len(self._pending) >= s.batch_docs or self._pending_bytes >= s.batch_bytes
-                              or (self._oldest is not None
-                                  and (self.clock() - self._oldest) * 1000 >= s.batch_ms)):
-            self.flush()
+        if self._staged and (len(self._staged) >= s.batch_docs or self._staged_bytes >= s.batch_bytes
+                             or (self._oldest is not None and (self.clock() - self._oldest) * 1000 >= s.batch_ms)):
+            self._send()
 
-    def flush(self) -> None:
-        """Send every pending operation; returns once each was acknowledged or logged as rejected."""
-        if not self._pending:
+    def _send(self) -> None:
+        if not self._staged:
             return
-        self.ensure_index()
-        ops = list(self._pending.values())
-        self.sender.send(ops)
-        self._pending.clear()
-        self._pending_bytes = 0
+        self._ensure_indexes()
+        self.sender.send(list(self._staged.values()))
+        self._staged.clear()
+        self._staged_bytes = 0
         self._oldest = None
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        """Send what is staged, refresh, then write the checkpoint (never before its operations)."""
+        t = time.perf_counter()
+        before = self.rejections.count
+        self._ensure_indexes()
+        self._send()
+        self._unreported_rejections += self.rejections.count - before
+        self.sender.call("refresh", lambda: self.client.indices.refresh(index=self.index))
+        body = {"checkpoint": json.dumps(checkpoint.to_json()), "index": self.index}
+        self.sender.call("write the checkpoint", lambda: self.client.index(
+            index=self.checkpoint_index, id=_CHECKPOINT_ID, document=body, refresh=True))
+        self.commits += 1
+        self.commit_seconds += time.perf_counter() - t
 
     def discard(self) -> None:
-        """Forget the pending operations (their transaction is rolled back: they are delivered again)."""
-        self._pending.clear()
-        self._pending_bytes = 0
+        """Forget the staged operations (the indexer applies them again from its store)."""
+        self._staged.clear()
+        self._staged_bytes = 0
         self._oldest = None
 
-    def refresh(self) -> None:
-        self.client.indices.refresh(index=self.index)
+    def checkpoint(self) -> Checkpoint | None:
+        from elasticsearch import NotFoundError
 
-    def docs(self) -> dict[bytes, dict[str, Any]]:
+        def read() -> Checkpoint | None:
+            try:
+                r = self.client.get(index=self.checkpoint_index, id=_CHECKPOINT_ID)
+            except NotFoundError:
+                return None
+            return Checkpoint.from_json(json.loads(r["_source"]["checkpoint"]))
+
+        return self.sender.call("read the checkpoint", read)  # type: ignore[no-any-return]
+
+    def reset(self) -> None:
+        """Delete every document of the index and the checkpoint (the index itself, with its mappings, stays)."""
+        self.discard()
+        self._ensure_indexes()
+        self.sender.call("delete the documents", lambda: self.client.delete_by_query(
+            index=self.index, query={"match_all": {}}, refresh=True, conflicts="proceed"))
+        self.sender.call("delete the checkpoint", lambda: self.client.delete_by_query(
+            index=self.checkpoint_index, query={"match_all": {}}, refresh=True, conflicts="proceed"))
+
+    # ------------------------------------------------------------------------------------------ reading
+    def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
+        """The cluster's ``query_string`` syntax (Lucene's: ``field:value``, ``AND``/``OR``/``-``, phrases,
+        ranges); an empty query matches everything. The checkpoint is read *before* the search: the answer
+        reflects at least its positions."""
+        from elasticsearch import ApiError
+
+        cp = self.checkpoint()
+        kw: dict[str, Any] = {"q": query} if query.strip() else {"query": {"match_all": {}}}
+        try:
+            r = self.sender.call("search", lambda: self.client.search(
+                index=self.index, size=limit, from_=offset, track_total_hits=True, **kw))
+        except ElasticsearchUnavailable as e:
+            cause = e.__cause__
+            if isinstance(cause, ApiError) and cause.meta.status == 400:
+                raise SearchError(_reason(cause)) from e
+            raise
+        hits = [Hit(h["_id"], float(h.get("_score") or 0.0), dict(h.get("_source") or {}))
+                for h in r["hits"]["hits"]]
+        total = r["hits"]["total"]
+        return SearchResult(hits, int(total["value"] if isinstance(total, dict) else total), cp)
+
+    def docs(self) -> dict[str, dict[str, Any]]:
         """Every document of the index (refreshed first): key -> ``_source`` (tests, small indexes)."""
-        self.refresh()
-        out: dict[bytes, dict[str, Any]] = {}
-        resp = self.client.search(index=self.index, query={"match_all": {}}, size=1000, scroll="1m")
-        while True:
-            hits = resp["hits"]["hits"]
-            if not hits:
-                break
-            for h in hits:
-                out[h["_id"].encode()] = h["_source"]
-            resp = self.client.scroll(scroll_id=resp["_scroll_id"], scroll="1m")
+        self.client.indices.refresh(index=self.index)
+        out: dict[str, dict[str, Any]] = {}
+        r = self.client.search(index=self.index, query={"match_all": {}}, size=1000, scroll="1m")
+        while r["hits"]["hits"]:
+            for h in r["hits"]["hits"]:
+                out[h["_id"]] = h["_source"]
+            r = self.client.scroll(scroll_id=r["_scroll_id"], scroll="1m")
         return out
 
     def status(self) -> dict[str, Any]:
         return {"backend": "elasticsearch", "url": self.settings.url, "index": self.index,
-                "routing": self.settings.routing, "pending": len(self._pending), **self.sender.status,
-                "skipped_binary": self.skipped_binary, "skipped_not_object": self.skipped_not_object,
-                "rejection_log": str(self.rejections.path)}
+                "routing": self.settings.routing, "staged": len(self._staged), **self.sender.status,
+                "commits": self.commits, "rejection_log": str(self.rejections.path)}
 
     def close(self) -> None:
         self.stop.set()
         self.client.close()
 
 
-class BulkCommitStore(SqliteStateStore):
-    """The consumer's SQLite state store, committing only after the backend's pending bulk operations were
-    acknowledged (``before_commit`` is called first; if it raises, nothing is committed)."""
-
-    def __init__(self, path: str | Path, topic: str) -> None:
-        super().__init__(path, topic)
-        self.before_commit: Callable[[], None] = lambda: None
-        self.on_commit: Callable[[float], None] = lambda seconds: None
-
-    def save(self, states: Iterable[ConsumerPosition], partition_offsets: Mapping[int, int], *,
-             durable: bool = True) -> None:
-        super().save(states, partition_offsets, durable=False)
-        if durable:
-            self.flush()
-
-    def abandon(self) -> None:
-        """Roll back the open transaction, every event in it (they are delivered again after a restart)."""
-        self._in_event = False
-        if self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
-
-    def flush(self) -> None:
-        if self.conn.in_transaction and not self._in_event:
-            t = time.perf_counter()
-            self.before_commit()
-            super().flush()
-            self.on_commit(time.perf_counter() - t)
-        else:
-            super().flush()
-
-
-class ElasticsearchIndexer:
-    """Indexes ``topic`` into an Elasticsearch index: the rollback-aware consumer (state, mutation log and the
-    local copy in ``state_dir/es-state.sqlite``) feeding an :class:`ElasticsearchBackend`."""
-
-    def __init__(self, kafka: str | Mapping[str, Any], topic: str, state_dir: str | Path,
-                 settings: ElasticsearchSettings, *, client: Any = None, group_commit: int = 256,
-                 sleep: Callable[[float], None] = time.sleep, rng: random.Random | None = None) -> None:
-        from connectors.client.consumer import ChangeStreamConsumer
-
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = BulkCommitStore(self.state_dir / "es-state.sqlite", topic)
-        self.backend = ElasticsearchBackend(settings, topic, self.state_dir, self.store.conn, client=client,
-                                            sleep=sleep, rng=rng)
-        self.store.before_commit = self.backend.flush
-        self.store.on_commit = self._committed
-        self.consumer = ChangeStreamConsumer(kafka, topic, state_store=self.store,
-                                             prior_lookup=self.backend.priors, group_commit=group_commit)
-        self.snapshots = 0
-        self.rollbacks = 0
-        self.changes = 0
-
-    def _committed(self, seconds: float) -> None:
-        self.backend.commits += 1
-        self.backend.commit_seconds += seconds
-
-    def _on_snapshot(self, snap: Any) -> None:
-        self.backend.apply_changes(snap.vbucket, snap.changes)
-        self.snapshots += 1
-        self.changes += len(snap.changes)
-
-    def _on_rollback(self, rb: Any) -> None:
-        self.backend.apply_rollback(rb.vbucket, rb.undo, rb.rebuild_from_zero)
-        self.rollbacks += 1
-
-    def run(self, until_caught_up: bool = False) -> None:
-        """Consume until stopped (or caught up); returns with everything applied committed."""
-        self.backend.ensure_index()
-        self.consumer.run(self._on_snapshot, self._on_rollback, until_caught_up=until_caught_up)
-
-    def positions(self) -> dict[int, int]:
-        """vbucket -> the seqno the committed positions (and so the index) reflect."""
-        return {vb: p.seqno for vb, p in self.store.load_all().items()}
-
-    def status(self) -> dict[str, Any]:
-        return {**self.backend.status(), "snapshots": self.snapshots, "rollbacks": self.rollbacks,
-                "changes": self.changes, "commits": self.backend.commits,
-                "commit_seconds": round(self.backend.commit_seconds, 6)}
-
-    def stop(self) -> None:
-        """Thread- and signal-safe: ``run`` returns (a bulk being retried gives up: nothing is committed)."""
-        self.backend.stop.set()
-        self.consumer.stop()
-
-    def abandon(self) -> None:
-        """Drop every operation not committed yet (the local copy and positions roll back with them)."""
-        self.backend.discard()
-        self.store.abandon()
-
-    def close(self) -> None:
-        if self.store.conn.in_transaction:
-            # run() raised before its last commit (the cluster did not acknowledge, or the application
-            # stopped): what was not committed is delivered again on the next start, as after a kill -9
-            self.abandon()
-        self.consumer.close()
-        self.backend.close()
+def _reason(e: Any) -> str:
+    """The root cause's reason of an Elasticsearch error answer (what a 400 JSON body should say)."""
+    try:
+        err = e.body["error"]
+        causes = err.get("root_cause") or [err]
+        return str(causes[0].get("reason") or err.get("reason") or e)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return str(e)

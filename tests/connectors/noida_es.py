@@ -78,3 +78,71 @@ class NoidaElasticsearch:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.data, ignore_errors=True)
+
+
+class FaultyProxy:
+    """An HTTP proxy in front of a server that answers the first ``faults`` bulk requests itself: each entry
+    is ``"429"`` / ``"503"`` (the whole request refused with that status) or ``"items-503"`` (a 200 answer whose
+    every item failed with 503); nothing of a refused request reaches the server. Everything else is forwarded.
+    The search cluster's overload answers, on a real server behind it."""
+
+    def __init__(self, target: str, faults: list[str]) -> None:
+        import json
+        import urllib.error
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.faults = list(faults)
+        self.refused: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                if "_bulk" in self.path and proxy.faults:
+                    fault = proxy.faults.pop(0)
+                    proxy.refused.append(fault)
+                    if fault == "items-503":
+                        lines = [json.loads(x) for x in (body or b"").splitlines() if x.strip()]
+                        items = [{next(iter(m)): {"status": 503, "error": {"type": "unavailable_shards_exception",
+                                                                             "reason": "test"}}}
+                                 for m in lines if next(iter(m)) in ("index", "delete")]
+                        self._answer(200, json.dumps({"errors": True, "took": 0, "items": items}).encode())
+                    else:
+                        self._answer(int(fault), json.dumps({"error": {"type": "es_rejected_execution_exception",
+                                                                       "reason": "test"},
+                                                             "status": int(fault)}).encode())
+                    return
+                req = urllib.request.Request(target + self.path, data=body, method=self.command,
+                                             headers={k: v for k, v in self.headers.items()
+                                                      if k.lower() not in ("host", "content-length")})
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        self._answer(r.status, r.read(), dict(r.headers))
+                except urllib.error.HTTPError as e:
+                    self._answer(e.code, e.read(), dict(e.headers))
+
+            def _answer(self, status: int, data: bytes, headers: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                hs = headers or {}
+                self.send_header("Content-Type", hs.get("Content-Type", "application/json"))
+                self.send_header("X-Elastic-Product", "Elasticsearch")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        import threading
+
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
