@@ -29,13 +29,15 @@ def producer_conf(broker: Broker) -> dict[str, Any]:
 
 class Harness:
     def __init__(self, broker: Broker, tmp: Path, nvb: int = 8, partitions: int | None = None,
-                 **pub_kw: Any) -> None:
+                 clock: Callable[[], float] | None = None, **pub_kw: Any) -> None:
         self.broker = broker
+        #: the engine's clock (expiry): None for the real one
+        self.bucket_kw: dict[str, Any] = {} if clock is None else {"clock": clock}
         self.nvb = nvb
         self.client = {"bootstrap.servers": broker.bootstrap_servers}
         self.topic = f"dcp.c{uuid.uuid4().hex[:10]}"
         self.cfg = BucketConfig(data_dir=tmp / "data", num_vbuckets=nvb, seed=None)
-        self.bucket = Bucket(self.cfg)
+        self.bucket = Bucket(self.cfg, **self.bucket_kw)
         # fewer partitions than vbuckets: vbucket v goes to partition v mod P
         self.partitions = ensure_topics(self.client, self.topic, partitions or nvb)
         self.pub_kw = pub_kw
@@ -75,7 +77,7 @@ class Harness:
         """kill -9 of engine and gateway: unpersisted items are lost; a new publisher recovers from Kafka."""
         self.pub.kafka.flush(10)
         self.bucket.close(clean=False)
-        self.bucket = Bucket(self.cfg)
+        self.bucket = Bucket(self.cfg, **self.bucket_kw)
         self.pub = self.new_publisher()
 
     def restart_gateway(self) -> None:

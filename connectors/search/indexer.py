@@ -1,0 +1,354 @@
+"""The search indexer: a gateway topic into an index backend, exact after rollbacks (docs/search.md).
+
+Two stores, one order:
+
+1. **The document store** (``store.sqlite`` in the index directory): table ``search_docs(key, value, vbucket,
+   seqno, gen)`` written inside the rollback-aware consumer's transaction, with the consumer state and the
+   mutation log -- exactly ``connectors.replicate``'s pattern, so it always equals the source at a snapshot
+   boundary of every vbucket, rollbacks included (the mutation log's undo list restores the lost-branch
+   documents to their version at the rollback point). A deletion or expiration leaves a tombstone (``value``
+   NULL) until the backend has committed it. Every row carries the *generation* it was written in.
+2. **The index backend** (tantivy by default): after the store committed, the rows of the generations the backend
+   has not committed yet are applied to it and committed with a :class:`~connectors.search.backend.Checkpoint`
+   (the generation and the per-vbucket positions of the store at that moment) -- atomically in tantivy's case.
+   Then the generation moves on and the synced tombstones are purged.
+
+A crash anywhere leaves the backend at a committed generation at or below the store's; on start the rows above
+it are applied again (upserts and deletes are idempotent), so the index equals the store -- no document lost, no
+stale version left -- and the consumer resumes where the store's last commit was. Backend commits are batched by
+size (``commit_docs``) and time (``commit_interval``), and happen as soon as the topic is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from connectors.client.consumer import (
+    DEFAULT_BATCH_SIZE,
+    ChangeStreamConsumer,
+    ClientEvent,
+    RollbackInstruction,
+)
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
+from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
+from connectors.client.state import SqliteStateStore
+from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexBackend, IndexOp, Position, Upsert
+from connectors.search.mapping import DocumentMapping
+from schemas.failover_log import FailoverEntry
+
+__all__ = ["DEFAULT_COMMIT_DOCS", "DEFAULT_COMMIT_INTERVAL", "IndexerStats", "SearchIndexer"]
+
+log = logging.getLogger(__name__)
+
+#: backend commit after this many changed documents ...
+DEFAULT_COMMIT_DOCS: Final = 20_000
+#: ... or this many seconds after the first uncommitted change (and whenever the topic is idle)
+DEFAULT_COMMIT_INTERVAL: Final = 0.5
+
+#: part of the consumer's state file (docs/search.md "Files"); value NULL = a tombstone not yet synced
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS search_docs (key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER NOT NULL, "
+           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL)",
+           "CREATE INDEX IF NOT EXISTS search_docs_gen ON search_docs (gen)")
+
+
+def _k(key: bytes) -> str:
+    return key.decode("utf-8", "surrogateescape")
+
+
+@dataclass(slots=True)
+class IndexerStats:
+    """Counters of /status and /metrics (docs/search.md "Status and metrics")."""
+
+    snapshots: int = 0
+    changes: int = 0
+    rollbacks: int = 0
+    #: documents indexed / removed / skipped as binary / indexed without a wrong-typed field / refused (backend)
+    indexed: int = 0
+    deleted: int = 0
+    binary_skipped: int = 0
+    field_rejected: int = 0
+    rejected: int = 0
+    #: changes whose value Kafka refused as too large (the index keeps the previous version)
+    oversize: int = 0
+    commits: int = 0
+    commit_seconds_total: float = 0.0
+    commit_seconds_last: float = 0.0
+    commit_seconds_max: float = 0.0
+
+    def add(self, a: ApplyStats) -> None:
+        self.indexed += a.indexed
+        self.deleted += a.deleted
+        self.binary_skipped += a.binary_skipped
+        self.field_rejected += a.field_rejected
+        self.rejected += a.rejected
+
+
+class _IndexingConsumer(ChangeStreamConsumer):
+    """The client, with three hooks: after every store commit (``flush``), when a poll found nothing, and when
+    the event being applied is abandoned (its store writes are rolled back)."""
+
+    def __init__(self, *args: Any, after_flush: Callable[[bool], None], on_abandon: Callable[[], None],
+                 **kw: Any) -> None:
+        self.after_flush = after_flush
+        self.on_abandon = on_abandon
+        super().__init__(*args, **kw)
+
+    def abandon(self) -> None:
+        super().abandon()
+        self.on_abandon()
+
+    def flush(self) -> None:
+        super().flush()
+        self.after_flush(False)
+
+    def _next_event(self, timeout: float) -> ClientEvent | None:
+        ev = super()._next_event(timeout)
+        if ev is None and self._open is None:
+            self.after_flush(True)
+        return ev
+
+
+class SearchIndexer:
+    """Index ``topic`` into ``backend`` (default: a tantivy index in ``index_dir/tantivy``) through the document
+    store ``index_dir/store.sqlite``. :meth:`run` consumes (in the calling thread); :attr:`visible` is the
+    checkpoint searches see; :meth:`search` and the waits of :mod:`connectors.search.consistency` are safe from
+    other threads."""
+
+    def __init__(self, kafka: str | Mapping[str, Any], topic: str, index_dir: str | Path, *,
+                 mapping: DocumentMapping | None = None, backend: IndexBackend | None = None,
+                 mutation_log_max: int = DEFAULT_MAX_ENTRIES, batch_size: int = DEFAULT_BATCH_SIZE,
+                 commit_docs: int = DEFAULT_COMMIT_DOCS, commit_interval: float = DEFAULT_COMMIT_INTERVAL,
+                 dead_letter: str | None = "{topic}.dlq", poll_timeout: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.dir = Path(index_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.topic = topic
+        self.mapping = mapping or DocumentMapping.dynamic_default()
+        self.commit_docs = commit_docs
+        self.commit_interval = commit_interval
+        self.clock = clock
+        self.stats = IndexerStats()
+        self._owns_backend = backend is None
+        if backend is None:
+            from connectors.search.tantivy_backend import TantivyBackend
+
+            backend = TantivyBackend(self.dir / "tantivy", self.mapping)
+        self.backend: IndexBackend = backend
+        try:
+            self.consumer = _IndexingConsumer(kafka, topic, state_path=self.dir / "store.sqlite",
+                                              prior_lookup=self._priors, mutation_log_max=mutation_log_max,
+                                              dead_letter=dead_letter, batch_size=batch_size,
+                                              poll_timeout=poll_timeout, after_flush=self._after_flush,
+                                              on_abandon=self._on_abandon)
+        except BaseException:
+            if self._owns_backend:
+                self.backend.close()
+            raise
+        store = self.consumer.store
+        assert isinstance(store, SqliteStateStore)
+        self.store = store
+        self.conn: sqlite3.Connection = store.conn
+        for stmt in _SCHEMA:
+            self.conn.execute(stmt)
+        self._pending: dict[str, IndexOp] = {}
+        self._first_pending = 0.0
+        self._sync_lock = threading.Lock()
+        self._changed = threading.Condition()
+        cp = self.backend.checkpoint()
+        if cp is not None and not store.load_all():
+            # a new store beside an old index: the index holds nothing the store can vouch for
+            log.warning("search index in %s has a checkpoint but the document store is new: rebuilding it", self.dir)
+            self.backend.reset()
+            cp = None
+        self.visible: Checkpoint = cp or Checkpoint(0, {}, self.mapping.id)
+        top = self.conn.execute("SELECT max(gen) FROM search_docs").fetchone()[0] or 0
+        #: the generation rows are written with now (always above the backend's committed one)
+        self.gen = max(int(top), self.visible.generation) + 1
+        #: rows above the backend's generation written before this process: applied by the first sync
+        self._recover = int(top) > self.visible.generation
+
+    def _on_abandon(self) -> None:
+        # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
+        # told apart, so the next sync reads the committed rows instead
+        self._pending = {}
+        self._recover = True
+
+    # ------------------------------------------------------------------------------- the store side
+    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+        out: dict[bytes, Prior] = {}
+        for i in range(0, len(keys), 500):
+            chunk = keys[i:i + 500]
+            q = (f"SELECT key, value, seqno FROM search_docs WHERE value IS NOT NULL AND key IN "
+                 f"({','.join('?' * len(chunk))})")
+            for k, v, s in self.conn.execute(q, [_k(x) for x in chunk]):
+                out[k.encode("utf-8", "surrogateescape")] = (bytes(v), int(s))
+        return out
+
+    def _on_snapshot(self, snap: Snapshot) -> None:
+        # inside the consumer's transaction (committed with its state and mutation log)
+        gen = self.gen
+        rows: list[tuple[str, bytes | None, int, int, int]] = []
+        pending = self._pending
+        if not pending:
+            self._first_pending = self.clock()
+        for c in snap.changes:
+            k = _k(c.key)
+            if c.deleted:
+                rows.append((k, None, c.vbucket, c.seqno, gen))
+                pending[k] = Delete(k, c.vbucket, c.seqno)
+            else:
+                assert c.value is not None
+                rows.append((k, c.value, c.vbucket, c.seqno, gen))
+                pending[k] = Upsert(k, c.vbucket, c.seqno, c.value)
+        # changes are in seqno order: the last change of a key wins
+        self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
+        self.stats.snapshots += 1
+        self.stats.changes += len(rows)
+
+    def _on_rollback(self, rb: RollbackInstruction) -> None:
+        self.stats.rollbacks += 1
+        gen = self.gen
+        if not self._pending:
+            self._first_pending = self.clock()
+        if rb.rebuild_from_zero:
+            keys = [k for (k,) in self.conn.execute(
+                "SELECT key FROM search_docs WHERE vbucket = ? AND value IS NOT NULL", (rb.vbucket,))]
+            self.conn.execute("UPDATE search_docs SET value = NULL, seqno = 0, gen = ? WHERE vbucket = ?",
+                              (gen, rb.vbucket))
+            for k in keys:
+                self._pending[k] = Delete(k, rb.vbucket, 0)
+            log.warning("search index: vbucket %d rolled back beyond the mutation log: its %d documents are "
+                        "removed and indexed again from the topic", rb.vbucket, len(keys))
+            return
+        for u in rb.undo:
+            k = _k(u.key)
+            if u.prior_value is None:
+                self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, NULL, ?, 0, ?)", (k, rb.vbucket, gen))
+                self._pending[k] = Delete(k, rb.vbucket, 0)
+            else:
+                self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)",
+                                  (k, u.prior_value, rb.vbucket, u.prior_seqno, gen))
+                self._pending[k] = Upsert(k, rb.vbucket, u.prior_seqno, u.prior_value)
+
+    def _on_oversize(self, o: Oversize) -> None:
+        self.stats.oversize += 1
+        log.warning("search index: key %r of vbucket %d changed at seqno %d but its %d-byte value is not in the "
+                    "topic (%s); the index keeps the previous version", o.key, o.vbucket, o.seqno, o.size, o.reason)
+
+    # ------------------------------------------------------------------------------ the backend side
+    def _after_flush(self, idle: bool) -> None:
+        if not self._pending and not self._recover:
+            return
+        if (idle or self._recover or len(self._pending) >= self.commit_docs
+                or self.clock() - self._first_pending >= self.commit_interval):
+            self.sync()
+
+    def positions(self) -> dict[int, ConsumerPosition]:
+        """The store's committed per-vbucket positions."""
+        return self.store.load_all()
+
+    def sync(self) -> bool:
+        """Apply what the store committed since the backend's generation and commit the backend (call only
+        between events: after the consumer's flush). Returns False when there was nothing to do."""
+        with self._sync_lock:
+            if not self._pending and not self._recover:
+                return False
+            if self.conn.in_transaction:
+                self.store.flush()
+            gen = self.gen
+            if self._recover:
+                ops: list[IndexOp] = [
+                    Delete(k, vb, s) if v is None else Upsert(k, vb, s, bytes(v))
+                    for k, v, vb, s in self.conn.execute(
+                        "SELECT key, value, vbucket, seqno FROM search_docs WHERE gen > ? ORDER BY gen",
+                        (self.visible.generation,))]
+            else:
+                ops = list(self._pending.values())
+            positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in self.positions().items()}
+            cp = Checkpoint(gen, positions, self.mapping.id)
+            t0 = time.perf_counter()
+            self.stats.add(self.backend.apply(ops))
+            self.backend.commit(cp)
+            dt = time.perf_counter() - t0
+            st = self.stats
+            st.commits += 1
+            st.commit_seconds_total += dt
+            st.commit_seconds_last = dt
+            st.commit_seconds_max = max(st.commit_seconds_max, dt)
+            self._pending = {}
+            self._recover = False
+            self.gen = gen + 1
+            self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
+            with self._changed:
+                self.visible = cp
+                self._changed.notify_all()
+            return True
+
+    def wait_visible(self, predicate: Callable[[Checkpoint], bool], timeout: float) -> Checkpoint:
+        """Block until ``predicate(visible)`` or ``timeout`` seconds; returns the visible checkpoint then."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate(self.visible):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self.visible
+
+    # ------------------------------------------------------------------------------------------ running
+    def run(self, until_caught_up: bool = False) -> None:
+        self.consumer.run(self._on_snapshot, self._on_rollback, until_caught_up=until_caught_up,
+                          on_oversize=self._on_oversize)
+        self.sync()
+
+    def stop(self) -> None:
+        self.consumer.stop()
+
+    def catch_up(self) -> None:
+        """Consume until every partition is read to its end, then commit the backend."""
+        self.run(until_caught_up=True)
+
+    def failover_log(self, vbucket: int) -> list[FailoverEntry]:
+        p = self.store.load(vbucket)
+        return [] if p is None else list(p.failover_log)
+
+    def docs(self) -> dict[str, tuple[bytes, int]]:
+        """The document store: key -> (value, vbucket) of every live document."""
+        return {k: (bytes(v), int(vb)) for k, v, vb in
+                self.conn.execute("SELECT key, value, vbucket FROM search_docs WHERE value IS NOT NULL")}
+
+    def status(self) -> dict[str, Any]:
+        st = asdict(self.stats)
+        store_pos = self.positions()
+        vis = self.visible.positions
+        vbs = []
+        for vb in sorted(set(store_pos) | set(vis)):
+            sp = store_pos.get(vb)
+            v = vis.get(vb)
+            vbs.append({"vbucket": vb, "indexed_seqno": 0 if v is None else v.seqno,
+                        "vbuuid": 0 if v is None else v.vbuuid,
+                        "consumed_seqno": 0 if sp is None else sp.seqno,
+                        "pending": max(0, (0 if sp is None else sp.seqno) - (0 if v is None else v.seqno))})
+        return {"topic": self.topic, "generation": self.visible.generation, "mapping_id": self.mapping.id,
+                "pending_docs": len(self._pending), "records_consumed": self.consumer.records_consumed,
+                **st, "vbuckets": vbs}
+
+    def close(self) -> None:
+        try:
+            self.consumer.close()
+        finally:
+            if self._owns_backend:
+                self.backend.close()
+
+    def __enter__(self) -> SearchIndexer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
