@@ -286,7 +286,14 @@ def _bucket(svc: GatewayService, key: bytes) -> Bucket:
 
 
 def _mutation(res: Any) -> dict[str, Any]:
-    return {"vbucket": res.vbucket, "vbuuid": res.vbuuid, "seqno": res.seqno, "cas": res.cas}
+    # "token": the mutation token of the write, for at_plus queries of the search indexer (docs/search.md)
+    return {"vbucket": res.vbucket, "vbuuid": res.vbuuid, "seqno": res.seqno, "cas": res.cas,
+            "token": {"vbucket": res.vbucket, "vbuuid": res.vbuuid, "seqno": res.seqno}}
+
+
+def _token_headers(res: Any) -> dict[str, str]:
+    """The mutation token as headers (docs/search.md "Consistency")."""
+    return {"X-DCP-Vbucket": str(res.vbucket), "X-DCP-Vbuuid": str(res.vbuuid), "X-DCP-Seqno": str(res.seqno)}
 
 
 def _durability(request: web.Request) -> Durability | None:
@@ -360,7 +367,8 @@ async def put_doc(request: web.Request) -> web.Response:
         res = bucket.set(key, body, flags=flags, expiry=expiry)
     svc.note_write(res.vbucket, res.seqno, len(key) + len(body))
     svc.wake()
-    return web.json_response(_mutation(res), status=201 if insert else 200, headers={"ETag": f'"{res.cas}"'})
+    return web.json_response(_mutation(res), status=201 if insert else 200,
+                             headers={"ETag": f'"{res.cas}"', **_token_headers(res)})
 
 
 async def delete_doc(request: web.Request) -> web.Response:
@@ -378,7 +386,7 @@ async def delete_doc(request: web.Request) -> web.Response:
         res = bucket.delete(key, cas=_cas_header(request))
     svc.note_write(res.vbucket, res.seqno, len(key))
     svc.wake()
-    return web.json_response(_mutation(res))
+    return web.json_response(_mutation(res), headers=_token_headers(res))
 
 
 #: ``op`` of a ``_bulk`` entry (docs/gateway.md "POST /docs/_bulk")
@@ -567,6 +575,25 @@ async def vbucket_status(request: web.Request) -> web.Response:
     if svc.cluster is not None:
         body["active_node"] = svc.cluster.vbucket_map().active(vb) or ""
     return web.json_response(body)
+
+
+async def vbuckets(request: web.Request) -> web.Response:
+    """``GET /vbuckets``: every vbucket's high seqno, current vbuuid and failover log (the source positions of
+    request_plus / at_plus search queries, docs/search.md "Consistency")."""
+    svc = _svc(request)
+    assert svc.publisher is not None
+    src = svc.publisher.source
+    out = []
+    for vb in range(svc.settings.num_vbuckets):
+        try:
+            log_ = src.failover_log(vb)
+            high = src.high_seqno(vb)
+        except (NotMyVBucket, TemporaryFailure) as e:  # cluster: no active copy reachable right now
+            out.append({"vbucket": vb, "available": False, "message": str(e)})
+            continue
+        out.append({"vbucket": vb, "high_seqno": high, "vbuuid": log_[0].vbuuid if log_ else 0,
+                    "failover_log": [{"vbuuid": e.vbuuid, "seqno": e.seqno} for e in log_]})
+    return web.json_response({"vbuckets": out})
 
 
 async def failover_log(request: web.Request) -> web.Response:
@@ -769,6 +796,7 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_put("/docs/{key}", put_doc)
     app.router.add_delete("/docs/{key}", delete_doc)
     app.router.add_get("/streams", streams)
+    app.router.add_get("/vbuckets", vbuckets)
     app.router.add_get("/vbuckets/{vb}", vbucket_status)
     app.router.add_get("/vbuckets/{vb}/failover-log", failover_log)
     app.router.add_get("/health", health)

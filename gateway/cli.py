@@ -8,6 +8,7 @@
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
+* ``dcpgw index``   a search index of the topic with a consistent query API (connectors/search, docs/search.md)
 * ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
 """
 
@@ -689,6 +690,69 @@ def replicate(
         _fail(str(e))
     except (sqlite3.Error, OSError) as e:
         _fail(f"replica database {db}: {e}")
+
+
+# ---------------------------------------------------------------------- index
+@app.command()
+def index(
+    topic: str | None = typer.Option(None, help="Topic to index (default: the running gateway's)."),
+    index_dir: Path = typer.Option(Path("search-index"), help="Directory of the index and its document store."),
+    http_port: int = typer.Option(8090, min=0, max=65535, help="Port of the query API (0 picks a free one)."),
+    http_host: str = typer.Option("127.0.0.1", help="Address of the query API."),
+    bootstrap: str | None = typer.Option(None, envvar="KAFKA_BOOTSTRAP_SERVERS",
+                                         help="Kafka bootstrap servers (default: the running gateway's)."),
+    mapping: Path | None = typer.Option(None, help="Mapping file, JSON or TOML (default: dynamic)."),
+    until_caught_up: bool = typer.Option(False, "--until-caught-up",
+                                         help="Stop once every partition is indexed to its end."),
+    source_url: str | None = typer.Option(None, envvar="DCPGW_SOURCE_URL",
+                                          help="The gateway's HTTP API, for request_plus / at_plus (default: the "
+                                               "running gateway's)."),
+    user: str | None = typer.Option(None, envvar="DCPGW_USER", help="HTTP Basic user for --source-url."),
+    password: str | None = typer.Option(None, envvar="DCPGW_PASSWORD", help="HTTP Basic password."),
+    commit_interval: float = typer.Option(0.5, min=0.0, help="Seconds between index commits under load."),
+    commit_docs: int = typer.Option(20_000, min=1, help="Changed documents that trigger an index commit."),
+    data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+) -> None:
+    """Index TOPIC into a tantivy index in INDEX_DIR (exact after rollbacks) and answer search queries on
+    HTTP_PORT: GET/POST /search with consistency not_bounded / at_plus / request_plus, /status, /metrics."""
+    import sqlite3
+
+    from connectors.exceptions import ConnectorError
+    from connectors.search.consistency import GatewaySource
+    from connectors.search.indexer import SearchIndexer
+    from connectors.search.mapping import DocumentMapping
+    from connectors.search.server import serve
+
+    try:
+        doc_mapping = DocumentMapping.load(mapping)
+    except ConnectorError as e:
+        _fail(str(e))
+    st = _state(data_dir)
+    bootstrap = bootstrap or st.get("bootstrap_servers")
+    topic = topic or st.get("topic")
+    if not bootstrap or not topic:
+        _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
+    source_url = source_url or st.get("http_url")
+    kafka = _kafka_client(bootstrap)
+
+    async def main() -> dict[str, Any]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        src = GatewaySource(source_url, user, password) if source_url else None
+        with SearchIndexer(kafka, topic, index_dir, mapping=doc_mapping, commit_docs=commit_docs,
+                           commit_interval=commit_interval) as ix:
+            return await serve(ix, host=http_host, port=http_port, source=src, until_caught_up=until_caught_up,
+                               stop=stop, on_listening=lambda p: typer.echo(
+                                   f"search API on http://{http_host}:{p} (index {index_dir})", err=True))
+
+    try:
+        typer.echo(json.dumps(asyncio.run(main())))
+    except ConnectorError as e:
+        _fail(str(e))
+    except (sqlite3.Error, OSError, ValueError) as e:
+        _fail(f"search index {index_dir}: {e}")
 
 
 # ---------------------------------------------------------------------- tail

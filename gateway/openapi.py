@@ -20,10 +20,16 @@ ERROR = {
     "required": ["error", "message"],
     "properties": {"error": {"type": "string"}, "message": {"type": "string"}},
 }
+TOKEN = {
+    "type": "object",
+    "required": ["vbucket", "vbuuid", "seqno"],
+    "description": "the write's mutation token (at_plus search queries, docs/search.md)",
+    "properties": {k: {"type": "integer"} for k in ("vbucket", "vbuuid", "seqno")},
+}
 MUTATION = {
     "type": "object",
-    "required": ["vbucket", "vbuuid", "seqno", "cas"],
-    "properties": {k: {"type": "integer"} for k in ("vbucket", "vbuuid", "seqno", "cas")},
+    "required": ["vbucket", "vbuuid", "seqno", "cas", "token"],
+    "properties": {**{k: {"type": "integer"} for k in ("vbucket", "vbuuid", "seqno", "cas")}, "token": TOKEN},
 }
 BULK_ENTRY = {
     "type": "object",
@@ -56,7 +62,7 @@ BULK_RESULT = {
                 "key": {"type": "string"}, "status": {"type": "integer"},
                 "error": {"type": "string"}, "message": {"type": "string"},
                 "vbucket": {"type": "integer"}, "vbuuid": {"type": "integer"}, "seqno": {"type": "integer"},
-                "cas": {"type": "integer"},
+                "cas": {"type": "integer"}, "token": TOKEN,
             },
         }},
     },
@@ -137,6 +143,8 @@ PATHS: dict[str, dict[str, Any]] = {
     },
     "/streams": {"get": {"summary": "publishing status of every vbucket",
                          "responses": {"200": _resp("per vbucket", {"type": "array", "items": OBJECT})}}},
+    "/vbuckets": {"get": {"summary": "every vbucket's high seqno, vbuuid and failover log (search consistency)",
+                          "responses": {"200": _resp("{\"vbuckets\": [...]}", OBJECT)}}},
     "/vbuckets/{vb}": {"get": {"summary": "one vbucket's publishing status and engine stats", "parameters": [VB],
                                "responses": {"200": _resp("status", OBJECT), **_errors(400, 404)}}},
     "/vbuckets/{vb}/failover-log": {"get": {

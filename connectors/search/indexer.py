@@ -162,7 +162,10 @@ class SearchIndexer:
         self._sync_lock = threading.Lock()
         self._changed = threading.Condition()
         cp = self.backend.checkpoint()
-        if cp is not None and not store.load_all():
+        stored = store.load_all()
+        #: per-vbucket failover logs of the committed positions (read by the query side's token checks)
+        self._logs: dict[int, list[FailoverEntry]] = {vb: list(p.failover_log) for vb, p in stored.items()}
+        if cp is not None and not stored:
             # a new store beside an old index: the index holds nothing the store can vouch for
             log.warning("search index in %s has a checkpoint but the document store is new: rebuilding it", self.dir)
             self.backend.reset()
@@ -271,7 +274,8 @@ class SearchIndexer:
                         (self.visible.generation,))]
             else:
                 ops = list(self._pending.values())
-            positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in self.positions().items()}
+            store_pos = self.positions()
+            positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
             cp = Checkpoint(gen, positions, self.mapping.id)
             t0 = time.perf_counter()
             self.stats.add(self.backend.apply(ops))
@@ -286,6 +290,7 @@ class SearchIndexer:
             self._recover = False
             self.gen = gen + 1
             self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
+            self._logs = {vb: list(p.failover_log) for vb, p in store_pos.items()}
             with self._changed:
                 self.visible = cp
                 self._changed.notify_all()
@@ -316,8 +321,8 @@ class SearchIndexer:
         self.run(until_caught_up=True)
 
     def failover_log(self, vbucket: int) -> list[FailoverEntry]:
-        p = self.store.load(vbucket)
-        return [] if p is None else list(p.failover_log)
+        """The failover log of ``vbucket`` as of the visible checkpoint (thread-safe)."""
+        return self._logs.get(vbucket, [])
 
     def docs(self) -> dict[str, tuple[bytes, int]]:
         """The document store: key -> (value, vbucket) of every live document."""
@@ -325,20 +330,13 @@ class SearchIndexer:
                 self.conn.execute("SELECT key, value, vbucket FROM search_docs WHERE value IS NOT NULL")}
 
     def status(self) -> dict[str, Any]:
-        st = asdict(self.stats)
-        store_pos = self.positions()
-        vis = self.visible.positions
-        vbs = []
-        for vb in sorted(set(store_pos) | set(vis)):
-            sp = store_pos.get(vb)
-            v = vis.get(vb)
-            vbs.append({"vbucket": vb, "indexed_seqno": 0 if v is None else v.seqno,
-                        "vbuuid": 0 if v is None else v.vbuuid,
-                        "consumed_seqno": 0 if sp is None else sp.seqno,
-                        "pending": max(0, (0 if sp is None else sp.seqno) - (0 if v is None else v.seqno))})
-        return {"topic": self.topic, "generation": self.visible.generation, "mapping_id": self.mapping.id,
+        """Counters and the per-vbucket positions searches see (thread-safe: no store access)."""
+        vis = self.visible
+        return {"topic": self.topic, "generation": vis.generation, "mapping_id": self.mapping.id,
                 "pending_docs": len(self._pending), "records_consumed": self.consumer.records_consumed,
-                **st, "vbuckets": vbs}
+                **asdict(self.stats),
+                "vbuckets": [{"vbucket": vb, "vbuuid": p.vbuuid, "indexed_seqno": p.seqno}
+                             for vb, p in sorted(vis.positions.items())]}
 
     def close(self) -> None:
         try:

@@ -18,7 +18,15 @@ def test_document_crud_with_cas_and_expiry(kafka_broker: Broker, tmp_path: Path)
         r = await http.put(f"{url}/docs/user1", data=b'{"name": "a"}')
         assert r.status == 200
         m = await r.json()
-        assert set(m) == {"vbucket", "vbuuid", "seqno", "cas"}
+        assert set(m) == {"vbucket", "vbuuid", "seqno", "cas", "token"}
+        # the mutation token (docs/search.md "Consistency"), in the body and the headers
+        assert m["token"] == {"vbucket": m["vbucket"], "vbuuid": m["vbuuid"], "seqno": m["seqno"]}
+        assert (r.headers["X-DCP-Vbucket"], r.headers["X-DCP-Vbuuid"], r.headers["X-DCP-Seqno"]) == (
+            str(m["vbucket"]), str(m["vbuuid"]), str(m["seqno"]))
+        r = await http.get(f"{url}/vbuckets")
+        vbs = (await r.json())["vbuckets"]
+        assert len(vbs) == NVB and vbs[m["vbucket"]]["high_seqno"] >= m["seqno"]
+        assert vbs[m["vbucket"]]["vbuuid"] == m["vbuuid"] == vbs[m["vbucket"]]["failover_log"][0]["vbuuid"]
         r = await http.get(f"{url}/docs/user1")
         assert r.status == 200 and await r.read() == b'{"name": "a"}'
         assert r.content_type == "application/json"
@@ -40,6 +48,8 @@ def test_document_crud_with_cas_and_expiry(kafka_broker: Broker, tmp_path: Path)
         assert r.headers["X-DCP-Flags"] == "7" and int(r.headers["X-DCP-Expiry"]) > 0
         r = await http.delete(f"{url}/docs/user1")
         assert r.status == 200
+        d = await r.json()
+        assert d["token"]["seqno"] == d["seqno"] > m["seqno"] and r.headers["X-DCP-Seqno"] == str(d["seqno"])
         r = await http.get(f"{url}/docs/user1")
         await expect_error(r, 404, "not_found")
         # the writes reached Kafka
@@ -97,7 +107,10 @@ def test_value_too_large_is_413(kafka_broker: Broker, tmp_path: Path) -> None:
 def test_status_failover_health_metrics(kafka_broker: Broker, tmp_path: Path) -> None:
     async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
         r = await http.post(f"{url}/docs/_bulk", json=[{"key": f"d{i}", "value": {"i": i}} for i in range(200)])
-        assert (await r.json())["written"] == 200
+        b = await r.json()
+        assert b["written"] == 200
+        assert all(it["token"] == {"vbucket": it["vbucket"], "vbuuid": it["vbuuid"], "seqno": it["seqno"]}
+                   for it in b["items"])
         for _ in range(200):
             streams = await (await http.get(f"{url}/streams")).json()
             if all(s["lag"] == 0 for s in streams):

@@ -1,0 +1,305 @@
+"""The indexer's HTTP API (docs/search.md "Query API"): ``GET/POST /search``, ``GET /status``, ``GET /metrics``,
+``GET /health``. Errors are JSON ``{"error": code, "message": ...}`` like the gateway's API.
+
+Searches run in a worker thread (tantivy blocks); consistency waits poll the indexer's visible checkpoint from
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+from aiohttp import web
+
+from connectors.search.backend import SearchError, SearchResult, SearchUnsupported
+from connectors.search.consistency import (
+    CONSISTENCY_LEVELS,
+    GatewaySource,
+    MutationToken,
+    SourceUnavailable,
+    SourceVBucket,
+    missing,
+    token_rollback,
+)
+from connectors.search.indexer import SearchIndexer
+
+__all__ = ["DEFAULT_TIMEOUT_MS", "MAX_LIMIT", "build_app"]
+
+#: how long a consistent query waits by default, and at most
+DEFAULT_TIMEOUT_MS: Final = 10_000
+MAX_TIMEOUT_MS: Final = 300_000
+MAX_LIMIT: Final = 10_000
+#: seconds between two looks at the indexer's visible checkpoint while a query waits
+POLL_INTERVAL: Final = 0.005
+
+_INDEXER = web.AppKey("indexer", SearchIndexer)
+_SOURCE = web.AppKey("source", object)
+_POOL = web.AppKey("pool", ThreadPoolExecutor)
+
+
+class _Error(Exception):
+    def __init__(self, status: int, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.extra = extra
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except _Error as e:
+        return web.json_response({"error": e.code, "message": str(e), **e.extra}, status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response({"error": e.reason.lower().replace(" ", "_"), "message": e.text or e.reason},
+                                 status=e.status)
+
+
+def _int(raw: Any, name: str, default: int, lo: int, hi: int) -> int:
+    if raw is None:
+        return default
+    if isinstance(raw, bool):
+        raise _Error(400, "invalid_argument", f"{name} must be an integer in {lo}..{hi}")
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        raise _Error(400, "invalid_argument", f"{name} must be an integer in {lo}..{hi}, got {raw!r}") from None
+    if not lo <= v <= hi:
+        raise _Error(400, "invalid_argument", f"{name} must be in {lo}..{hi}, got {v}")
+    return v
+
+
+async def _source_vbuckets(request: web.Request, what: str) -> dict[int, SourceVBucket] | None:
+    src = request.app[_SOURCE]
+    if src is None:
+        if what == "request_plus":
+            raise _Error(400, "no_source", "request_plus needs the source's high seqnos: start the indexer with "
+                                           "--source-url (the gateway's HTTP API)")
+        return None
+    assert isinstance(src, GatewaySource)
+    try:
+        return await src.vbuckets()
+    except SourceUnavailable as e:
+        raise _Error(503, "source_unavailable", str(e)) from e
+
+
+async def _search(request: web.Request, query: Any, limit: int, offset: int, consistency: str,
+                  tokens: list[MutationToken], timeout_ms: int) -> web.Response:
+    ix = request.app[_INDEXER]
+    if not isinstance(query, str):
+        raise _Error(400, "invalid_argument", "query must be a string (tantivy's query syntax)")
+    if consistency not in CONSISTENCY_LEVELS:
+        raise _Error(400, "invalid_argument",
+                     f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}, got {consistency!r}")
+    if consistency == "at_plus" and not tokens:
+        raise _Error(400, "invalid_argument", "at_plus needs \"tokens\" (POST /search)")
+    if tokens and consistency != "at_plus":
+        raise _Error(400, "invalid_argument", f"tokens are only used with consistency at_plus, not {consistency}")
+    started = time.monotonic()
+    if consistency != "not_bounded":
+        source = await _source_vbuckets(request, consistency)
+        wanted: dict[int, int] = {}
+        if consistency == "request_plus":
+            assert source is not None
+            wanted = {vb: v.high_seqno for vb, v in source.items()}
+        else:
+            for t in tokens:
+                sv = None if source is None else source.get(t.vbucket)
+                if sv is not None:
+                    point = token_rollback(t, sv, ix.failover_log(t.vbucket))
+                    if point is not None:
+                        raise _Error(409, "token_rolled_back",
+                                     f"the source no longer has vbucket {t.vbucket}'s write at seqno {t.seqno} of "
+                                     f"branch {t.vbuuid}: it was rolled back to seqno {point}",
+                                     vbucket=t.vbucket, vbuuid=t.vbuuid, seqno=t.seqno, rollback_seqno=point)
+                wanted[t.vbucket] = max(wanted.get(t.vbucket, 0), t.seqno)
+        if source is not None:
+            logs = {vb: v.failover_log for vb, v in source.items()}
+        else:  # at_plus without a source: the branches as the index knows them
+            logs = {vb: tuple(ix.failover_log(vb)) for vb in wanted}
+        deadline = started + timeout_ms / 1000
+        while True:
+            left = missing(ix.visible, wanted, logs)
+            if not left:
+                break
+            if time.monotonic() >= deadline:
+                raise _Error(504, "timeout", f"the index did not reach the {consistency} positions of "
+                             f"{len(left)} vbucket(s) within {timeout_ms} ms", missing=left)
+            await asyncio.sleep(POLL_INTERVAL)
+    loop = asyncio.get_running_loop()
+    try:
+        res: SearchResult = await loop.run_in_executor(request.app[_POOL], ix.backend.search, query, limit, offset)
+    except SearchError as e:
+        raise _Error(400, "invalid_query", str(e)) from e
+    except SearchUnsupported as e:
+        raise _Error(501, "search_unsupported", str(e)) from e
+    cp = res.checkpoint
+    return web.json_response({
+        "hits": [{"key": h.key, "score": h.score, "fields": h.fields} for h in res.hits],
+        "total": res.total,
+        "seqnos": {} if cp is None else {str(vb): p.seqno for vb, p in sorted(cp.positions.items())},
+        "vbuuids": {} if cp is None else {str(vb): p.vbuuid for vb, p in sorted(cp.positions.items())},
+        "consistency": consistency, "took_ms": round((time.monotonic() - started) * 1000, 3)})
+
+
+async def search_get(request: web.Request) -> web.Response:
+    q = request.query
+    if "q" not in q:
+        raise _Error(400, "invalid_argument", "missing ?q= (tantivy's query syntax; * for every document)")
+    return await _search(request, q["q"], _int(q.get("limit"), "limit", 10, 0, MAX_LIMIT),
+                         _int(q.get("offset"), "offset", 0, 0, 10**9), q.get("consistency", "not_bounded"), [],
+                         _int(q.get("timeout_ms"), "timeout_ms", DEFAULT_TIMEOUT_MS, 0, MAX_TIMEOUT_MS))
+
+
+async def search_post(request: web.Request) -> web.Response:
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Error(400, "invalid_json", f"the body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise _Error(400, "invalid_argument", "the body must be a JSON object {\"query\", ...}")
+    allowed = {"query", "limit", "offset", "consistency", "tokens", "timeout_ms"}
+    unknown = set(body) - allowed
+    if unknown:
+        raise _Error(400, "invalid_argument", f"unknown member(s) {sorted(unknown)} (allowed: {sorted(allowed)})")
+    if "query" not in body:
+        raise _Error(400, "invalid_argument", "missing \"query\"")
+    raw_tokens = body.get("tokens", [])
+    if not isinstance(raw_tokens, list):
+        raise _Error(400, "invalid_argument", "tokens must be an array of {\"vbucket\", \"vbuuid\", \"seqno\"}")
+    try:
+        tokens = [MutationToken.parse(t, i) for i, t in enumerate(raw_tokens)]
+    except ValueError as e:
+        raise _Error(400, "invalid_argument", str(e)) from e
+    consistency = body.get("consistency", "at_plus" if tokens else "not_bounded")
+    return await _search(request, body["query"], _int(body.get("limit"), "limit", 10, 0, MAX_LIMIT),
+                         _int(body.get("offset"), "offset", 0, 0, 10**9), consistency, tokens,
+                         _int(body.get("timeout_ms"), "timeout_ms", DEFAULT_TIMEOUT_MS, 0, MAX_TIMEOUT_MS))
+
+
+async def _with_lag(request: web.Request) -> dict[str, Any]:
+    ix = request.app[_INDEXER]
+    st = ix.status()
+    src = request.app[_SOURCE]
+    if isinstance(src, GatewaySource):
+        try:
+            source = await src.vbuckets()
+        except SourceUnavailable as e:
+            st["source_error"] = str(e)
+        else:
+            by_vb = {v["vbucket"]: v for v in st["vbuckets"]}
+            rows = []
+            for vb, sv in sorted(source.items()):
+                row = by_vb.get(vb, {"vbucket": vb, "vbuuid": 0, "indexed_seqno": 0})
+                rows.append({**row, "source_high_seqno": sv.high_seqno,
+                             "lag": max(0, sv.high_seqno - int(row["indexed_seqno"]))})
+            st["vbuckets"] = rows
+            st["lag"] = sum(r["lag"] for r in rows)
+    return st
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(await _with_lag(request))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = await _with_lag(request)
+    lines = []
+
+    def metric(name: str, kind: str, help_: str, value: Any, labels: str = "") -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name}{labels} {value}")
+
+    for field, help_ in (("indexed", "documents indexed"), ("deleted", "documents removed (deleted, expired, "
+                         "rolled back)"), ("binary_skipped", "binary documents skipped"),
+                         ("field_rejected", "documents indexed without a field of the wrong type"),
+                         ("rejected", "documents the backend refused"), ("rollbacks", "rollbacks applied"),
+                         ("oversize", "changes without a value in the topic (too large for Kafka)"),
+                         ("commits", "index commits")):
+        metric(f"dcpgw_search_{field}_total", "counter", help_, st[field])
+    lines += ["# HELP dcpgw_search_commit_seconds index commit latency (apply + commit)",
+              "# TYPE dcpgw_search_commit_seconds summary",
+              f"dcpgw_search_commit_seconds_sum {st['commit_seconds_total']}",
+              f"dcpgw_search_commit_seconds_count {st['commits']}"]
+    metric("dcpgw_search_commit_seconds_max", "gauge", "slowest index commit", st["commit_seconds_max"])
+    metric("dcpgw_search_pending_docs", "gauge", "changes consumed, not yet committed to the index",
+           st["pending_docs"])
+    lines += ["# HELP dcpgw_search_indexed_seqno seqno up to which the index reflects a vbucket",
+              "# TYPE dcpgw_search_indexed_seqno gauge"]
+    lines += [f'dcpgw_search_indexed_seqno{{vbucket="{v["vbucket"]}"}} {v["indexed_seqno"]}' for v in st["vbuckets"]]
+    if "lag" in st:
+        lines += ["# HELP dcpgw_search_lag_seqnos source high seqno minus indexed seqno",
+                  "# TYPE dcpgw_search_lag_seqnos gauge"]
+        lines += [f'dcpgw_search_lag_seqnos{{vbucket="{v["vbucket"]}"}} {v["lag"]}' for v in st["vbuckets"]]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "generation": request.app[_INDEXER].visible.generation})
+
+
+def build_app(indexer: SearchIndexer, source: GatewaySource | None = None) -> web.Application:
+    app = web.Application(middlewares=[_errors])
+    app[_INDEXER] = indexer
+    app[_SOURCE] = source
+    app[_POOL] = ThreadPoolExecutor(2, thread_name_prefix="dcpgw-search")
+    app.router.add_get("/search", search_get)
+    app.router.add_post("/search", search_post)
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+
+    async def cleanup(app: web.Application) -> None:
+        app[_POOL].shutdown(wait=False)
+        if source is not None:
+            await source.close()
+
+    app.on_cleanup.append(cleanup)
+    return app
+
+
+async def serve(indexer: SearchIndexer, *, host: str, port: int, source: GatewaySource | None = None,
+                until_caught_up: bool = False, stop: asyncio.Event | None = None,
+                on_listening: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port``; returns the
+    summary when the indexer caught up (``until_caught_up``) or ``stop`` is set. An exception of the indexer
+    thread is raised here."""
+    app = build_app(indexer, source)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = port
+        server = getattr(site, "_server", None)
+        if server is not None and server.sockets:
+            bound = int(server.sockets[0].getsockname()[1])
+        if on_listening is not None:
+            on_listening(bound)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.run_in_executor(None, indexer.run, until_caught_up)
+        stopper: asyncio.Future[Any] = asyncio.ensure_future((stop or asyncio.Event()).wait())
+        try:
+            await asyncio.wait([done, stopper], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not done.done():
+                indexer.stop()
+            await done  # raises what the indexer raised
+    finally:
+        await runner.cleanup()
+    total = indexer.backend.search("*", 1).total
+    st = indexer.status()
+    return {"topic": indexer.topic, "index_dir": str(indexer.dir), "docs": total, "generation": st["generation"],
+            "indexed": st["indexed"], "deleted": st["deleted"], "binary_skipped": st["binary_skipped"],
+            "field_rejected": st["field_rejected"], "rollbacks": st["rollbacks"], "commits": st["commits"]}
