@@ -237,6 +237,13 @@ async def metrics(request: web.Request) -> web.Response:
     lines += ["# HELP dcpgw_search_indexed_seqno seqno up to which the index reflects a vbucket",
               "# TYPE dcpgw_search_indexed_seqno gauge"]
     lines += [f'dcpgw_search_indexed_seqno{{vbucket="{v["vbucket"]}"}} {v["indexed_seqno"]}' for v in st["vbuckets"]]
+    be = st.get("backend")
+    if isinstance(be, dict) and "reachable" in be:  # a search cluster (docs/search.md "The Elasticsearch backend")
+        metric("dcpgw_search_backend_reachable", "gauge", "1 when the search cluster answered the last request",
+               int(bool(be["reachable"])))
+        metric("dcpgw_search_backend_retries_total", "counter", "requests to the search cluster retried",
+               be["retries"])
+        metric("dcpgw_search_backend_bulk_requests_total", "counter", "bulk requests sent", be["bulk_requests"])
     if "lag" in st:
         lines += ["# HELP dcpgw_search_lag_seqnos source high seqno minus indexed seqno",
                   "# TYPE dcpgw_search_lag_seqnos gauge"]
