@@ -17,7 +17,7 @@ import base64
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import aiohttp
 
@@ -25,7 +25,7 @@ from connectors.exceptions import ConnectorError
 from connectors.search.backend import Checkpoint, Position
 from schemas.failover_log import FailoverEntry, rollback_point
 
-__all__ = ["CONSISTENCY_LEVELS", "GatewaySource", "MutationToken", "SourceUnavailable", "SourceVBucket",
+__all__ = ["CONSISTENCY_LEVELS", "GatewaySource", "MutationToken", "SourcePositions", "SourceUnavailable", "SourceVBucket",
            "covered_seqno", "missing", "token_rollback"]
 
 CONSISTENCY_LEVELS: Final = ("not_bounded", "at_plus", "request_plus")
@@ -108,6 +108,14 @@ def missing(visible: Checkpoint, wanted: Mapping[int, int],
         if got < s:
             out.append({"vbucket": vb, "wanted_seqno": s, "indexed_seqno": got})
     return out
+
+
+class SourcePositions(Protocol):
+    """Where request_plus / at_plus read the source's positions at request time."""
+
+    async def vbuckets(self) -> dict[int, SourceVBucket]: ...
+
+    async def close(self) -> None: ...
 
 
 class SourceUnavailable(ConnectorError):

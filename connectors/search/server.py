@@ -19,8 +19,8 @@ from aiohttp import web
 from connectors.search.backend import SearchError, SearchResult, SearchUnsupported
 from connectors.search.consistency import (
     CONSISTENCY_LEVELS,
-    GatewaySource,
     MutationToken,
+    SourcePositions,
     SourceUnavailable,
     SourceVBucket,
     missing,
@@ -38,7 +38,7 @@ MAX_LIMIT: Final = 10_000
 POLL_INTERVAL: Final = 0.005
 
 _INDEXER = web.AppKey("indexer", SearchIndexer)
-_SOURCE = web.AppKey("source", object)
+_SOURCE: web.AppKey[SourcePositions | None] = web.AppKey("source")
 _POOL = web.AppKey("pool", ThreadPoolExecutor)
 
 
@@ -85,7 +85,6 @@ async def _source_vbuckets(request: web.Request, what: str) -> dict[int, SourceV
             raise _Error(400, "no_source", "request_plus needs the source's high seqnos: start the indexer with "
                                            "--source-url (the gateway's HTTP API)")
         return None
-    assert isinstance(src, GatewaySource)
     try:
         return await src.vbuckets()
     except SourceUnavailable as e:
@@ -190,9 +189,9 @@ async def _with_lag(request: web.Request) -> dict[str, Any]:
     ix = request.app[_INDEXER]
     st = ix.status()
     src = request.app[_SOURCE]
-    if isinstance(src, GatewaySource):
+    if src is not None:
         try:
-            source = await src.vbuckets()
+            source: dict[int, SourceVBucket] = await src.vbuckets()
         except SourceUnavailable as e:
             st["source_error"] = str(e)
         else:
@@ -255,7 +254,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "generation": request.app[_INDEXER].visible.generation})
 
 
-def build_app(indexer: SearchIndexer, source: GatewaySource | None = None) -> web.Application:
+def build_app(indexer: SearchIndexer, source: SourcePositions | None = None) -> web.Application:
     app = web.Application(middlewares=[_errors])
     app[_INDEXER] = indexer
     app[_SOURCE] = source
@@ -275,7 +274,7 @@ def build_app(indexer: SearchIndexer, source: GatewaySource | None = None) -> we
     return app
 
 
-async def serve(indexer: SearchIndexer, *, host: str, port: int, source: GatewaySource | None = None,
+async def serve(indexer: SearchIndexer, *, host: str, port: int, source: SourcePositions | None = None,
                 until_caught_up: bool = False, stop: asyncio.Event | None = None,
                 on_listening: Callable[[int], None] | None = None) -> dict[str, Any]:
     """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port``; returns the
