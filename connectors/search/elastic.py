@@ -76,6 +76,8 @@ _MAX_NAME_BYTES = 255
 #: the checkpoint index of index ``x`` is ``x`` + this suffix
 CHECKPOINT_SUFFIX = "-dcpgw-checkpoint"
 _CHECKPOINT_ID = "checkpoint"
+#: retries of a search request (429 / 5xx / no connection) before the query API answers 503
+SEARCH_RETRIES = 2
 
 
 class ElasticsearchConfigError(ConnectorError):
@@ -331,11 +333,12 @@ class BulkSender:
             pending = retry
 
 
-    def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (one request), retried like a bulk request on 429 / 5xx / no connection; another refusal
-        raises :class:`ElasticsearchUnavailable`."""
+    def call(self, what: str, fn: Callable[[], Any], max_retries: int | None = -1) -> Any:
+        """``fn()`` (one request), retried like a bulk request on 429 / 5xx / no connection (``max_retries``:
+        -1 = the settings'); another refusal raises :class:`ElasticsearchUnavailable`."""
         from elasticsearch import ApiError, TransportError
 
+        limit = self.settings.max_retries if max_retries == -1 else max_retries
         attempt = 0
         while True:
             try:
@@ -350,7 +353,7 @@ class BulkSender:
             except TransportError as e:
                 self.last_error = f"{what}: {type(e).__name__}: {e}"
             self.consecutive_failures += 1
-            if self.settings.max_retries is not None and attempt >= self.settings.max_retries:
+            if limit is not None and attempt >= limit:
                 raise ElasticsearchUnavailable(f"{what}: not acknowledged after {attempt} retries: "
                                                f"{self.last_error}")
             if self.stop.is_set():
@@ -495,7 +498,7 @@ class ElasticsearchBackend:
         self._staged_bytes = 0
         self._oldest = None
 
-    def checkpoint(self) -> Checkpoint | None:
+    def checkpoint(self, max_retries: int | None = -1) -> Checkpoint | None:
         from elasticsearch import NotFoundError
 
         def read() -> Checkpoint | None:
@@ -505,7 +508,7 @@ class ElasticsearchBackend:
                 return None
             return Checkpoint.from_json(json.loads(r["_source"]["checkpoint"]))
 
-        return self.sender.call("read the checkpoint", read)  # type: ignore[no-any-return]
+        return self.sender.call("read the checkpoint", read, max_retries)  # type: ignore[no-any-return]
 
     def reset(self) -> None:
         """Delete every document of the index and the checkpoint (the index itself, with its mappings, stays)."""
@@ -523,11 +526,12 @@ class ElasticsearchBackend:
         reflects at least its positions."""
         from elasticsearch import ApiError
 
-        cp = self.checkpoint()
+        # a query waits for a few retries at most (not for the cluster to come back, as indexing does)
+        cp = self.checkpoint(SEARCH_RETRIES)
         kw: dict[str, Any] = {"q": query} if query.strip() else {"query": {"match_all": {}}}
         try:
             r = self.sender.call("search", lambda: self.client.search(
-                index=self.index, size=limit, from_=offset, track_total_hits=True, **kw))
+                index=self.index, size=limit, from_=offset, track_total_hits=True, **kw), SEARCH_RETRIES)
         except ElasticsearchUnavailable as e:
             cause = e.__cause__
             if isinstance(cause, ApiError) and cause.meta.status == 400:

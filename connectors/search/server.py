@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from connectors.exceptions import ConnectorError
 from connectors.search.backend import SearchError, SearchResult, SearchUnsupported
 from connectors.search.consistency import (
     CONSISTENCY_LEVELS,
@@ -141,6 +142,8 @@ async def _search(request: web.Request, query: Any, limit: int, offset: int, con
         raise _Error(400, "invalid_query", str(e)) from e
     except SearchUnsupported as e:
         raise _Error(501, "search_unsupported", str(e)) from e
+    except ConnectorError as e:  # a search cluster that does not answer (connectors/search/elastic.py)
+        raise _Error(503, "backend_unavailable", str(e)) from e
     cp = res.checkpoint
     return web.json_response({
         "hits": [{"key": h.key, "score": h.score, "fields": h.fields} for h in res.hits],

@@ -106,6 +106,9 @@ def test_cli_elasticsearch_backend_equal_to_source_across_a_cluster_outage(
         assert st["backend"]["last_error"]
         metrics = request(f"{url}/metrics").decode()
         assert "dcpgw_search_backend_reachable 0" in metrics
+        with pytest.raises(urllib.error.HTTPError) as err:  # a query does not wait for the cluster
+            request(f"{url}/search?q=n:1", timeout=30)
+        assert err.value.code == 503 and json.loads(err.value.read())["error"] == "backend_unavailable"
         es.start()  # same port, same data
         highs = {vb: h.bucket.vbucket(vb).high_seqno for vb in range(8)}
         deadline = time.monotonic() + 90
