@@ -123,7 +123,8 @@ def test_cluster_index_equals_the_source_after_any_history(kafka_broker: Broker,
                     doc = orjson.loads(v)
                     if isinstance(doc, dict):
                         source[k.decode()] = doc
-            assert be.docs() == source
+            assert {k.encode(): v for k, v in ix.docs().items()} == h.bucket.state_snapshot()
+            assert be.docs() == source, (be.rejections.read(), be.status(), ix.visible)
             assert be.rejections.read() == []
         be.close()
     finally:
