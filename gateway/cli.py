@@ -759,6 +759,10 @@ def index(
     if not bootstrap or not topic:
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
     source_url = source_url or st.get("http_url")
+    try:  # a port in use fails here, before the index is opened
+        socket.create_server((http_host, http_port)).close()
+    except OSError as e:
+        _fail(f"cannot listen on {http_host}:{http_port}: {e.strerror or e}")
     kafka = _kafka_client(bootstrap)
 
     index_backend: Any = None

@@ -39,6 +39,7 @@ from connectors.client.consumer import (
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
 from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
 from connectors.client.state import SqliteStateStore
+from connectors.exceptions import ConnectorError
 from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexBackend, IndexOp, Position, Upsert
 from connectors.search.mapping import DocumentMapping
 from schemas.failover_log import FailoverEntry
@@ -51,11 +52,13 @@ log = logging.getLogger(__name__)
 DEFAULT_COMMIT_DOCS: Final = 20_000
 #: ... or this many seconds after the first uncommitted change (and whenever the topic is idle)
 DEFAULT_COMMIT_INTERVAL: Final = 0.5
+#: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
+MAX_RETRY_BACKOFF: Final = 30.0
 
 #: part of the consumer's state file (docs/search.md "Files"); value NULL = a tombstone not yet synced
+#: (no index on gen: only a start after a crash reads rows by generation, a full scan then is fine)
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS search_docs (key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER NOT NULL, "
-           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL)",
-           "CREATE INDEX IF NOT EXISTS search_docs_gen ON search_docs (gen)")
+           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL)",)
 
 
 def _k(key: bytes) -> str:
@@ -78,6 +81,8 @@ class IndexerStats:
     #: changes whose value Kafka refused as too large (the index keeps the previous version)
     oversize: int = 0
     commits: int = 0
+    #: backend syncs that failed (retried with backoff; the document store keeps the changes)
+    sync_failures: int = 0
     commit_seconds_total: float = 0.0
     commit_seconds_last: float = 0.0
     commit_seconds_max: float = 0.0
@@ -159,6 +164,11 @@ class SearchIndexer:
             self.conn.execute(stmt)
         self._pending: dict[str, IndexOp] = {}
         self._first_pending = 0.0
+        #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
+        self._failures = 0
+        self._retry_at = 0.0
+        self.backend_error: str | None = None
+        self._stopping = threading.Event()
         self._sync_lock = threading.Lock()
         self._changed = threading.Condition()
         cp = self.backend.checkpoint()
@@ -249,9 +259,31 @@ class SearchIndexer:
     def _after_flush(self, idle: bool) -> None:
         if not self._pending and not self._recover:
             return
+        now = self.clock()
+        if now < self._retry_at:
+            return
         if (idle or self._recover or len(self._pending) >= self.commit_docs
-                or self.clock() - self._first_pending >= self.commit_interval):
+                or now - self._first_pending >= self.commit_interval):
+            self._try_sync()
+
+    def _try_sync(self) -> bool:
+        """:meth:`sync`; when the backend fails (a search cluster unreachable, a full disk, ...) nothing is lost:
+        the store keeps every change and a later sync applies everything above the backend's committed
+        generation again, after a backoff (docs/search.md "Backend failures"). False when it failed."""
+        try:
             self.sync()
+        except Exception as e:
+            now = self.clock()
+            self.stats.sync_failures += 1
+            self.backend_error = f"{type(e).__name__}: {e}"
+            self._pending = {}
+            self._recover = True
+            self._retry_at = now + min(MAX_RETRY_BACKOFF, 0.5 * 2 ** min(self._failures, 10))
+            self._failures += 1
+            log.warning("search index: committing to the backend failed (%s); the changes stay in the "
+                        "document store, retrying in %.1f s", self.backend_error, self._retry_at - now)
+            return False
+        return True
 
     def positions(self) -> dict[int, ConsumerPosition]:
         """The store's committed per-vbucket positions."""
@@ -287,9 +319,16 @@ class SearchIndexer:
             st.commit_seconds_last = dt
             st.commit_seconds_max = max(st.commit_seconds_max, dt)
             self._pending = {}
-            self._recover = False
+            recover, self._recover = self._recover, False
+            self._failures = 0
+            self._retry_at = 0.0
+            self.backend_error = None
             self.gen = gen + 1
-            self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
+            if recover:
+                self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
+            else:
+                self.conn.executemany("DELETE FROM search_docs WHERE key = ? AND value IS NULL AND gen <= ?",
+                                      [(op.key, gen) for op in ops if isinstance(op, Delete)])
             self._logs = {vb: list(p.failover_log) for vb, p in store_pos.items()}
             with self._changed:
                 self.visible = cp
@@ -309,11 +348,20 @@ class SearchIndexer:
 
     # ------------------------------------------------------------------------------------------ running
     def run(self, until_caught_up: bool = False) -> None:
+        """Consume (until :meth:`stop`, or until caught up), then commit everything to the backend -- retrying
+        a failing backend with backoff until it succeeds or :meth:`stop` is called (then
+        :class:`~connectors.exceptions.ConnectorError`: the document store keeps the changes)."""
+        self._stopping.clear()
         self.consumer.run(self._on_snapshot, self._on_rollback, until_caught_up=until_caught_up,
                           on_oversize=self._on_oversize)
-        self.sync()
+        while not self._try_sync():
+            if self._stopping.wait(max(0.0, self._retry_at - self.clock())):
+                raise ConnectorError(f"the index backend failed ({self.backend_error}): the last changes are not in "
+                                     f"the index; they are kept in {self.dir / 'store.sqlite'} and indexed at the "
+                                     f"next start")
 
     def stop(self) -> None:
+        self._stopping.set()
         self.consumer.stop()
 
     def catch_up(self) -> None:
@@ -333,7 +381,7 @@ class SearchIndexer:
         """Counters and the per-vbucket positions searches see (thread-safe: no store access)."""
         vis = self.visible
         return {"topic": self.topic, "generation": vis.generation, "mapping_id": self.mapping.id,
-                "pending_docs": len(self._pending), "records_consumed": self.consumer.records_consumed,
+                "backend_error": self.backend_error, "pending_docs": len(self._pending), "records_consumed": self.consumer.records_consumed,
                 **asdict(self.stats),
                 "vbuckets": [{"vbucket": vb, "vbuuid": p.vbuuid, "indexed_seqno": p.seqno}
                              for vb, p in sorted(vis.positions.items())],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -227,7 +228,7 @@ async def metrics(request: web.Request) -> web.Response:
                          ("field_rejected", "documents indexed without a field of the wrong type"),
                          ("rejected", "documents the backend refused"), ("rollbacks", "rollbacks applied"),
                          ("oversize", "changes without a value in the topic (too large for Kafka)"),
-                         ("commits", "index commits")):
+                         ("commits", "index commits"), ("sync_failures", "failed commits to the backend (retried)")):
         metric(f"dcpgw_search_{field}_total", "counter", help_, st[field])
     lines += ["# HELP dcpgw_search_commit_seconds index commit latency (apply + commit)",
               "# TYPE dcpgw_search_commit_seconds summary",
@@ -254,7 +255,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "generation": request.app[_INDEXER].visible.generation})
+    """200 while the backend commits; 503 with the error while commits to it fail (and are retried)."""
+    ix = request.app[_INDEXER]
+    if ix.backend_error is not None:
+        return web.json_response({"status": "failing", "generation": ix.visible.generation,
+                                  "reasons": [f"index backend: {ix.backend_error}"]}, status=503)
+    return web.json_response({"status": "ok", "generation": ix.visible.generation, "reasons": []})
 
 
 def build_app(indexer: SearchIndexer, source: SourcePositions | None = None) -> web.Application:
@@ -277,24 +283,23 @@ def build_app(indexer: SearchIndexer, source: SourcePositions | None = None) -> 
     return app
 
 
-async def serve(indexer: SearchIndexer, *, host: str, port: int, source: SourcePositions | None = None,
+async def serve(indexer: SearchIndexer, *, host: str = "127.0.0.1", port: int = 0,
+                sock: socket.socket | None = None, source: SourcePositions | None = None,
                 until_caught_up: bool = False, stop: asyncio.Event | None = None,
                 on_listening: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port``; returns the
-    summary when the indexer caught up (``until_caught_up``) or ``stop`` is set. An exception of the indexer
-    thread is raised here."""
+    """``dcpgw index``: consume in a worker thread while the query API answers on ``host:port`` (or on ``sock``,
+    already bound); returns the summary when the indexer caught up (``until_caught_up``) or ``stop`` is set. An
+    exception of the indexer thread is raised here."""
     app = build_app(indexer, source)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        if sock is None:
+            sock = socket.create_server((host, port))
+        site = web.SockSite(runner, sock)
         await site.start()
-        bound = port
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            bound = int(server.sockets[0].getsockname()[1])
         if on_listening is not None:
-            on_listening(bound)
+            on_listening(int(sock.getsockname()[1]))
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.run_in_executor(None, indexer.run, until_caught_up)
         stopper: asyncio.Future[Any] = asyncio.ensure_future((stop or asyncio.Event()).wait())
@@ -307,7 +312,10 @@ async def serve(indexer: SearchIndexer, *, host: str, port: int, source: SourceP
             await done  # raises what the indexer raised
     finally:
         await runner.cleanup()
-    total = indexer.backend.search("*", 1).total
+    try:
+        total: int | None = indexer.backend.search("*", 1).total
+    except SearchUnsupported:
+        total = None
     st = indexer.status()
     return {"topic": indexer.topic, "index_dir": str(indexer.dir), "docs": total, "generation": st["generation"],
             "indexed": st["indexed"], "deleted": st["deleted"], "binary_skipped": st["binary_skipped"],

@@ -20,7 +20,16 @@ from typing import Any, Final
 
 import tantivy
 
-from connectors.search.backend import ApplyStats, Checkpoint, Delete, Hit, IndexOp, SearchError, SearchResult
+from connectors.search.backend import (
+    ApplyStats,
+    Checkpoint,
+    Delete,
+    Hit,
+    IndexOp,
+    SearchError,
+    SearchResult,
+    Upsert,
+)
 from connectors.search.mapping import DocumentMapping
 
 __all__ = ["META_KEY", "TantivyBackend"]
@@ -102,11 +111,24 @@ class TantivyBackend:
         w = self.writer
         mapping = self.mapping
         fields = mapping.fields
+        fast_dynamic = mapping.default.dynamic and not mapping.default.fields
         for op in ops:
             w.delete_documents_by_term("_key", op.key)
             if isinstance(op, Delete):
                 st.deleted += 1
                 continue
+            if fast_dynamic and mapping.doc_type(op.key) is mapping.default:
+                # the dynamic default type: tantivy parses the JSON object itself, the body is what hits return
+                try:
+                    text = op.value.decode()
+                    d = self._base(op, mapping.default.name, op.value)
+                    d.add_json("doc", text)
+                except ValueError:  # not UTF-8 or not a JSON object: the general path below decides
+                    pass
+                else:
+                    w.add_document(d)
+                    st.indexed += 1
+                    continue
             try:
                 body = json.loads(op.value)
             except (ValueError, UnicodeDecodeError):
@@ -115,13 +137,7 @@ class TantivyBackend:
             ex = mapping.extract(op.key, body)
             if ex.rejected:
                 st.field_rejected += 1
-            d = tantivy.Document()
-            d.add_text("_key", op.key)
-            d.add_text("_kind", "doc")
-            d.add_text("_type", ex.doc_type)
-            d.add_unsigned("_vb", op.vbucket)
-            d.add_unsigned("_seq", op.seqno)
-            d.add_bytes("_stored", json.dumps(ex.stored, separators=(",", ":")).encode())
+            d = self._base(op, ex.doc_type, json.dumps(ex.stored, separators=(",", ":")).encode())
             for name, vals in ex.fields.items():
                 ftype = fields[name].type
                 for v in vals:
@@ -136,6 +152,17 @@ class TantivyBackend:
             w.add_document(d)
             st.indexed += 1
         return st
+
+    @staticmethod
+    def _base(op: Upsert, doc_type: str, stored: bytes) -> Any:
+        d = tantivy.Document()
+        d.add_text("_key", op.key)
+        d.add_text("_kind", "doc")
+        d.add_text("_type", doc_type)
+        d.add_unsigned("_vb", op.vbucket)
+        d.add_unsigned("_seq", op.seqno)
+        d.add_bytes("_stored", stored)
+        return d
 
     def commit(self, checkpoint: Checkpoint) -> None:
         cp = Checkpoint(checkpoint.generation, checkpoint.positions, self.mapping.id)

@@ -112,3 +112,14 @@ def test_kill9_failover_and_restart_end_equal_to_the_source(harness: Any, tmp_pa
     assert out["docs"] == len(expected)
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
         assert index_contents(ix) == expected
+
+
+def test_port_in_use_fails_before_the_index_is_opened(tmp_path: Path) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        proc = dcpgw("index", "--topic", "t", "--index-dir", str(tmp_path / "ix"), "--http-port", str(port),
+                     "--bootstrap", "127.0.0.1:9", env=CLEAN_ENV)
+    assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "ix").exists()
