@@ -720,9 +720,9 @@ def index(
     es_batch_docs: int = typer.Option(1000, min=1, help="Operations per bulk request at most."),
     es_batch_bytes: int = typer.Option(5 << 20, min=1, help="Bytes per bulk request at most (about)."),
     es_batch_ms: int = typer.Option(1000, min=1, help="Milliseconds an operation waits before a bulk."),
-    es_max_retries: int | None = typer.Option(None, min=0,
-                                              help="Retries of a refused bulk (429/5xx/no connection); "
-                                                   "default: until the cluster answers."),
+    es_max_retries: int = typer.Option(3, min=0,
+                                       help="Retries of a request the cluster refused (429/5xx/no connection) "
+                                            "before the indexer backs off and tries again later."),
 ) -> None:
     """Index TOPIC into a tantivy index in INDEX_DIR (exact after rollbacks) and answer search queries on
     HTTP_PORT: GET/POST /search with consistency not_bounded / at_plus / request_plus, /status, /metrics."""

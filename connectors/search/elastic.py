@@ -18,9 +18,10 @@ cluster through the official ``elasticsearch`` client's ``_bulk`` API.
   checkpoint (or none: rebuilt from the store).
 * **Retries.** 429 and 5xx answers (of a whole request or of single items) and connection failures are retried
   with exponential backoff (``backoff_initial_s`` doubling up to ``backoff_max_s``, jittered by the injected
-  random source), ``max_retries`` times (None: until the cluster answers; :meth:`~ElasticsearchBackend.status`
-  shows it meanwhile). The checkpoint does not move while a batch is not acknowledged, so nothing is lost
-  either way.
+  random source), ``max_retries`` times (default 3; None: until the cluster answers), then
+  :class:`ElasticsearchUnavailable`: the indexer keeps consuming into its document store and tries again later
+  (connectors/search/indexer.py). The checkpoint does not move while a batch is not acknowledged, so nothing
+  is lost either way; :meth:`~ElasticsearchBackend.status` shows the cluster's state.
 * **Rejections.** An item the cluster refuses with any other status (a mapping conflict, a document too large)
   is appended to the rejection log (``rejections.jsonl`` in the state directory: one JSON object per line) and
   counted; indexing goes on.
@@ -133,8 +134,10 @@ class ElasticsearchSettings:
     batch_bytes: int = 5 << 20
     #: staged operations wait at most this long before a bulk request is sent
     batch_ms: int = 1000
-    #: retries of a request (whole or items) on 429 / 5xx / no connection; None: until it answers
-    max_retries: int | None = None
+    #: retries of a request (whole or items) on 429 / 5xx / no connection, then ElasticsearchUnavailable (the
+    #: indexer keeps consuming into its document store and tries again later, docs/search.md "Backend
+    #: failures"); None: until it answers (the caller blocks meanwhile)
+    max_retries: int | None = 3
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 30.0
     request_timeout_s: float = 30.0
@@ -438,7 +441,11 @@ class ElasticsearchBackend:
             self._stage(BulkOp("index", op.key, op.vbucket, op.seqno, orjson.dumps(doc)), st)
             st.indexed += 1
         before = self.rejections.count
-        self._maybe_send()
+        try:
+            self._maybe_send()
+        except BaseException:
+            self.discard()
+            raise
         st.rejected += self.rejections.count - before + self._unreported_rejections
         self._unreported_rejections = 0
         return st
@@ -479,11 +486,17 @@ class ElasticsearchBackend:
         self._oldest = None
 
     def commit(self, checkpoint: Checkpoint) -> None:
-        """Send what is staged, refresh, then write the checkpoint (never before its operations)."""
+        """Send what is staged, refresh, then write the checkpoint (never before its operations). On
+        :class:`ElasticsearchUnavailable` the staged operations are dropped: the indexer applies everything above
+        the checkpoint's generation again."""
         t = time.perf_counter()
         before = self.rejections.count
-        self._ensure_indexes()
-        self._send()
+        try:
+            self._ensure_indexes()
+            self._send()
+        except BaseException:
+            self.discard()
+            raise
         self._unreported_rejections += self.rejections.count - before
         self.sender.call("refresh", lambda: self.client.indices.refresh(index=self.index))
         body = {"checkpoint": json.dumps(checkpoint.to_json()), "index": self.index}
@@ -498,7 +511,9 @@ class ElasticsearchBackend:
         self._staged_bytes = 0
         self._oldest = None
 
-    def checkpoint(self, max_retries: int | None = -1) -> Checkpoint | None:
+    def checkpoint(self, max_retries: int | None = None) -> Checkpoint | None:
+        """The checkpoint document; read at start, so by default retried until the cluster answers (an
+        indexer cannot start without it)."""
         from elasticsearch import NotFoundError
 
         def read() -> Checkpoint | None:

@@ -231,7 +231,9 @@ def _backend(args: argparse.Namespace) -> tuple[IndexBackend, str]:
 
         if not args.es_url:
             raise SystemExit("spark_job: --backend elasticsearch needs --es-url URL")
-        settings = ElasticsearchSettings(args.es_url, index=args.es_index, routing=args.es_routing)
+        # a Spark batch cannot keep consuming while the cluster is away: it waits for it (max_retries None)
+        settings = ElasticsearchSettings(args.es_url, index=args.es_index, routing=args.es_routing,
+                                         max_retries=None)
         return ElasticsearchBackend(settings, args.index_dir, topic=args.topic), ""
     from connectors.search.mapping import DocumentMapping
     from connectors.search.tantivy_backend import TantivyBackend

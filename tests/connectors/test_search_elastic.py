@@ -133,7 +133,7 @@ def test_refused_documents_go_to_the_rejection_log(es: NoidaElasticsearch, tmp_p
 
 def test_unreachable_cluster_is_retried_and_nothing_is_lost(tmp_path: Path) -> None:
     server = NoidaElasticsearch(free_port())  # not started yet
-    b = backend(server.url, tmp_path, backoff_initial_s=0.05, backoff_max_s=0.3)
+    b = backend(server.url, tmp_path, backoff_initial_s=0.05, backoff_max_s=0.3, max_retries=None)
     errors: list[BaseException] = []
 
     def commit() -> None:
