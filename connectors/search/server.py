@@ -36,6 +36,8 @@ __all__ = ["DEFAULT_TIMEOUT_MS", "MAX_LIMIT", "build_app"]
 DEFAULT_TIMEOUT_MS: Final = 10_000
 MAX_TIMEOUT_MS: Final = 300_000
 MAX_LIMIT: Final = 10_000
+#: deepest page (tantivy collects offset + limit documents)
+MAX_OFFSET: Final = 100_000
 #: seconds between two looks at the indexer's visible checkpoint while a query waits
 POLL_INTERVAL: Final = 0.005
 
@@ -159,7 +161,7 @@ async def search_get(request: web.Request) -> web.Response:
     if "q" not in q:
         raise _Error(400, "invalid_argument", "missing ?q= (tantivy's query syntax; * for every document)")
     return await _search(request, q["q"], _int(q.get("limit"), "limit", 10, 0, MAX_LIMIT),
-                         _int(q.get("offset"), "offset", 0, 0, 10**9), q.get("consistency", "not_bounded"), [],
+                         _int(q.get("offset"), "offset", 0, 0, MAX_OFFSET), q.get("consistency", "not_bounded"), [],
                          _int(q.get("timeout_ms"), "timeout_ms", DEFAULT_TIMEOUT_MS, 0, MAX_TIMEOUT_MS))
 
 
@@ -185,7 +187,7 @@ async def search_post(request: web.Request) -> web.Response:
         raise _Error(400, "invalid_argument", str(e)) from e
     consistency = body.get("consistency", "at_plus" if tokens else "not_bounded")
     return await _search(request, body["query"], _int(body.get("limit"), "limit", 10, 0, MAX_LIMIT),
-                         _int(body.get("offset"), "offset", 0, 0, 10**9), consistency, tokens,
+                         _int(body.get("offset"), "offset", 0, 0, MAX_OFFSET), consistency, tokens,
                          _int(body.get("timeout_ms"), "timeout_ms", DEFAULT_TIMEOUT_MS, 0, MAX_TIMEOUT_MS))
 
 

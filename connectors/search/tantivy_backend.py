@@ -76,7 +76,7 @@ class TantivyBackend:
         self.path = Path(path)
         self.mapping = mapping
         self.heap = heap
-        self._lock = threading.Lock()  # writer and reload vs. readers taking a searcher
+        self._lock = threading.Lock()  # the writer (apply runs in the indexer's thread; commit, reset, close)
         self._open()
         cp = self.checkpoint()
         if cp is not None and cp.mapping_id != mapping.id:
@@ -193,8 +193,9 @@ class TantivyBackend:
             self.index.reload()
 
     def _searcher(self) -> Any:
-        with self._lock:
-            return self.index.searcher()
+        # no lock: a searcher is a consistent view of one commit (documents and checkpoint together), taken
+        # without waiting for a commit in progress
+        return self.index.searcher()
 
     # ----------------------------------------------------------------------------------------- reading
     def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
@@ -207,11 +208,12 @@ class TantivyBackend:
         q = tantivy.Query.boolean_query([(tantivy.Occur.Must, q), (tantivy.Occur.MustNot, self._meta_query)])
         s = self._searcher()
         try:
-            r = s.search(q, limit, count=True, offset=offset)
+            # limit 0 (only the total): tantivy's top-docs collector needs a limit of at least 1
+            r = s.search(q, max(limit, 1), count=True, offset=offset)
         except ValueError as e:
             raise SearchError(str(e)) from e
         hits = []
-        for score, addr in r.hits:
+        for score, addr in r.hits[:limit]:
             doc = s.doc(addr).to_dict()
             hits.append(Hit(doc["_key"][0], float(score), json.loads(bytes(doc["_stored"][0]))))
         return SearchResult(hits, int(r.count or 0), self._checkpoint_of(s))

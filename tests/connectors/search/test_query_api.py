@@ -90,6 +90,9 @@ def test_bad_queries_rolled_back_tokens_and_timeouts(kafka_broker: Broker, tmp_p
             await expect_error(await http.get(f"{surl}/search", params={"q": "nosuchfield:1 AND"}), 400)
             await expect_error(await http.get(f"{surl}/search"), 400, "invalid_argument")
             await expect_error(await http.get(f"{surl}/search", params={"q": "*", "limit": "-1"}), 400)
+            await expect_error(await http.get(f"{surl}/search", params={"q": "*", "offset": "1000000000"}), 400)
+            r = await http.post(f"{surl}/search", json={"query": "*", "limit": 0, "tokens": [tok]})
+            assert r.status == 200 and (await r.json())["hits"] == [] and (await r.json())["total"] == 1
             await expect_error(await http.get(f"{surl}/search", params={"q": "*", "consistency": "eventual"}), 400)
             await expect_error(await http.get(f"{surl}/search", params={"q": "*", "consistency": "at_plus"}), 400)
             await expect_error(await http.post(f"{surl}/search", data=b"{nope"), 400, "invalid_json")
