@@ -1,4 +1,5 @@
-# The dcp-gateway service image (compose.yaml builds it): engine + gateway + HTTP API.
+# The dcp-gateway service image (compose.yaml builds it): engine + gateway + HTTP API, and the search
+# indexer (`dcpgw index`, with the Elasticsearch client for --backend elasticsearch).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -13,7 +14,7 @@ COPY gateway ./gateway
 COPY connectors ./connectors
 COPY bench ./bench
 COPY schemas ./schemas
-RUN pip install . && useradd --create-home --uid 10001 dcpgw && mkdir /data && chown dcpgw /data
+RUN pip install '.[elasticsearch]' && useradd --create-home --uid 10001 dcpgw && mkdir /data && chown dcpgw /data
 
 USER dcpgw
 EXPOSE 8080

@@ -993,6 +993,17 @@ def index(
     commit_interval: float = typer.Option(0.5, min=0.0, help="Seconds between index commits under load."),
     commit_docs: int = typer.Option(20_000, min=1, help="Changed documents that trigger an index commit."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    backend: str = typer.Option("tantivy", help="tantivy (an index in INDEX_DIR) or elasticsearch (--es-url)."),
+    es_url: str | None = typer.Option(None, envvar="DCPGW_ES_URL",
+                                      help="Elasticsearch / OpenSearch URL (--backend elasticsearch)."),
+    es_index: str | None = typer.Option(None, help="Index name (default: the topic's, docs/search.md)."),
+    es_routing: str = typer.Option("key", help="key (by _id) or vbucket (routing=<vbucket>)."),
+    es_batch_docs: int = typer.Option(1000, min=1, help="Operations per bulk request at most."),
+    es_batch_bytes: int = typer.Option(5 << 20, min=1, help="Bytes per bulk request at most (about)."),
+    es_batch_ms: int = typer.Option(1000, min=1, help="Milliseconds an operation waits before a bulk."),
+    es_max_retries: int = typer.Option(3, min=0,
+                                       help="Retries of a request the cluster refused (429/5xx/no connection) "
+                                            "before the indexer backs off and tries again later."),
 ) -> None:
     """Index TOPIC into a tantivy index in INDEX_DIR (exact after rollbacks) and answer search queries on
     HTTP_PORT: GET/POST /search with consistency not_bounded / at_plus / request_plus, /status, /metrics."""
@@ -1008,6 +1019,21 @@ def index(
         doc_mapping = DocumentMapping.load(mapping)
     except ConnectorError as e:
         _fail(str(e))
+    if backend not in ("tantivy", "elasticsearch"):
+        _fail(f"--backend {backend!r}: must be tantivy or elasticsearch")
+    es_settings = None
+    if backend == "elasticsearch":
+        from connectors.search.elastic import ElasticsearchSettings
+
+        if not es_url:
+            _fail("--backend elasticsearch needs --es-url URL (or DCPGW_ES_URL)")
+        try:
+            es_settings = ElasticsearchSettings(
+                es_url, index=es_index, routing=es_routing,  # type: ignore[arg-type]
+                batch_docs=es_batch_docs, batch_bytes=es_batch_bytes, batch_ms=es_batch_ms,
+                max_retries=es_max_retries)
+        except ConnectorError as e:
+            _fail(str(e))
     st = _state(data_dir)
     bootstrap = bootstrap or st.get("bootstrap_servers")
     topic = topic or st.get("topic")
@@ -1028,14 +1054,27 @@ def index(
         _fail(f"cannot listen on {http_host}:{http_port}: {e.strerror or e}")
     kafka = _kafka_client(bootstrap)
 
+    index_backend: Any = None
+    if es_settings is not None:
+        from connectors.search.elastic import ElasticsearchBackend
+
+        index_dir.mkdir(parents=True, exist_ok=True)
+        index_backend = ElasticsearchBackend(es_settings, index_dir, topic=topic)
+
     async def main() -> dict[str, Any]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopping() -> None:
+            stop.set()
+            if index_backend is not None:
+                index_backend.stop.set()  # a bulk being retried gives up (nothing is checkpointed)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping)
         src = GatewaySource(source_url, user, password) if source_url else None
         with SearchIndexer(kafka, topic, index_dir, mapping=doc_mapping, commit_docs=commit_docs,
-                           commit_interval=commit_interval) as ix:
+                           commit_interval=commit_interval, backend=index_backend) as ix:
             return await serve(ix, host=http_host, port=http_port, source=src, until_caught_up=until_caught_up,
                                stop=stop, on_listening=lambda p: typer.echo(
                                    f"search API on http://{http_host}:{p} (index {index_dir})", err=True))
@@ -1046,6 +1085,9 @@ def index(
         _fail(str(e))
     except (sqlite3.Error, OSError, ValueError) as e:
         _fail(f"search index {index_dir}: {e}")
+    finally:
+        if index_backend is not None:
+            index_backend.close()
 
 
 # ---------------------------------------------------------------------- tail

@@ -384,7 +384,9 @@ class SearchIndexer:
                 "backend_error": self.backend_error, "pending_docs": len(self._pending), "records_consumed": self.consumer.records_consumed,
                 **asdict(self.stats),
                 "vbuckets": [{"vbucket": vb, "vbuuid": p.vbuuid, "indexed_seqno": p.seqno}
-                             for vb, p in sorted(vis.positions.items())]}
+                             for vb, p in sorted(vis.positions.items())],
+                # a search cluster's side (connectors/search/elastic.py): reachable, retries, last error
+                **({"backend": self.backend.status()} if hasattr(self.backend, "status") else {})}
 
     def close(self) -> None:
         try:

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from connectors.exceptions import ConnectorError
 from connectors.search.backend import SearchError, SearchResult, SearchUnsupported
 from connectors.search.consistency import (
     CONSISTENCY_LEVELS,
@@ -144,6 +145,8 @@ async def _search(request: web.Request, query: Any, limit: int, offset: int, con
         raise _Error(400, "invalid_query", str(e)) from e
     except SearchUnsupported as e:
         raise _Error(501, "search_unsupported", str(e)) from e
+    except ConnectorError as e:  # a search cluster that does not answer (connectors/search/elastic.py)
+        raise _Error(503, "backend_unavailable", str(e)) from e
     cp = res.checkpoint
     return web.json_response({
         "hits": [{"key": h.key, "score": h.score, "fields": h.fields} for h in res.hits],
@@ -239,6 +242,13 @@ async def metrics(request: web.Request) -> web.Response:
     lines += ["# HELP dcpgw_search_indexed_seqno seqno up to which the index reflects a vbucket",
               "# TYPE dcpgw_search_indexed_seqno gauge"]
     lines += [f'dcpgw_search_indexed_seqno{{vbucket="{v["vbucket"]}"}} {v["indexed_seqno"]}' for v in st["vbuckets"]]
+    be = st.get("backend")
+    if isinstance(be, dict) and "reachable" in be:  # a search cluster (docs/search.md "The Elasticsearch backend")
+        metric("dcpgw_search_backend_reachable", "gauge", "1 when the search cluster answered the last request",
+               int(bool(be["reachable"])))
+        metric("dcpgw_search_backend_retries_total", "counter", "requests to the search cluster retried",
+               be["retries"])
+        metric("dcpgw_search_backend_bulk_requests_total", "counter", "bulk requests sent", be["bulk_requests"])
     if "lag" in st:
         lines += ["# HELP dcpgw_search_lag_seqnos source high seqno minus indexed seqno",
                   "# TYPE dcpgw_search_lag_seqnos gauge"]

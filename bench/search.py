@@ -1,0 +1,174 @@
+"""Search indexing benchmark: ``python -m bench.search [--docs N] [--rounds R]``.
+
+Publishes N JSON documents (~250 bytes, 1024 vbuckets) with the in-process gateway publisher to a topic on the
+broker the product would use (gateway.broker.select_broker), then measures, in the same run:
+
+* ``search.index_throughput``  documents/s from the topic to a committed tantivy index through the search
+  indexer (connectors/search/indexer.py: rollback-aware client, document store + mutation log in SQLite, the
+  tantivy backend with the default dynamic mapping, commits batched by the indexer's defaults), timed from the
+  indexer's construction until it is caught up and committed -- vs tantivy indexing the same documents
+  directly (the same backend, ``TantivyBackend.apply`` of all of them and one commit, from memory; building the
+  documents is not timed) (target >= 0.7x).
+* ``search.index_1001006_docs_wall``  (only when N = 1,001,006) the indexer's wall time for those documents,
+  beside go-dcp-elasticsearch's published 50 s for 1,001,006 documents (its README's benchmark: Couchbase to
+  Elasticsearch, other hardware, other pipeline): information only, target null.
+
+Each side runs in a process of its own (as ``bench.client`` does: the in-process engine tunes the cyclic GC for
+its millions of items, which an indexer process does not have), ``--rounds`` times alternating; each keeps its
+best round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+NVB = 1024
+#: go-dcp-elasticsearch's published benchmark (its README): 1,001,006 documents in 50 s
+GO_DCP_ES_DOCS = 1_001_006
+GO_DCP_ES_SECONDS = 50.0
+
+_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
+          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
+_CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Perth", "Quito", "Turin")
+
+
+def document(i: int) -> tuple[str, bytes]:
+    """The i-th benchmark document: a user profile of ~250 bytes (text, keyword, numbers, a date)."""
+    w = _WORDS
+    bio = " ".join(w[(i * 7 + j * 3) % len(w)] for j in range(12))
+    body = {"name": f"user {i}", "email": f"user{i}@example.com", "age": 18 + i % 60,
+            "city": _CITIES[i % len(_CITIES)], "joined": f"20{10 + i % 15:02d}-0{1 + i % 9}-1{i % 10}T10:00:00Z",
+            "score": (i * 37 % 1000) / 10, "bio": bio}
+    return f"user::{i:010d}", json.dumps(body, separators=(",", ":")).encode()
+
+
+def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> str:
+    from engine import Bucket, BucketConfig
+    from gateway.publisher import Publisher
+    from gateway.resume import PublishPosition, ensure_topics
+    from schemas.codec import RecordEncoder
+    from schemas.records import ValueFormat
+
+    b = Bucket(BucketConfig(data_dir=tmp / "engine", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))
+    topic = f"bench-search-{uuid.uuid4().hex[:8]}"
+    parts = ensure_topics(client, topic, NVB)
+    pub = Publisher(b, conf, topic, parts, RecordEncoder(ValueFormat.AVRO),
+                    {vb: PublishPosition(vb) for vb in range(NVB)}, rollback_mitigation=False)
+    pub.open()
+    for i in range(n):
+        k, v = document(i)
+        b.set(k, v)
+        if i % 50_000 == 49_999:
+            while pub.pump():
+                pass
+    while True:
+        if not pub.pump():
+            if pub.inflight == 0:
+                break
+            pub.kafka.poll(0.005)
+    pub.close()
+    b.close(clean=False)
+    return topic
+
+
+def run_indexer(client: dict[str, Any], topic: str, d: Path, n: int) -> dict[str, Any]:
+    from connectors.search.indexer import SearchIndexer
+
+    t = time.perf_counter()
+    with SearchIndexer(client, topic, d) as ix:
+        ix.catch_up()
+        el = time.perf_counter() - t
+        st = ix.stats
+        assert st.indexed == n, (st.indexed, n)
+        return {"seconds": el, "docs": st.indexed, "commits": st.commits}
+
+
+def run_direct(d: Path, n: int) -> dict[str, Any]:
+    from connectors.search.backend import Checkpoint, Upsert
+    from connectors.search.mapping import DocumentMapping
+    from connectors.search.tantivy_backend import TantivyBackend
+    ops = []
+    for i in range(n):
+        k, v = document(i)
+        ops.append(Upsert(k, ((zlib.crc32(k.encode()) >> 16) & 0x7FFF) % NVB, 1, v))  # the engine's vbucket
+    mapping = DocumentMapping.dynamic_default()
+    t = time.perf_counter()
+    b = TantivyBackend(d, mapping)
+    st = b.apply(ops)
+    b.commit(Checkpoint(1, {}, mapping.id))
+    el = time.perf_counter() - t
+    b.close()
+    assert st.indexed == n, (st.indexed, n)
+    return {"seconds": el, "docs": st.indexed, "commits": 1}
+
+
+def in_own_process(role: str, client: dict[str, Any], topic: str, d: Path, n: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "bench.search", "--role", role, "--kafka", json.dumps(client),
+                          "--topic", topic, "--dir", str(d), "--docs", str(n)], check=True, capture_output=True,
+                         text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=200_000)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of both sides; best of each")
+    ap.add_argument("--role", choices=["indexer", "direct"], help=argparse.SUPPRESS)
+    ap.add_argument("--kafka", help=argparse.SUPPRESS)
+    ap.add_argument("--topic", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    n = args.docs
+    if args.role is not None:
+        d = Path(args.dir)
+        c0 = time.process_time()
+        r = (run_indexer(json.loads(args.kafka), args.topic, d, n) if args.role == "indexer" else run_direct(d, n))
+        # CPU seconds of the whole process (librdkafka's and tantivy's threads included): on a shared machine
+        # the wall time also counts waiting for a core
+        r["cpu_seconds"] = time.process_time() - c0
+        print(json.dumps(r), flush=True)
+        return
+
+    from bench.report import figure
+    from gateway.broker import select_broker
+    from gateway.config import load_settings
+
+    with select_broker() as broker, tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        settings = load_settings(None)
+        conf = {**settings.producer_config(), "bootstrap.servers": broker.bootstrap_servers}
+        client = {"bootstrap.servers": broker.bootstrap_servers}
+        t = time.perf_counter()
+        topic = publish(conf, client, n, tmp)
+        print(json.dumps({"info": "search.publish", "docs": n, "seconds": round(time.perf_counter() - t, 1)}),
+              flush=True)
+        best_ix = best_direct = float("inf")
+        commits = 0
+        for r in range(args.rounds):
+            ix = in_own_process("indexer", client, topic, tmp / f"ix{r}", n)
+            dr = in_own_process("direct", client, topic, tmp / f"direct{r}", n)
+            print(json.dumps({"info": "search.round", "round": r, "indexer_s": round(ix["seconds"], 2),
+                              "direct_s": round(dr["seconds"], 2), "indexer_cpu_s": round(ix["cpu_seconds"], 2),
+                              "direct_cpu_s": round(dr["cpu_seconds"], 2), "indexer_commits": ix["commits"]}),
+                  flush=True)
+            best_ix = min(best_ix, ix["seconds"])
+            best_direct = min(best_direct, dr["seconds"])
+            commits = ix["commits"]
+        figure("search.index_throughput", n / best_ix, "docs/s", n / best_direct, 0.7, "higher")
+        print(json.dumps({"info": "search.index_wall", "docs": n, "indexer_s": round(best_ix, 2),
+                          "direct_s": round(best_direct, 2), "indexer_commits": commits}), flush=True)
+        if n == GO_DCP_ES_DOCS:
+            figure("search.index_1001006_docs_wall", best_ix, "s", GO_DCP_ES_SECONDS, None, "lower")
+
+
+if __name__ == "__main__":
+    main()
