@@ -153,10 +153,10 @@ def main() -> None:
               flush=True)
         best_ix = best_direct = float("inf")
         commits = 0
-        for r in range(args.rounds):
-            ix = in_own_process("indexer", client, topic, tmp / f"ix{r}", n)
-            dr = in_own_process("direct", client, topic, tmp / f"direct{r}", n)
-            print(json.dumps({"info": "search.round", "round": r, "indexer_s": round(ix["seconds"], 2),
+        for rnd in range(args.rounds):
+            ix = in_own_process("indexer", client, topic, tmp / f"ix{rnd}", n)
+            dr = in_own_process("direct", client, topic, tmp / f"direct{rnd}", n)
+            print(json.dumps({"info": "search.round", "round": rnd, "indexer_s": round(ix["seconds"], 2),
                               "direct_s": round(dr["seconds"], 2), "indexer_cpu_s": round(ix["cpu_seconds"], 2),
                               "direct_cpu_s": round(dr["cpu_seconds"], 2), "indexer_commits": ix["commits"]}),
                   flush=True)
