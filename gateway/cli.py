@@ -8,6 +8,8 @@
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
+* ``dcpgw gateway --source HOST:PORT[,...] --group NAME``  one more gateway process of a group sharing the
+  vbuckets of running engine node processes (docs/scale-out.md)
 * ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
 """
 
@@ -283,6 +285,56 @@ def up(
         if brk is not None:
             brk.stop()
         lock.release()
+
+
+# ---------------------------------------------------------------------- gateway (a group member)
+@app.command("gateway")
+def gateway_member(
+    source: str = typer.Option(..., "--source", help="HOST:PORT[,...] of running engine node processes "
+                               "(python -m engine.network.server): the engine or cluster to stream."),
+    group: str = typer.Option(..., "--group", help="Kafka group of the gateway processes sharing its vbuckets "
+                              "(docs/scale-out.md)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
+) -> None:
+    """Run one more gateway process of GROUP against a running engine or cluster: the group's assignment on
+    the coordination topic decides which vbuckets it streams. Needs KAFKA_BOOTSTRAP_SERVERS (or the kafka
+    settings); no HTTP API. Ctrl-C / SIGTERM leave the group (the others take the vbuckets over)."""
+    import threading
+
+    from engine.exceptions import DcpGatewayError
+    from gateway.config import load_settings
+    from gateway.exceptions import ConfigError
+    from gateway.member import run_attached_member
+
+    addresses = [a.strip() for a in source.split(",") if a.strip()]
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            _fail(f"--source: {a!r} is not HOST:PORT")
+    if not addresses:
+        _fail("--source: no HOST:PORT given")
+    if not group.strip():
+        _fail("--group: the group name must not be empty")
+    try:
+        settings = load_settings(config)
+    except ConfigError as e:
+        _fail(_one_line(e))
+    bootstrap = settings.kafka.bootstrap_servers
+    if not bootstrap:
+        _fail("dcpgw gateway needs a running Kafka: set KAFKA_BOOTSTRAP_SERVERS (or kafka.bootstrap_servers)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        run_attached_member(settings, bootstrap, addresses, group.strip(), stop,
+                            on_ready=lambda m: typer.echo(f"gateway member of group {group.strip()} ready", err=True))
+    except (DcpGatewayError, OSError) as e:
+        _fail(_one_line(e))
 
 
 def _one_line(e: BaseException) -> str:

@@ -15,11 +15,14 @@ and serves the membership's changes between pumps:
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from gateway.config import GatewaySettings
 from gateway.kafka.membership import (
     DEFAULT_SESSION_TIMEOUT_MS,
     Membership,
@@ -139,3 +142,48 @@ class GroupMember:
                     idle_poll(0.005)
         finally:
             self.finish()
+
+
+def run_attached_member(settings: GatewaySettings, bootstrap_servers: str, addresses: list[str], group: str,
+                        stop: threading.Event, *, on_ready: Callable[[GroupMember], None] | None = None) -> None:
+    """``dcpgw gateway --source HOST:PORT[,...] --group NAME``: one more member of ``group``, streaming the vbuckets
+    the group assigns it from the running node processes at ``addresses`` into the settings' topic, until
+    ``stop`` is set (then it leaves the group cleanly)."""
+    from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter
+    from gateway.resume import ensure_topics, topic_record_limit, wait_for_kafka
+    from gateway.source import AttachedNodesSource
+    from schemas.codec import RecordEncoder
+    from schemas.records import ValueFormat
+    from schemas.topics import topic_name
+
+    s = settings
+    client = {**dict(s.admin_config()), "bootstrap.servers": bootstrap_servers}
+    producer_conf = {**dict(s.producer_config()), "bootstrap.servers": bootstrap_servers}
+    wait_for_kafka(client, s.kafka_connect_timeout_s)
+    topic = topic_name(s.topic_prefix, s.bucket)
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    source = AttachedNodesSource(addresses, f"dcpgw:{s.bucket}:{group}:{me}", s.flow_control_buffer_bytes)
+    source.open()
+    nvb = source.num_vbuckets
+    needed = s.max_record_bytes()
+    partitions = ensure_topics(client, topic, s.create_topic_partitions or nvb, s.topic_replication_factor, 30.0,
+                               needed)
+    limit = topic_record_limit(client, topic, needed)
+    large = max(1, DEFAULT_LARGE_RECORD_BYTES if limit is None else min(limit, needed) - 1024)
+
+    def make(vbs: list[int]) -> Publisher:
+        return Publisher(source, producer_conf, topic, partitions, RecordEncoder(ValueFormat(s.value_format)), {},
+                         stream_from=s.stream_from, key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
+                         flow_control_bytes=s.flow_control_buffer_bytes, rollback_mitigation=s.rollback_mitigation,
+                         connection_name=source.connection_name, oversize_policy=s.oversize_policy,
+                         large_record_bytes=large, vbuckets=vbs)
+
+    member = GroupMember(make, client, producer_conf, topic, partitions, nvb, group,
+                         member_partitions=min(s.group_partitions, nvb),
+                         session_timeout_ms=s.group_session_timeout_ms,
+                         checkpoint_interval=s.checkpoint_interval_s, member_name=f"dcpgw-{me}")
+    log.info("gateway member of group %s: topic %s (%d partitions), %d vbuckets on %s", group, topic, partitions,
+             nvb, ", ".join(addresses))
+    if on_ready is not None:
+        on_ready(member)
+    member.run(stop)
