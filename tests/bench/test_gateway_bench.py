@@ -41,3 +41,16 @@ def test_bad_arguments_exit_2_with_one_line(bad: list[str]) -> None:
     proc = run_bench(*bad)
     assert proc.returncode == 2
     assert "error:" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_two_gateway_processes_print_the_scaleout_figure() -> None:
+    proc = run_bench("--docs", "500", "--rounds", "1", "--gateways", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.strip().splitlines()]
+    (fig,) = [x for x in lines if x.get("figure") == "gateway.scaleout"]
+    assert list(fig) == KEYS and fig["target"] == 1.6 and fig["value"] > 0 and fig["baseline"] > 0
+    (rnd,) = [x for x in lines if x.get("info") == "round"]
+    assert rnd["scaleout"]["many"]["gateways"] == 2 and rnd["scaleout"]["one"]["gateways"] == 1
+    procs = {x["process"] for x in lines if x.get("info") == "gateway.rss_mib.process"}
+    assert procs == {"engine", "gateway0", "gateway1"}
