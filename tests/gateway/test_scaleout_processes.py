@@ -56,9 +56,10 @@ class Member:
         return self.proc.returncode
 
 
-@pytest.fixture
-def engine_node(tmp_path: Path) -> Iterator[ProcessCluster]:
-    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB,
+@pytest.fixture(params=[(1, 0), (2, 1)], ids=["one-node", "two-nodes-one-replica"])
+def engine_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ProcessCluster]:
+    nodes, replicas = request.param
+    c = ProcessCluster.start(tmp_path / "engine", nodes=nodes, replicas=replicas, num_vbuckets=NVB,
                              checkpoint_max_items=5)
     try:
         yield c
@@ -87,8 +88,8 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float, tick: Callable
 @pytest.mark.slow
 def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
         kafka_broker: Broker, engine_node: ProcessCluster, tmp_path: Path) -> None:
-    node = engine_node.node("n0")
-    source = f"{node.host}:{node.port}"
+    # every node's address: the members learn each vbucket's active from the nodes' vbucket states
+    source = ",".join(f"{n.host}:{n.port}" for n in engine_node.nodes.values())
     prefix = f"so{uuid.uuid4().hex[:8]}"
     topic = f"{prefix}.default"
     env = member_env(kafka_broker, prefix)
