@@ -236,6 +236,9 @@ def up(
                                      "an in-process cluster behind the gateway. Default: one bucket."),
     replicas: int | None = typer.Option(None, "--replicas", min=0, max=3,
                                         help="Replicas per vbucket in cluster mode (DCPGW_CLUSTER_REPLICAS)."),
+    gateways: int | None = typer.Option(None, "--gateways", min=1, max=64,
+                                        help="Gateway processes publishing the engine, in one Kafka group "
+                                        "(DCPGW_GATEWAYS; docs/scale-out.md). Default: 1."),
 ) -> None:
     """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
     Ctrl-C / SIGTERM."""
@@ -247,11 +250,15 @@ def up(
     overrides = {k: v for k, v in {
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
         "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
-        "cluster_replicas": replicas}.items() if v is not None}
+        "cluster_replicas": replicas, "gateways": gateways}.items() if v is not None}
     try:
         settings = load_settings(config, **overrides)
     except ConfigError as e:
         _fail(_one_line(e))
+    if settings.gateways > 1 and settings.cluster_nodes > 1:
+        _fail("--gateways > 1 runs with one engine node only (not with --nodes)")
+    if settings.gateways > 1 and config is not None:
+        os.environ["DCPGW_CONFIG_FILE"] = str(config.resolve())  # the other gateway processes read it too
     # Local problems first, in one line each, before a broker is started (docs/reliability.md).
     _check_data_dir(settings.data_dir)
     _check_port(settings.http_host, settings.http_port)

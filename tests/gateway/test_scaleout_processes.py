@@ -169,3 +169,44 @@ def test_gateway_command_exits_one_line_when_no_node_answers(kafka_broker: Broke
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: no node answers at 127.0.0.1:1"), r.stderr
 
+
+
+@pytest.mark.slow
+def test_up_with_two_gateways_publishes_every_write_once(kafka_broker: Broker, tmp_path: Path) -> None:
+    from tests.gateway.processes import GatewayProc, docs, verify
+
+    bucket = f"up{uuid.uuid4().hex[:6]}"
+    gw = GatewayProc(kafka_broker, tmp_path / "data", bucket, base_env=CLEAN_ENV, DCPGW_GATEWAYS="2",
+                     DCPGW_GROUP_PARTITIONS="4", DCPGW_GROUP_SESSION_TIMEOUT_MS="6000")
+    try:
+        gw.start()
+        for lo in range(0, 400, 100):
+            gw.bulk(docs(lo, lo + 100))
+        want = {f"doc{i}".encode() for i in range(400)}
+
+        def published() -> bool:
+            replica = TopicReplica()
+            replica.apply_all(read_topic(kafka_broker.bootstrap_servers, f"dcp.{bucket}"))
+            return set(replica.state()) == want
+
+        wait_for(published, "every write in the topic", 120)
+        log = gw.log.read_text()
+        assert f"gateway member of group dcpgw-dcp.{bucket} ready" in log  # the child process joined
+        counts = [int(x) for x in ASSIGNED.findall(log)]
+        assert any(0 < c < NVB for c in counts), counts  # the vbuckets were split between the two processes
+        gw.stop()
+    finally:
+        gw.close()
+    verify(kafka_broker, tmp_path / "data", bucket)
+
+
+def test_up_gateways_refuses_a_cluster_and_bad_counts(tmp_path: Path) -> None:
+    env = {**CLEAN_ENV, "DCPGW_DATA_DIR": str(tmp_path / "d")}
+    r = dcpgw("up", "--gateways", "2", "--nodes", "3", env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --gateways > 1 runs with one engine node only (not with --nodes)"
+    for bad in ("0", "65", "x"):
+        r = dcpgw("up", "--gateways", bad, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+    r = dcpgw("up", env={**env, "DCPGW_GATEWAYS": "0"})
+    assert r.returncode == 2 and "gateways" in r.stderr, r.stderr
