@@ -8,9 +8,9 @@
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
+* ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
 * ``dcpgw gateway --source HOST:PORT[,...] --group NAME``  one more gateway process of a group sharing the
   vbuckets of running engine node processes (docs/scale-out.md)
-* ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
 """
 
 from __future__ import annotations
@@ -232,13 +232,13 @@ def up(
     stream_from: str | None = typer.Option(None, help="saved-offset-or-beginning | saved-offset-or-now | "
                                            "beginning | now."),
     progress: bool = typer.Option(True, help="Show a progress bar while streams catch up."),
+    gateways: int | None = typer.Option(None, "--gateways", min=1, max=64,
+                                        help="Gateway processes publishing the engine, in one Kafka group "
+                                        "(DCPGW_GATEWAYS; docs/scale-out.md). Default: 1."),
     nodes: int | None = typer.Option(None, "--nodes", min=1, help="Engine nodes (DCPGW_CLUSTER_NODES); > 1 runs "
                                      "an in-process cluster behind the gateway. Default: one bucket."),
     replicas: int | None = typer.Option(None, "--replicas", min=0, max=3,
                                         help="Replicas per vbucket in cluster mode (DCPGW_CLUSTER_REPLICAS)."),
-    gateways: int | None = typer.Option(None, "--gateways", min=1, max=64,
-                                        help="Gateway processes publishing the engine, in one Kafka group "
-                                        "(DCPGW_GATEWAYS; docs/scale-out.md). Default: 1."),
 ) -> None:
     """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
     Ctrl-C / SIGTERM."""
@@ -250,9 +250,9 @@ def up(
     overrides = {k: v for k, v in {
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
         "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
-        "cluster_replicas": replicas, "gateways": gateways}.items() if v is not None}
+        "cluster_replicas": replicas}.items() if v is not None}
     try:
-        settings = load_settings(config, **overrides)
+        settings = load_settings(config, **overrides, **({} if gateways is None else {"gateways": gateways}))
     except ConfigError as e:
         _fail(_one_line(e))
     if settings.gateways > 1 and settings.cluster_nodes > 1:

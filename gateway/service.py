@@ -76,6 +76,8 @@ class GatewayService:
         self._rebalance_setup: asyncio.Task[dict[str, Bucket]] | None = None
         self.publisher: Publisher | None = None
         self.checkpoints: CheckpointWriter | None = None
+        #: ``gateways`` > 1: the node server, the other gateway processes, this one's group membership
+        self.group: GroupHost | None = None
         self.runner: web.AppRunner | None = None  # gateway.api.JsonAppRunner once started
         self.http_port: int = settings.http_port
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,8 +93,6 @@ class GatewayService:
         #: times the topic was found to have lost acknowledged records (and was republished from seqno 0)
         self.truncations = 0
         self._large_record_bytes = DEFAULT_LARGE_RECORD_BYTES
-        #: ``gateways`` > 1: the node server, the other gateway processes, this one's group membership
-        self.group: GroupHost | None = None
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
