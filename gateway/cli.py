@@ -6,11 +6,11 @@
   gateway's cluster (HTTP admin API)
 * ``dcpgw load``    write generator (through the HTTP API), with a progress bar
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
+* ``dcpgw gateway --source HOST:PORT[,...] --group NAME``  one more gateway process of a group sharing the
+  vbuckets of running engine node processes (docs/scale-out.md)
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
 * ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
-* ``dcpgw gateway --source HOST:PORT[,...] --group NAME``  one more gateway process of a group sharing the
-  vbuckets of running engine node processes (docs/scale-out.md)
 """
 
 from __future__ import annotations
