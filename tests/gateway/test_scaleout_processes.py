@@ -210,3 +210,37 @@ def test_up_gateways_refuses_a_cluster_and_bad_counts(tmp_path: Path) -> None:
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
     r = dcpgw("up", env={**env, "DCPGW_GATEWAYS": "0"})
     assert r.returncode == 2 and "gateways" in r.stderr, r.stderr
+
+
+def test_attached_source_learns_each_vbuckets_active_from_the_nodes(tmp_path: Path) -> None:
+    from engine import InvalidArgument
+    from gateway.source import AttachedNodesSource
+
+    with pytest.raises(InvalidArgument, match="no node address"):
+        AttachedNodesSource([], "c", 1 << 20)
+    c = ProcessCluster.start(tmp_path / "two", nodes=2, replicas=1, num_vbuckets=8)
+    other = ProcessCluster.start(tmp_path / "other", nodes=1, replicas=0, num_vbuckets=4)
+    try:
+        addr = {name: f"{n.host}:{n.port}" for name, n in c.nodes.items()}
+        src = AttachedNodesSource(sorted(addr.values()), "c", 1 << 20)
+        try:
+            src.open()
+            assert src.num_vbuckets == 8
+            vbmap = c.vbucket_map()
+            for vb in range(8):
+                assert src.active_node(vb) == addr[vbmap.active(vb)]
+            topo = src.topology()
+            c.kill("n1")  # its actives are not reachable any more: the token changes at the next refresh
+            src.refresh()
+            assert src.topology() != topo
+            assert all(src.active_node(vb) in (addr["n0"], None) for vb in range(8))
+        finally:
+            src.close()
+        o = other.node("n0")
+        mixed = AttachedNodesSource([addr["n0"], f"{o.host}:{o.port}"], "c", 1 << 20)
+        with pytest.raises(InvalidArgument, match="disagree on the number of vbuckets"):
+            mixed.open()
+        mixed.close()
+    finally:
+        c.close(clean=False)
+        other.close(clean=False)
