@@ -228,7 +228,8 @@ def test_attached_source_learns_each_vbuckets_active_from_the_nodes(tmp_path: Pa
             assert src.num_vbuckets == 8
             vbmap = c.vbucket_map()
             for vb in range(8):
-                assert src.active_node(vb) == addr[vbmap.active(vb)]
+                active = vbmap.active(vb)
+                assert active is not None and src.active_node(vb) == addr[active]
             topo = src.topology()
             c.kill("n1")  # its actives are not reachable any more: the token changes at the next refresh
             src.refresh()
