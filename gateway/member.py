@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.config import GatewaySettings
+from gateway.exceptions import GatewayError
 from gateway.kafka.membership import (
     DEFAULT_SESSION_TIMEOUT_MS,
     Membership,
@@ -104,7 +105,9 @@ class GroupMember:
         group (after :meth:`leave`). Raises the membership's error, if any."""
         m = self.membership
         if m.error is not None:
-            raise m.error
+            if isinstance(m.error, GatewayError):
+                raise m.error
+            raise GatewayError(f"group {m.group}: membership failed: {m.error}") from m.error
         if m.stopping and not m.alive:
             return False
         self.serve()

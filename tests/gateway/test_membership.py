@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine import Bucket, BucketConfig, KeyNotFound
 from gateway.broker import Broker
@@ -44,6 +46,15 @@ def test_vbuckets_of_partition_modulo() -> None:
     assert vbuckets_of([], 4, 10) == []
     owned = [vbuckets_of([p], 4, 10) for p in range(4)]
     assert sorted(v for vs in owned for v in vs) == list(range(10))  # every vbucket exactly once
+
+
+@given(nvb=st.integers(1, 300), t=st.integers(1, 80), members=st.integers(1, 6), data=st.data())
+def test_any_assignment_gives_every_vbucket_to_exactly_one_member(nvb: int, t: int, members: int,
+                                                                  data: st.DataObject) -> None:
+    owner = data.draw(st.lists(st.integers(0, members - 1), min_size=t, max_size=t))  # partition -> member
+    owned = [vbuckets_of([p for p in range(t) if owner[p] == m], t, nvb) for m in range(members)]
+    flat = [vb for vbs in owned for vb in vbs]
+    assert sorted(flat) == list(range(nvb))  # no vbucket twice, none missing
 
 
 def test_members_topic_name() -> None:
