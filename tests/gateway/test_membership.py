@@ -228,3 +228,18 @@ def test_two_members_share_and_hand_over_vbuckets_without_duplicate_or_gap(membe
     for part in range(members.partitions):
         dup = [k for k, n in data_positions([(o, r) for p, o, r in recs if p == part]).items() if n > 1]
         assert not dup, dup[:5]
+
+
+def test_a_member_whose_recovery_fails_stops_with_the_error(members: Members) -> None:
+    m = members.add("a")
+
+    def broken(vbs: list[int]) -> Any:
+        raise KeyError("no checkpoint topic")  # anything: not a GatewayError
+
+    m.membership.recover = broken
+    with pytest.raises(GatewayError, match="membership failed: 'no checkpoint topic'"):
+        members.step_until(lambda: False, timeout=60)
+    assert not m.publisher.assigned
+    members.members.remove(m)
+    m.finish()  # closes cleanly after the error
+    assert not m.membership.alive
