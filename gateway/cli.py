@@ -302,6 +302,7 @@ def gateway_member(
     group: str = typer.Option(..., "--group", help="Kafka group of the gateway processes sharing its vbuckets "
                               "(docs/scale-out.md)."),
     config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
+    parent_pid: int | None = typer.Option(None, "--parent-pid", hidden=True),  # dcpgw up --gateways: its children
 ) -> None:
     """Run one more gateway process of GROUP against a running engine or cluster: the group's assignment on
     the coordination topic decides which vbuckets it streams. Needs KAFKA_BOOTSTRAP_SERVERS (or the kafka
@@ -311,7 +312,7 @@ def gateway_member(
     from engine.exceptions import DcpGatewayError
     from gateway.config import load_settings
     from gateway.exceptions import ConfigError
-    from gateway.member import run_attached_member
+    from gateway.member import run_attached_member, watch_parent
 
     addresses = [a.strip() for a in source.split(",") if a.strip()]
     for a in addresses:
@@ -337,6 +338,8 @@ def gateway_member(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if parent_pid is not None:
+        watch_parent(parent_pid, stop)
     try:
         run_attached_member(settings, bootstrap, addresses, group.strip(), stop,
                             on_ready=lambda m: typer.echo(f"gateway member of group {group.strip()} ready", err=True))

@@ -98,7 +98,7 @@ class GroupHost:
         for _ in range(self.settings.gateways - 1):
             self.children.append(subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "gateway", "--source", f"127.0.0.1:{self.port}", "--group",
-                 self.group], env=env))
+                 self.group, "--parent-pid", str(os.getpid())], env=env))
         log.info("gateway group %s: engine served on 127.0.0.1:%d, %d more gateway processes (pids %s)",
                  self.group, self.port, len(self.children), [c.pid for c in self.children])
 

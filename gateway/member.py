@@ -147,6 +147,21 @@ class GroupMember:
             self.finish()
 
 
+def watch_parent(parent_pid: int, stop: threading.Event, interval: float = 0.5) -> threading.Thread:
+    """Set ``stop`` once this process is no longer ``parent_pid``'s child (the ``dcpgw up --gateways`` process
+    that started it died, even by SIGKILL): the member then leaves the group cleanly instead of lingering."""
+
+    def watch() -> None:
+        while not stop.wait(interval):
+            if os.getppid() != parent_pid:
+                log.warning("parent process %d is gone: leaving the group", parent_pid)
+                stop.set()
+
+    t = threading.Thread(target=watch, name="dcpgw-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
 def run_attached_member(settings: GatewaySettings, bootstrap_servers: str, addresses: list[str], group: str,
                         stop: threading.Event, *, on_ready: Callable[[GroupMember], None] | None = None) -> None:
     """``dcpgw gateway --source HOST:PORT[,...] --group NAME``: one more member of ``group``, streaming the vbuckets

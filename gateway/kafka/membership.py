@@ -228,7 +228,8 @@ class Membership:
         self.owned = vbs
 
     def _on_revoke(self, c: Consumer, parts: list[TopicPartition]) -> None:
-        vbs = [vb for vb in self._vbuckets(parts) if vb in set(self.owned)] if self.owned else []
+        owned = set(self.owned)
+        vbs = [vb for vb in self._vbuckets(parts) if vb in owned]
         log.info("group %s: %d vbuckets revoked", self.group, len(vbs))
         if vbs:
             try:
@@ -271,7 +272,7 @@ class Membership:
                 with contextlib.suppress(KafkaException, RuntimeError):
                     c2.close()
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self) -> None:
         """Leave the group (the vbuckets are released first, so the loop must keep serving meanwhile)."""
         self._stop.set()
 

@@ -6,6 +6,8 @@ independent replay equals the engine."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -245,3 +247,32 @@ def test_attached_source_learns_each_vbuckets_active_from_the_nodes(tmp_path: Pa
     finally:
         c.close(clean=False)
         other.close(clean=False)
+
+
+@pytest.mark.slow
+def test_up_killed_leaves_no_gateway_child_behind(kafka_broker: Broker, tmp_path: Path) -> None:
+    from tests.gateway.processes import GatewayProc
+
+    gw = GatewayProc(kafka_broker, tmp_path / "data", f"up{uuid.uuid4().hex[:6]}", base_env=CLEAN_ENV,
+                     DCPGW_GATEWAYS="2", DCPGW_GROUP_PARTITIONS="4")
+    try:
+        gw.start()
+        found = re.search(r"more gateway processes \(pids \[(\d+)\]\)", gw.log.read_text())
+        assert found, gw.log.read_text()[-2000:]
+        child = int(found.group(1))
+
+        def gone() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return True
+            # a zombie (exited, not reaped: its parent is gone, init reaps it) counts as gone
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            return True
+
+        assert not gone()  # the child member runs
+        gw.kill9()
+        wait_for(gone, "the child member exits after its parent was killed", 60)
+    finally:
+        gw.close()
