@@ -1,15 +1,30 @@
-"""Gateway benchmark: ``python -m bench.gateway [--docs N]``.
+"""Gateway benchmark: ``python -m bench.gateway [--docs N] [--rounds R] [--gateways K]``.
 
 Publishes N documents (256-byte JSON, 1024 vbuckets) from the engine into Kafka through the gateway, on the
 broker the product would use (KAFKA_BOOTSTRAP_SERVERS, else the embedded Tansu), and compares with the raw
 confluent-kafka producer sending the same number of records of the same size, with the same producer settings
 and the same 11 headers, to a topic with the same partitions, in the same run.
 
+Methodology (issue 17 "Proof"): the raw producer and the gateway run in *paired rounds*, alternating, each in a
+fresh process of its own (``python -m bench.gateway --run ...``, timed inside it; process start, engine load and
+imports are not timed), so both sides of a round meet the same machine. Each round gives a ratio gateway / raw;
+the figure printed is the round with the median ratio (with an even number of rounds the lower median), its
+value and its own raw baseline -- so ``ratio`` is the median of the paired ratios.
+
 Figures:
-* ``gateway.publish``            items/s DCP -> Kafka (acknowledged), rollback mitigation on (the default): the
-                                 engine holds N unpublished documents; timed from the first pump to the last ack
+* ``gateway.publish``             docs/s DCP -> Kafka (acknowledged), rollback mitigation on (the default): the
+                                  engine holds N unpublished documents; timed from the first pump to the last
+                                  ack; ratio to the raw producer (target 0.8)
 * ``gateway.publish_unpersisted`` the same with mitigation off (publishing from memory)
-* ``gateway.rss``                peak RSS of the run in MiB (informational)
+* ``gateway.wall_s``              wall seconds of that median mitigation-on round (target 8 s for 1,001,006
+                                  docs, else null), baseline the raw producer's
+* ``gateway.cpu_s``               CPU seconds (all threads of the gateway process) of the timed part
+* ``gateway.rss_mib``             peak RSS of the gateway process (engine in the same process), baseline the raw
+                                  producer process's
+* ``gateway.scaleout``            with ``--gateways K`` (K > 1): docs/s of K gateway processes sharing the
+                                  vbuckets of one engine node process (Kafka group membership,
+                                  docs/scale-out.md) over one gateway process streaming the same node, in
+                                  paired rounds (target 1.6)
 """
 
 from __future__ import annotations
@@ -17,27 +32,34 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Producer
-
-from bench.report import figure
-from engine import Bucket, BucketConfig
-from gateway.broker import select_broker
-from gateway.config import load_settings
-from gateway.publisher import Publisher
-from gateway.resume import PublishPosition, ensure_topics
-from schemas.codec import RecordEncoder
-from schemas.records import ValueFormat
-
 NVB = 1024
+#: the issue's reference size (go-dcp-kafka's and the Couchbase Kafka connector's published runs)
+REFERENCE_DOCS = 1_001_006
+VALUE = b'{"name": "' + b"x" * 244 + b'"}'
+#: one timed run's figures (rate, wall_s, cpu_s, rss_mib, ...)
+Result = dict[str, Any]
 
 
-def raw_baseline(conf: dict[str, Any], client: dict[str, Any], n: int, value: bytes) -> float:
+def _usage() -> tuple[float, float]:
+    """(CPU seconds of every thread of this process, peak RSS MiB)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024
+
+
+def raw_run(conf: dict[str, Any], client: dict[str, Any], n: int) -> Result:
+    from confluent_kafka import Producer
+
+    from gateway.resume import ensure_topics
+
     topic = f"bench-raw-{uuid.uuid4().hex[:8]}"
     ensure_topics(client, topic, NVB)
     delivered = 0
@@ -49,12 +71,13 @@ def raw_baseline(conf: dict[str, Any], client: dict[str, Any], n: int, value: by
 
     p = Producer({**conf, "on_delivery": cb})
     headers: list[tuple[str, str | bytes | None]] = [(f"dcp.h{i}", b"1234567890") for i in range(11)]
+    keys = [f"user::{i:010d}".encode() for i in range(n)]
+    cpu0, _ = _usage()
     t = time.perf_counter()
     for i in range(n):
-        key = f"user::{i:010d}".encode()
         while True:
             try:
-                p.produce(topic, value, key, partition=i % NVB, headers=headers)
+                p.produce(topic, VALUE, keys[i], partition=i % NVB, headers=headers)
                 break
             except BufferError:
                 p.poll(0.05)
@@ -62,22 +85,31 @@ def raw_baseline(conf: dict[str, Any], client: dict[str, Any], n: int, value: by
             p.poll(0)
     p.flush(120)
     el = time.perf_counter() - t
+    cpu1, rss = _usage()
     assert delivered == n, (delivered, n)
-    return n / el
+    return {"rate": n / el, "wall_s": el, "cpu_s": cpu1 - cpu0, "rss_mib": rss}
 
 
-def gateway_run(conf: dict[str, Any], client: dict[str, Any], n: int, value: bytes, tmp: Path,
-                mitigation: bool) -> float:
-    b = Bucket(BucketConfig(data_dir=tmp / f"g{mitigation}", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))
+def gateway_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path,
+                mitigation: bool) -> Result:
+    from engine import Bucket, BucketConfig
+    from gateway.publisher import Publisher
+    from gateway.resume import PublishPosition, ensure_topics
+    from schemas.codec import RecordEncoder
+    from schemas.records import ValueFormat
+
+    b = Bucket(BucketConfig(data_dir=tmp / f"g-{uuid.uuid4().hex[:6]}", num_vbuckets=NVB,
+                            checkpoint_quota_bytes=2 << 30))
     topic = f"bench-gw-{uuid.uuid4().hex[:8]}"
     parts = ensure_topics(client, topic, NVB)
     pub = Publisher(b, conf, topic, parts, RecordEncoder(ValueFormat.AVRO),
                     {vb: PublishPosition(vb) for vb in range(NVB)}, rollback_mitigation=mitigation)
     pub.open()
     for i in range(n):
-        b.set(f"user::{i:010d}".encode(), value)
+        b.set(f"user::{i:010d}".encode(), VALUE)
     # Timed: everything from the engine's checkpoints (and, with mitigation, the flush to disk) through DCP,
     # encoding and produce, until Kafka acknowledged the last record.
+    cpu0, _ = _usage()
     t = time.perf_counter()
     while True:
         moved = pub.pump()
@@ -86,30 +118,100 @@ def gateway_run(conf: dict[str, Any], client: dict[str, Any], n: int, value: byt
                 break
             pub.kafka.poll(0.005)
     el = time.perf_counter() - t
+    cpu1, rss = _usage()
+    acked = pub.records_acked
     pub.close()
     b.close(clean=False)
-    return n / el
+    return {"rate": n / el, "wall_s": el, "cpu_s": cpu1 - cpu0, "rss_mib": rss, "records": acked}
+
+
+def in_own_process(kind: str, conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path,
+                   extra: list[str] | None = None) -> Result:
+    """One timed run in a fresh ``python -m bench.gateway --run KIND`` process; its JSON result."""
+    out = subprocess.run([sys.executable, "-m", "bench.gateway", "--run", kind, "--docs", str(n),
+                          "--kafka", json.dumps({"producer": conf, "client": client}), "--work-dir", str(tmp),
+                          *(extra or [])], check=True, capture_output=True, text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def median_round(rounds: list[tuple[Result, Result]]) -> tuple[Result, Result]:
+    """The (gateway, baseline) round whose ratio is the (lower) median of the paired ratios."""
+    ratios = [g["rate"] / b["rate"] for g, b in rounds]
+    m = statistics.median_low(ratios)
+    return rounds[ratios.index(m)]
+
+
+def run_one(args: argparse.Namespace) -> None:
+    """A child process: one timed run, its result as the last stdout line."""
+    kafka = json.loads(args.kafka)
+    conf, client = kafka["producer"], kafka["client"]
+    tmp = Path(args.work_dir)
+    if args.run == "raw":
+        r = raw_run(conf, client, args.docs)
+    elif args.run in ("on", "off"):
+        r = gateway_run(conf, client, args.docs, tmp, args.run == "on")
+    else:
+        from bench.scaleout import scaleout_run  # the engine node process + K gateway processes
+
+        r = scaleout_run(conf, client, args.docs, tmp, int(args.run.removeprefix("members")))
+    print(json.dumps(r), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=200_000)
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds (raw producer, then the gateway)")
+    ap.add_argument("--gateways", type=int, default=1,
+                    help="with K > 1 also time K gateway processes sharing one engine node (gateway.scaleout)")
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # a child: raw | on | off | membersK
+    ap.add_argument("--kafka", help=argparse.SUPPRESS)
+    ap.add_argument("--work-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.docs < 1 or args.rounds < 1 or args.gateways < 1:
+        ap.error("--docs, --rounds and --gateways must be at least 1")
+    if args.run is not None:
+        run_one(args)
+        return
+
+    from bench.report import figure
+    from gateway.broker import select_broker
+    from gateway.config import load_settings
+
     n = args.docs
-    value = b'{"name": "' + b"x" * 244 + b'"}'
     with select_broker() as broker, tempfile.TemporaryDirectory() as td:
         settings = load_settings(None)
         conf = {**settings.producer_config(), "bootstrap.servers": broker.bootstrap_servers}
         client = {"bootstrap.servers": broker.bootstrap_servers}
-        base = raw_baseline(conf, client, n, value)
-        on = gateway_run(conf, client, n, value, Path(td), True)
-        figure("gateway.publish", on, "items/s", base, 0.3, "higher")
-        off = gateway_run(conf, client, n, value, Path(td), False)
-        figure("gateway.publish_unpersisted", off, "items/s", base, 0.3, "higher")
+        tmp = Path(td)
+        on: list[tuple[Result, Result]] = []
+        off: list[tuple[Result, Result]] = []
+        scale: list[tuple[Result, Result]] = []
+        for _ in range(args.rounds):
+            base = in_own_process("raw", conf, client, n, tmp)
+            on.append((in_own_process("on", conf, client, n, tmp), base))
+            off.append((in_own_process("off", conf, client, n, tmp), base))
+            if args.gateways > 1:
+                one = in_own_process("members1", conf, client, n, tmp)
+                many = in_own_process(f"members{args.gateways}", conf, client, n, tmp)
+                scale.append((many, one))
+            print(json.dumps({"info": "round", "raw": base, "on": on[-1][0], "off": off[-1][0],
+                              **({"scaleout": {"one": scale[-1][1], "many": scale[-1][0]}} if scale else {})}),
+                  flush=True)
+        g, b = median_round(on)
+        figure("gateway.publish", g["rate"], "docs/s", b["rate"], 0.8, "higher")
+        go, bo = median_round(off)
+        figure("gateway.publish_unpersisted", go["rate"], "docs/s", bo["rate"], None, "higher")
+        figure("gateway.wall_s", g["wall_s"], "s", b["wall_s"], 8.0 if n == REFERENCE_DOCS else None, "lower")
+        figure("gateway.cpu_s", g["cpu_s"], "s", b["cpu_s"], None, "lower")
+        figure("gateway.rss_mib", g["rss_mib"], "MiB", b["rss_mib"], None, "lower")
+        if scale:
+            gm, g1 = median_round(scale)
+            figure("gateway.scaleout", gm["rate"], "docs/s", g1["rate"], 1.6, "higher")
+            for name, mib in sorted(gm.get("rss_mib_per_process", {}).items()):
+                print(json.dumps({"info": "gateway.rss_mib.process", "process": name, "value": round(mib, 1)}),
+                      flush=True)
         print(json.dumps({"info": "producer_config", "settings": {k: v for k, v in conf.items()
                                                                   if "password" not in k}}), flush=True)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    figure("gateway.rss", rss, "MiB", n * 280 / 2**20, None, "lower")
 
 
 if __name__ == "__main__":

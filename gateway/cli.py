@@ -6,6 +6,8 @@
   --delta|--full``  the running gateway's cluster (HTTP admin API)
 * ``dcpgw load``    write generator (through the HTTP API), with a progress bar
 * ``dcpgw status``  the running gateway's stats and the vbuckets that lag most
+* ``dcpgw gateway --source HOST:PORT[,...] --group NAME``  one more gateway process of a group sharing the
+  vbuckets of running engine node processes (docs/scale-out.md)
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
 * ``dcpgw user add|list|delete|passwd``  the users of the data directory (docs/security.md)
@@ -331,6 +333,9 @@ def up(
     stream_from: str | None = typer.Option(None, help="saved-offset-or-beginning | saved-offset-or-now | "
                                            "beginning | now."),
     progress: bool = typer.Option(True, help="Show a progress bar while streams catch up."),
+    gateways: int | None = typer.Option(None, "--gateways", min=1, max=64,
+                                        help="Gateway processes publishing the engine, in one Kafka group "
+                                        "(DCPGW_GATEWAYS; docs/scale-out.md). Default: 1."),
     nodes: int | None = typer.Option(None, "--nodes", min=1, help="Engine nodes (DCPGW_CLUSTER_NODES); > 1 runs "
                                      "an in-process cluster behind the gateway. Default: one bucket."),
     replicas: int | None = typer.Option(None, "--replicas", min=0, max=3,
@@ -359,9 +364,13 @@ def up(
     if kv_port is not None:
         overrides["kv_port"] = kv_port
     try:
-        settings = load_settings(config, **overrides)
+        settings = load_settings(config, **overrides, **({} if gateways is None else {"gateways": gateways}))
     except ConfigError as e:
         _fail(_one_line(e))
+    if settings.gateways > 1 and settings.cluster_nodes > 1:
+        _fail("--gateways > 1 runs with one engine node only (not with --nodes)")
+    if settings.gateways > 1 and config is not None:
+        os.environ["DCPGW_CONFIG_FILE"] = str(config.resolve())  # the other gateway processes read it too
     # Local problems first, in one line each, before a broker is started (docs/reliability.md).
     _check_data_dir(settings.data_dir)
     _check_port(settings.http_host, settings.http_port)
@@ -397,6 +406,59 @@ def up(
         if brk is not None:
             brk.stop()
         lock.release()
+
+
+# ---------------------------------------------------------------------- gateway (a group member)
+@app.command("gateway")
+def gateway_member(
+    source: str = typer.Option(..., "--source", help="HOST:PORT[,...] of running engine node processes "
+                               "(python -m engine.network.server): the engine or cluster to stream."),
+    group: str = typer.Option(..., "--group", help="Kafka group of the gateway processes sharing its vbuckets "
+                              "(docs/scale-out.md)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
+    parent_pid: int | None = typer.Option(None, "--parent-pid", hidden=True),  # dcpgw up --gateways: its children
+) -> None:
+    """Run one more gateway process of GROUP against a running engine or cluster: the group's assignment on
+    the coordination topic decides which vbuckets it streams. Needs KAFKA_BOOTSTRAP_SERVERS (or the kafka
+    settings); no HTTP API. Ctrl-C / SIGTERM leave the group (the others take the vbuckets over)."""
+    import threading
+
+    from engine.exceptions import DcpGatewayError
+    from gateway.config import load_settings
+    from gateway.exceptions import ConfigError
+    from gateway.member import run_attached_member, watch_parent
+
+    addresses = [a.strip() for a in source.split(",") if a.strip()]
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            _fail(f"--source: {a!r} is not HOST:PORT")
+    if not addresses:
+        _fail("--source: no HOST:PORT given")
+    if not group.strip():
+        _fail("--group: the group name must not be empty")
+    try:
+        settings = load_settings(config)
+    except ConfigError as e:
+        _fail(_one_line(e))
+    bootstrap = settings.kafka.bootstrap_servers
+    if not bootstrap:
+        _fail("dcpgw gateway needs a running Kafka: set KAFKA_BOOTSTRAP_SERVERS (or kafka.bootstrap_servers)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if parent_pid is not None:
+        watch_parent(parent_pid, stop)
+    try:
+        run_attached_member(settings, bootstrap, addresses, group.strip(), stop,
+                            on_ready=lambda m: typer.echo(f"gateway member of group {group.strip()} ready", err=True))
+    except (DcpGatewayError, OSError) as e:
+        _fail(_one_line(e))
 
 
 def _one_line(e: BaseException) -> str:

@@ -412,6 +412,12 @@ class GatewaySettings(BaseSettings):
     key_filter_regex: str | None = None
     flow_control_buffer_bytes: int = Field(default=16 * MIB, ge=64 * KIB)
     checkpoint_interval_s: PositiveSeconds = 1.0
+    #: scale-out (docs/scale-out.md): partitions of the coordination topic ``<topic>.members`` when a gateway
+    #: member creates it, and how long a silent member stays in the group
+    group_partitions: int = Field(default=64, ge=1, le=65536)
+    group_session_timeout_ms: int = Field(default=10_000, ge=1000, le=300_000)
+    #: ``dcpgw up --gateways K``: K gateway processes in one group publish the engine (single node only)
+    gateways: int = Field(default=1, ge=1, le=64)
     #: write backpressure: above this many bytes of accepted, not yet Kafka-acknowledged writes, PUT / DELETE /
     #: _bulk answer 503 with Retry-After (docs/reliability.md "Stalled broker and health")
     max_unacked_bytes: int = Field(default=64 * MIB, ge=64 * KIB)

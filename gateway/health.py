@@ -71,6 +71,11 @@ class UnackedWrites:
         src = pub.source
         done: list[int] = []
         for vb, q in self._entries.items():
+            if vb not in pub.assigned:  # handed to another gateway process of the group (docs/scale-out.md)
+                self.total -= sum(e[1] for e in q)
+                q.clear()
+                done.append(vb)
+                continue
             a = acked[vb].seqno
             while q and q[0][0] <= a:
                 self.total -= q.popleft()[1]
@@ -128,6 +133,9 @@ class Readiness:
         progress = self._progress
         stalled: list[int] = []
         for vb in range(src.num_vbuckets):
+            if vb not in pub.assigned:  # another gateway process's vbucket (docs/scale-out.md)
+                progress.pop(vb, None)
+                continue
             a = acked[vb].seqno
             if src.seqnos(vb)[0] <= a:
                 progress.pop(vb, None)

@@ -40,7 +40,7 @@ import re
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -184,6 +184,7 @@ class Publisher:
         oversize_policy: OversizePolicy = "skip",
         large_record_bytes: int = DEFAULT_LARGE_RECORD_BYTES,
         rollback_to_zero: bool = False,
+        vbuckets: Iterable[int] | None = None,
     ) -> None:
         self.source: DcpSource = make_source(source, connection_name, flow_control_bytes)
         self.is_cluster = self.source.is_cluster
@@ -211,6 +212,11 @@ class Publisher:
 
         self.kafka = kafka_producer(producer_config, on_delivery=on_delivery)
         nvb = self.source.num_vbuckets
+        #: the vbuckets this publisher streams (all unless ``vbuckets`` names a subset: one member of a group of
+        #: gateway processes, docs/scale-out.md); :meth:`add_vbuckets` / :meth:`remove_vbuckets` change it
+        self.assigned: set[int] = set(range(nvb)) if vbuckets is None else set(vbuckets)
+        #: vbuckets removed by :meth:`remove_vbuckets`: what their closed streams still deliver is dropped
+        self._released: set[int] = set()
         #: the DCP connection each vbucket streams from now (None: not streaming)
         self._owner: list[DcpConnection | None] = [None] * nvb
         #: cluster mode: vbuckets to re-request on the next pump, and those waiting for the topology to change
@@ -296,8 +302,46 @@ class Publisher:
         """Open the DCP connection(s) and a stream per vbucket from its position (per ``stream_from``)."""
         self.source.open()
         self._topo = self.source.topology()
-        for vb in range(self.source.num_vbuckets):
+        for vb in sorted(self.assigned):
             self.open_stream(vb)
+
+    # ------------------------------------------------------------------ group membership (docs/scale-out.md)
+    def add_vbuckets(self, positions: dict[int, PublishPosition]) -> None:
+        """Start streaming the vbuckets of ``positions`` (recovered from the checkpoint topic and the partition
+        tail, exactly as after a restart: gateway/resume.py) -- another member published them until now."""
+        for vb, p in sorted(positions.items()):
+            if vb in self.assigned:
+                continue
+            self._released.discard(vb)
+            self.assigned.add(vb)
+            self.failed_vbuckets.pop(vb, None)
+            self.sent[vb] = p.copy()
+            self.acked[vb] = p.copy()
+            part = partition_for(vb, self.num_partitions)
+            self._last_offset[part] = max(self._last_offset.get(part, -1), p.offset)
+            self.open_stream(vb)
+
+    def remove_vbuckets(self, vbuckets: Iterable[int]) -> None:
+        """Stop streaming ``vbuckets`` (another member takes them over). Their records already handed to the
+        producer stay in flight: the caller waits until :meth:`unacked` says none is left (and writes their
+        checkpoints) before the new owner may start. DCP messages not yet published are dropped (their bytes
+        buffer-acknowledged); the new owner streams them again from the published position."""
+        for vb in sorted(vbuckets):
+            if vb not in self.assigned:
+                continue
+            self.assigned.discard(vb)
+            self._released.add(vb)
+            self._waiting.discard(vb)
+            self._detach(vb, restream=False)
+            self._detached.discard(vb)
+
+    def unacked(self, vbuckets: Iterable[int]) -> int:
+        """Records of ``vbuckets`` produced (or waiting to be) and not yet acknowledged by Kafka."""
+        vbs = set(vbuckets)
+        n = sum(1 for q in self._inflight.values() for e in q if e.vbucket in vbs)
+        n += sum(1 for _p, e, _r in self._backlog if e.vbucket in vbs)
+        n += sum(1 for q in self._blocked.values() for e, _r in q if e.vbucket in vbs)
+        return n
 
     def open_stream(self, vb: int) -> None:
         pos = self.sent[vb]
@@ -353,8 +397,9 @@ class Publisher:
         raise GatewayError(f"vbucket {vb}: stream request kept rolling back")
 
     # ------------------------------------------------------------------ following the cluster
-    def _detach(self, vb: int) -> None:
-        """Stop streaming ``vb`` from its current connection; it is re-requested on the next pump."""
+    def _detach(self, vb: int, restream: bool = True) -> None:
+        """Stop streaming ``vb`` from its current connection; it is re-requested on the next pump (unless
+        ``restream`` is False: the vbucket was removed)."""
         p = self._owner[vb]
         self._owner[vb] = None
         self.streaming.discard(vb)
@@ -373,7 +418,8 @@ class Publisher:
             if old is not None:
                 # forget the ended stream (its stream-end must not be taken for the next stream's)
                 p.discard_stream(vb)
-        self._detached.add(vb)
+        if restream:
+            self._detached.add(vb)
 
     def _follow(self) -> None:
         """Cluster mode: when the map or the live nodes changed, detach every vbucket whose connection died or
@@ -544,6 +590,8 @@ class Publisher:
         kf = self.key_filter
         filtering = kf.active
         failed = self.failed_vbuckets
+        if self._released:
+            failed = {**failed, **dict.fromkeys(self._released, "removed")}
         for m in msgs:
             if failed and m.vbucket in failed:
                 # the vbucket's stream was stopped (oversize_policy=fail): the tail it had already sent
@@ -746,6 +794,8 @@ class Publisher:
 
     def _buffer_ack_vb(self, vb: int, nbytes: int) -> None:
         p = self._owner[vb]
+        if p is None and not self.is_cluster:
+            p = self.dcp  # a removed vbucket's late messages came over the one connection
         if p is not None and nbytes:
             self._buffer_ack(p, nbytes)
 
@@ -911,7 +961,7 @@ class Publisher:
         total = worst = 0
         src = self.source
         acked = self.acked
-        for vb in range(src.num_vbuckets):
+        for vb in sorted(self.assigned):
             d = src.seqnos(vb)[0] - acked[vb].seqno
             if d > 0:
                 total += d

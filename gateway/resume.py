@@ -332,13 +332,17 @@ def load_checkpoints(client_config: dict[str, Any], topic: str) -> dict[int, Pub
 def replay_tail(
     client_config: dict[str, Any], topic: str, num_partitions: int, num_vbuckets: int,
     positions: dict[int, PublishPosition], lost: dict[int, str] | None = None,
+    vbuckets: Sequence[int] | None = None,
 ) -> dict[int, PublishPosition]:
-    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions.
+    """Apply every record after each vbucket's checkpointed offset to its position. Returns all positions
+    (only those of ``vbuckets`` when given: a group member taking them over, docs/scale-out.md; only their
+    partitions are read, the records of other vbuckets there are skipped).
 
     ``lost`` (when given) gets the vbuckets whose checkpointed offset is at or beyond their partition's end,
     with why: the topic lost records Kafka had acknowledged (docs/reliability.md "Fault campaign", topic
     truncated)."""
-    pos = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(num_vbuckets)}
+    wanted = range(num_vbuckets) if vbuckets is None else sorted(set(vbuckets))
+    pos = {vb: positions.get(vb, PublishPosition(vb)) for vb in wanted}
     start: dict[int, int] = {}
     for vb, p in pos.items():
         part = partition_for(vb, num_partitions)
@@ -351,6 +355,8 @@ def replay_tail(
         nonlocal replayed
         rec = decode(m.key(), m.value(), m.headers())
         p = pos.get(rec.vbucket)
+        if p is None and 0 <= rec.vbucket < num_vbuckets:
+            return  # another member's vbucket
         if p is None:
             raise GatewayError(f"record for vbucket {rec.vbucket} in {topic}: the bucket has {num_vbuckets}")
         if m.offset() <= p.offset:
@@ -366,6 +372,8 @@ def replay_tail(
         c.close()
     if lost is not None:
         for vb, p in sorted(positions.items()):
+            if vb not in pos:
+                continue
             end = ends.get(partition_for(vb, num_partitions))
             if end is not None and p.offset >= end:
                 lost[vb] = (f"partition {partition_for(vb, num_partitions)} of {topic} ends at offset {end}, "

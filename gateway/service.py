@@ -30,6 +30,7 @@ from engine.kv.data_dir import DataDirLock, Layout, check_layout
 from engine.security import UserStore, server_context
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
+from gateway.group_host import GroupHost
 from gateway.health import Readiness, UnackedWrites
 from gateway.kafka.client_log import ClientLog, with_client_log
 from gateway.kv_cluster import ClusterKvPorts, start_cluster_kv_ports
@@ -80,6 +81,8 @@ class GatewayService:
         self._rebalance_setup: asyncio.Task[dict[str, Bucket]] | None = None
         self.publisher: Publisher | None = None
         self.checkpoints: CheckpointWriter | None = None
+        #: ``gateways`` > 1: the node server, the other gateway processes, this one's group membership
+        self.group: GroupHost | None = None
         self.runner: web.AppRunner | None = None  # gateway.api.JsonAppRunner once started
         self.http_port: int = settings.http_port
         #: the KV port's server (docs/kv-protocol.md), started with the HTTP API (single node)
@@ -172,6 +175,12 @@ class GatewayService:
         self.publisher = self._new_publisher(partitions, positions, rollback_to_zero=bool(lost))
         self.checkpoints = CheckpointWriter(self._producer_config(), self.topic)
         self.publisher.open()
+        if s.gateways > 1:
+            if self.bucket is None:
+                raise GatewayError("gateways > 1 needs a single engine node (cluster_nodes = 1)")
+            self.group = GroupHost(s, self.bootstrap_servers, self.bucket, self.publisher, client, self.topic,
+                                   partitions)
+            await self.group.start()
         from gateway.api import JsonAppRunner, build_app  # local: api imports this module for typing
 
         app = build_app(self)
@@ -230,6 +239,7 @@ class GatewayService:
             oversize_policy=s.oversize_policy,
             large_record_bytes=self._large_record_bytes,
             rollback_to_zero=rollback_to_zero,
+            vbuckets=[] if s.gateways > 1 else None,  # a group member: the group assigns its vbuckets
         )
 
     def _topic_lost(self, why: str) -> None:
@@ -461,6 +471,8 @@ class GatewayService:
         acked = pub.records_acked
         while not self._stopping.is_set():
             try:
+                if self.group is not None:
+                    self.group.serve()  # vbuckets the group assigned / revoked (docs/scale-out.md)
                 n = pub.pump()
                 if cluster is not None:
                     n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
@@ -543,7 +555,7 @@ class GatewayService:
     def note_write(self, vbucket: int, seqno: int, nbytes: int) -> None:
         """A write the engine accepted (counted until Kafka acknowledges its record)."""
         pub = self.publisher
-        if pub is not None:
+        if pub is not None and vbucket in pub.assigned:  # another gateway process's vbucket: not counted here
             self.unacked.add(vbucket, seqno, nbytes, pub.sent[vbucket].seqno)
 
     def ready_view(self) -> tuple[int, dict[str, Any]]:
@@ -589,6 +601,8 @@ class GatewayService:
             self.wake()
 
     async def stop(self) -> None:
+        if self.group is not None:
+            await self.group.stop()  # leaves the group while the pump loop still serves the revoke
         self._stopping.set()
         self._wake.set()
         for t in self._tasks:
@@ -617,7 +631,7 @@ class GatewayService:
             self._checkpoint()
         if self.checkpoints is not None:
             self.checkpoints.flush(timeout=max(0.0, deadline - time.monotonic()))
-        if self.bucket is not None:
+        if self.bucket is not None and not self.bucket.closed:
             self.bucket.close(clean=True)
         if self.cluster is not None:
             self.cluster.close()

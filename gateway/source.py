@@ -19,16 +19,19 @@ The publisher only needs a few things from its source (docs/gateway-cluster.md):
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
 
-from engine import Bucket, DcpProducer, FailoverEntry, NotMyVBucket, TemporaryFailure
+from engine import Bucket, DcpProducer, FailoverEntry, InvalidArgument, NotMyVBucket, TemporaryFailure
 from engine.cluster.local import Cluster
 from engine.cluster.manager import ClusterManager
 from engine.kv.vbucket import VBucketState
 from engine.network.process_cluster import ProcessCluster
-from engine.network.remote import RemoteDcpProducer
+from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode, connect
 
-__all__ = ["BucketSource", "ClusterSource", "DcpConnection", "DcpSource", "ProcessClusterSource", "cluster_summary", "make_source"]
+__all__ = ["AttachedNodesSource", "BucketSource", "ClusterSource", "DcpConnection", "DcpSource", "ProcessClusterSource", "cluster_summary", "make_source"]
 
 #: a DCP connection: in process, or to a node process over TCP (duck-typing DcpProducer)
 DcpConnection = DcpProducer | RemoteDcpProducer
@@ -373,14 +376,204 @@ class ProcessClusterSource:
         self._nodes.clear()
 
 
+class AttachedNodesSource:
+    """Running node processes (``python -m engine.network.server``) this gateway did not start: ``dcpgw gateway
+    --source HOST:PORT[,...]`` (docs/scale-out.md). There is no cluster manager here to ask for the vbucket map,
+    so the source learns each vbucket's active node from the nodes themselves (``stats vbucket-states``: the
+    node whose copy is ``active``), again every ``refresh_interval`` seconds; a change of an active or of the
+    reachable nodes changes the topology token, and the publisher re-requests the moved vbuckets with its own
+    position (the DCP client rule "on NOT_MY_VBUCKET reload the map"). Replicas are the nodes whose copy is
+    ``replica``: rollback mitigation waits for them as for a managed cluster's chain."""
+
+    is_cluster = True
+
+    def __init__(self, addresses: list[str], connection_name: str, buffer_size: int, *,
+                 poll_timeout: float = 0.002, refresh_interval: float = 0.5, timeout: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not addresses:
+            raise InvalidArgument("no node address given")
+        self.addresses = list(addresses)
+        self.connection_name = connection_name
+        self.buffer_size = buffer_size
+        self.poll_timeout = poll_timeout
+        self.refresh_interval = refresh_interval
+        self.clock = clock
+        self.nodes: dict[str, RemoteNode] = {a: connect(a, timeout=timeout) for a in self.addresses}
+        self._producers: dict[str, RemoteDcpProducer] = {}
+        self._names: dict[int, str] = {}
+        self._num_vbuckets = 0
+        #: per vbucket: the node whose copy is active (None: none reachable is), and the replicas' nodes
+        self._active: list[str | None] = []
+        self._replicas: list[tuple[str, ...]] = []
+        self._live: frozenset[str] = frozenset()
+        self._revision = 0
+        self._next_refresh = 0.0
+        self._dropped: dict[str, int] = {}
+
+    @property
+    def num_vbuckets(self) -> int:
+        return self._num_vbuckets
+
+    def open(self) -> None:
+        """Ask every node for its vbucket count (they must agree) and learn the actives."""
+        counts: dict[str, int] = {}
+        for a, node in self.nodes.items():
+            with contextlib.suppress(TemporaryFailure, OSError):
+                counts[a] = int(node.stats()["vbuckets"])
+        if not counts:
+            raise NodeUnavailable(f"no node answers at {', '.join(self.addresses)}")
+        if len(set(counts.values())) > 1:
+            raise InvalidArgument(f"the nodes disagree on the number of vbuckets: {counts}")
+        self._num_vbuckets = next(iter(counts.values()))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read every node's vbucket states; bump the revision when an active, a replica or the set of reachable
+        nodes changed."""
+        n = self._num_vbuckets
+        active: list[str | None] = [None] * n
+        replicas: list[list[str]] = [[] for _ in range(n)]
+        live: set[str] = set()
+        for a in sorted(self.nodes):
+            try:
+                states = self.nodes[a].stats("vbucket-states")
+            except (TemporaryFailure, OSError):
+                continue
+            live.add(a)
+            for k, st in states.items():
+                vb = int(k)
+                if not 0 <= vb < n:
+                    continue
+                if st == VBucketState.ACTIVE.value and active[vb] is None:
+                    active[vb] = a
+                elif st == VBucketState.REPLICA.value:
+                    replicas[vb].append(a)
+        reps = [tuple(r) for r in replicas]
+        if active != self._active or reps != self._replicas or frozenset(live) != self._live:
+            self._active, self._replicas, self._live = active, reps, frozenset(live)
+            self._revision += 1
+        self._next_refresh = self.clock() + self.refresh_interval
+
+    def _forget(self, name: str) -> None:
+        p = self._producers.pop(name, None)
+        if p is not None:
+            self._names.pop(id(p), None)
+            self._dropped[name] = self._dropped.get(name, 0) + 1
+            p.close()
+
+    def producer_for(self, vb: int) -> RemoteDcpProducer:
+        name = self._active[vb] if self._active else None
+        if name is None:
+            raise NotMyVBucket(f"vbucket {vb} has no active copy on a reachable node")
+        p = self._producers.get(name)
+        if p is None or p.closed:
+            if p is not None:
+                self._forget(name)
+            try:
+                p = self.nodes[name].dcp_producer(self.connection_name, buffer_size=self.buffer_size,
+                                                  poll_timeout=self.poll_timeout)
+            except OSError as e:
+                raise NodeUnavailable(f"node {name}: {e}") from e
+            self._producers[name] = p
+            self._names[id(p)] = name
+        return p
+
+    def producers(self) -> list[RemoteDcpProducer]:
+        out: list[RemoteDcpProducer] = []
+        for name, p in sorted(self._producers.items()):
+            if p.closed:
+                self._forget(name)
+            else:
+                out.append(p)
+        return out
+
+    def node_of(self, producer: DcpConnection) -> str:
+        return self._names.get(id(producer), "")
+
+    def active_node(self, vb: int) -> str | None:
+        return self._active[vb] if self._active else None
+
+    def topology(self) -> Topology:
+        if self.clock() >= self._next_refresh:
+            self.refresh()
+        return (self._revision, frozenset((a, self._dropped.get(a, 0)) for a in self._live))
+
+    def _client(self, vb: int) -> RemoteNode:
+        name = self.active_node(vb)
+        if name is None:
+            raise NotMyVBucket(f"vbucket {vb} has no active copy on a reachable node")
+        return self.nodes[name]
+
+    def failover_log(self, vb: int) -> list[FailoverEntry]:
+        return self._client(vb).failover_log(vb)
+
+    def high_seqno(self, vb: int) -> int:
+        return self._client(vb).vbucket_info(vb).high_seqno
+
+    def seqnos(self, vb: int) -> tuple[int, int]:
+        try:
+            info = self._client(vb).vbucket_info(vb)
+        except (NotMyVBucket, TemporaryFailure, OSError):
+            return 0, 0
+        return info.high_seqno, info.persisted_seqno
+
+    def vbucket_stats(self, vb: int) -> dict[str, int | str]:
+        try:
+            raw = self._client(vb).stats(f"vbucket-details {vb}")
+        except (NotMyVBucket, TemporaryFailure, OSError):
+            return {}
+        return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in raw.items()}
+
+    def _node_stat(self, stat: str) -> int:
+        total = 0
+        for a in sorted(self._live):
+            with contextlib.suppress(TemporaryFailure, OSError):
+                total += int(self.nodes[a].stats().get(stat, 0))
+        return total
+
+    def items(self) -> int:
+        return self._node_stat("items")
+
+    def checkpoint_memory(self) -> int:
+        return self._node_stat("checkpoint_memory")
+
+    def before_step(self, mitigation: bool) -> None:
+        """Nothing: the nodes flush on their own, and mitigation checks persistence itself."""
+
+    def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
+        """Observe-by-seqno on the active and on every node holding a replica copy (0 when unknown)."""
+        try:
+            r = self._client(vb).observe_seqno(vb, vbuuid)
+            if r.failed_over:
+                return 0
+            safe = r.persisted_seqno
+            for name in self._replicas[vb]:
+                safe = min(safe, self.nodes[name].observe_seqno(vb, vbuuid).persisted_seqno)
+        except (NotMyVBucket, TemporaryFailure, OSError):
+            return 0
+        return safe
+
+    @property
+    def up(self) -> bool:
+        return bool(self._live)
+
+    def close(self) -> None:
+        for p in self._producers.values():
+            p.close()
+        self._producers.clear()
+        self._names.clear()
+        for node in self.nodes.values():
+            node.close()
+
+
 #: what the publisher streams from
-DcpSource = BucketSource | ClusterSource | ProcessClusterSource
+DcpSource = BucketSource | ClusterSource | ProcessClusterSource | AttachedNodesSource
 
 
 def make_source(origin: Bucket | Cluster | ProcessCluster | DcpSource, connection_name: str,
                 buffer_size: int) -> DcpSource:
     """Wrap a bucket, a cluster or a cluster of node processes (a source passes through)."""
-    if isinstance(origin, (BucketSource, ClusterSource, ProcessClusterSource)):
+    if isinstance(origin, (BucketSource, ClusterSource, ProcessClusterSource, AttachedNodesSource)):
         return origin
     if isinstance(origin, Cluster):
         return ClusterSource(origin, connection_name, buffer_size)

@@ -680,6 +680,10 @@ class NodeServer:
                          "vb_state": v.state.value}
             else:
                 stats = dict(producer.takeover_stats(vbid))
+        elif group == "vbucket-states":
+            # every vbucket's state in one answer (a gateway attached to running nodes learns the actives:
+            # docs/scale-out.md)
+            stats = {str(v.id): v.state.value for v in b.vbuckets()}
         elif group == "replication":
             stats = {}
             for src, link in sorted(self.links.items()):

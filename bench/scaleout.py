@@ -1,0 +1,124 @@
+"""One timed scale-out run for ``python -m bench.gateway --gateways K`` (docs/scale-out.md): K ``dcpgw gateway``
+processes, one Kafka group, sharing the vbuckets of one engine node process (``python -m engine.network.server``).
+
+The run: start the node with its persistence stopped, write N documents into it (not timed), start the K members
+and wait until the group's assignment covers every vbucket (rollback mitigation on, the default: they stream but
+publish nothing while nothing is persisted), then start persistence and time until the checkpoint topic says
+every vbucket is acknowledged up to the node's high seqno. CPU seconds and peak RSS per process come from /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from engine.network.process_cluster import ProcessCluster
+from gateway.resume import load_checkpoints
+
+NVB = 1024
+VALUE = b'{"name": "' + b"x" * 244 + b'"}'
+_ASSIGNED = re.compile(r"group \S+: assigned \d+ coordination partitions, (\d+) vbuckets")
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (every thread), seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLK
+
+
+def _peak_rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _last_assignment(log: Path) -> int | None:
+    found = _ASSIGNED.findall(log.read_text()) if log.exists() else []
+    return int(found[-1]) if found else None
+
+
+def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path, k: int,
+                 timeout: float = 900.0) -> dict[str, Any]:
+    base = tmp / f"so-{uuid.uuid4().hex[:6]}"
+    cluster = ProcessCluster.start(base / "engine", nodes=1, replicas=0, num_vbuckets=NVB,
+                                   checkpoint_quota_bytes=2 << 30)
+    members: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        node = cluster.node("n0")
+        cluster.stop_persistence("n0")
+        for i in range(n):
+            cluster.write(f"user::{i:010d}", VALUE)
+        prefix = f"bso{uuid.uuid4().hex[:8]}"
+        topic = f"{prefix}.default"
+        env = {k_: v for k_, v in os.environ.items() if not k_.startswith("DCPGW_")}
+        env.update({"KAFKA_BOOTSTRAP_SERVERS": conf["bootstrap.servers"], "DCPGW_TOPIC_PREFIX": prefix,
+                    "DCPGW_BUCKET": "default", "DCPGW_CHECKPOINT_INTERVAL_S": "0.1",
+                    "DCPGW_GROUP_SESSION_TIMEOUT_MS": "10000"})
+        for j in range(k):
+            log = base / f"member{j}.log"
+            f = log.open("wb")
+            members.append((subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--source",
+                                              f"{node.host}:{node.port}", "--group", f"{prefix}-g"], env=env,
+                                             stdout=f, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout
+        stable_since = None
+        while True:  # the group settled: the last assignments cover every vbucket, unchanged for 2 s
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway group never settled")
+            last = [_last_assignment(log) for _p, log in members]
+            if all(x is not None for x in last) and sum(x or 0 for x in last) == NVB:
+                stable_since = stable_since or time.monotonic()
+                if time.monotonic() - stable_since > 2.0:
+                    break
+            else:
+                stable_since = None
+            for p, log in members:
+                if p.poll() is not None:
+                    raise RuntimeError(f"member exited {p.returncode}: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        highs = {vb: cluster.client("n0").vbucket_info(vb).high_seqno for vb in range(NVB)}
+        cpu0 = {p.pid: _cpu_s(p.pid) for p, _l in members}
+        node_cpu0 = _cpu_s(node.pid or 0)
+        t = time.perf_counter()
+        cluster.start_persistence("n0")
+        fast = {**client, "fetch.wait.max.ms": 20}
+        while True:
+            cps = load_checkpoints(fast, topic)
+            if all(cps.get(vb) is not None and cps[vb].seqno >= h for vb, h in highs.items() if h):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway group never caught up")
+            time.sleep(0.05)
+        el = time.perf_counter() - t
+        rss = {f"gateway{j}": _peak_rss_mib(p.pid) for j, (p, _l) in enumerate(members)}
+        rss["engine"] = _peak_rss_mib(node.pid or 0)
+        cpu = sum(_cpu_s(p.pid) - cpu0[p.pid] for p, _l in members)
+        return {"rate": n / el, "wall_s": el, "cpu_s": cpu, "engine_cpu_s": _cpu_s(node.pid or 0) - node_cpu0,
+                "rss_mib": max(v for name, v in rss.items() if name != "engine"), "rss_mib_per_process": rss,
+                "gateways": k}
+    finally:
+        for p, _l in members:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p, _l in members:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        cluster.close(clean=False)

@@ -1,0 +1,245 @@
+"""Scale-out by Kafka group membership (docs/scale-out.md): gateway members sharing one engine's vbuckets.
+
+Two :class:`~gateway.member.GroupMember` in this process (one engine, one loop thread driving both; each has its
+membership thread): vbuckets move when a member joins and leaves while documents are written; every partition
+passes the invariants checker and an independent replay of the topic equals the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine import Bucket, BucketConfig, KeyNotFound
+from gateway.broker import Broker
+from gateway.exceptions import GatewayError
+from gateway.invariants import data_positions
+from gateway.kafka.membership import (
+    Membership,
+    VBucketHandoff,
+    ensure_members_topic,
+    members_topic_name,
+    vbuckets_of,
+)
+from gateway.member import GroupMember
+from gateway.publisher import Publisher
+from gateway.resume import ensure_topics
+from schemas.codec import RecordEncoder
+from schemas.records import ValueFormat
+from tests.gateway.kafka_util import TopicChecks
+from tests.harness import producer_conf
+
+NVB = 16
+
+
+def test_vbuckets_of_partition_modulo() -> None:
+    assert vbuckets_of([0], 4, 10) == [0, 4, 8]
+    assert vbuckets_of([1, 3], 4, 10) == [1, 3, 5, 7, 9]
+    assert vbuckets_of([], 4, 10) == []
+    owned = [vbuckets_of([p], 4, 10) for p in range(4)]
+    assert sorted(v for vs in owned for v in vs) == list(range(10))  # every vbucket exactly once
+
+
+@given(nvb=st.integers(1, 300), t=st.integers(1, 80), members=st.integers(1, 6), data=st.data())
+def test_any_assignment_gives_every_vbucket_to_exactly_one_member(nvb: int, t: int, members: int,
+                                                                  data: st.DataObject) -> None:
+    owner = data.draw(st.lists(st.integers(0, members - 1), min_size=t, max_size=t))  # partition -> member
+    owned = [vbuckets_of([p for p in range(t) if owner[p] == m], t, nvb) for m in range(members)]
+    flat = [vb for vbs in owned for vb in vbs]
+    assert sorted(flat) == list(range(nvb))  # no vbucket twice, none missing
+
+
+def test_members_topic_name() -> None:
+    assert members_topic_name("dcp.default") == "dcp.default.members"
+
+
+def test_handoff_revoke_returns_only_once_released() -> None:
+    h = VBucketHandoff()
+    log: list[Any] = []
+    pending = {"left": 2}
+
+    def released(vbs: list[int]) -> bool:
+        pending["left"] -= 1
+        return pending["left"] <= 0
+
+    done = threading.Event()
+
+    def revoke() -> None:
+        h.revoke([1, 2], timeout=10)
+        done.set()
+
+    t = threading.Thread(target=revoke)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not h.pending:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    h.serve(lambda vbs: log.append(("stop", vbs)), released, lambda p: log.append(("add", p)))
+    assert log == [("stop", [1, 2])] and not done.is_set()  # in flight: not released yet
+    h.serve(lambda vbs: log.append(("stop", vbs)), released, lambda p: log.append(("add", p)))
+    t.join(5)
+    assert done.is_set() and log == [("stop", [1, 2])]
+
+
+def test_handoff_hands_errors_to_the_waiting_thread_and_close_releases_waiters() -> None:
+    h = VBucketHandoff()
+    errors: list[BaseException] = []
+
+    def assign() -> None:
+        try:
+            h.assign([3], {3: None}, timeout=10)
+        except GatewayError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=assign)
+    t.start()
+    while not h.pending:
+        time.sleep(0.01)
+
+    def boom(_p: Any) -> None:
+        raise GatewayError("cannot resume")
+
+    h.serve(lambda vbs: None, lambda vbs: True, boom)
+    t.join(5)
+    assert [str(e) for e in errors] == ["cannot resume"]
+    # a closed handoff lets every waiter go (the process is stopping)
+    t2 = threading.Thread(target=lambda: h.revoke([1], timeout=10))
+    t2.start()
+    while not h.pending:
+        time.sleep(0.01)
+    h.close()
+    t2.join(5)
+    assert not t2.is_alive()
+    h.revoke([2], timeout=0.1)  # closed: returns at once
+
+
+def test_timeout_when_the_loop_never_serves() -> None:
+    with pytest.raises(GatewayError, match="did not revoke"):
+        VBucketHandoff().revoke([1], timeout=0.05)
+
+
+def test_empty_group_name_is_refused() -> None:
+    with pytest.raises(GatewayError, match="group name"):
+        Membership({}, "t", "", 4, VBucketHandoff(), lambda vbs: {})
+
+
+class Members(TopicChecks):
+    """One engine, members added at will, all stepped by the test's thread."""
+
+    def __init__(self, broker: Broker, tmp: Path) -> None:
+        self.broker = broker
+        self.tmp = tmp
+        self.client = {"bootstrap.servers": broker.bootstrap_servers, "fetch.wait.max.ms": 20}
+        self.topic = f"dcp.m{uuid.uuid4().hex[:10]}"
+        self.bucket = Bucket(BucketConfig(data_dir=tmp / "data", num_vbuckets=NVB, seed=None))
+        self.partitions = ensure_topics(self.client, self.topic, 8)  # two vbuckets per partition
+        self.group = f"g-{uuid.uuid4().hex[:8]}"
+        ensure_members_topic(self.client, self.topic, 4)
+        self.members: list[GroupMember] = []
+        self.written = 0
+
+    def add(self, name: str) -> GroupMember:
+        def make(vbs: list[int]) -> Publisher:
+            return Publisher(self.bucket, producer_conf(self.broker), self.topic, self.partitions,
+                             RecordEncoder(ValueFormat.AVRO), {}, vbuckets=vbs, connection_name=f"dcpgw-{name}")
+
+        m = GroupMember(make, self.client, producer_conf(self.broker), self.topic, self.partitions, NVB,
+                        self.group, session_timeout_ms=6000, checkpoint_interval=0.2, member_name=name)
+        m.start()
+        self.members.append(m)
+        return m
+
+    def write(self, n: int) -> None:
+        for i in range(self.written, self.written + n):
+            self.bucket.set(f"k{i % 97}", f'{{"n": {i}}}'.encode())  # overwrites too: de-duplication
+            if i % 7 == 0:
+                with contextlib.suppress(KeyNotFound):
+                    self.bucket.delete(f"k{(i * 3) % 97}")
+        self.written += n
+
+    def step_until(self, done: Callable[[], bool], timeout: float = 60.0, write: int = 0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, [(m.membership.owned, m.taken, m.released) for m in self.members]
+            if write:
+                self.write(write)
+            for m in list(self.members):
+                if not m.step():
+                    m.finish()
+                    self.members.remove(m)
+            time.sleep(0.002)
+
+    def owned(self) -> list[list[int]]:
+        return [sorted(m.publisher.assigned) for m in self.members]
+
+    def idle(self) -> bool:
+        if self.bucket.dirty_vbuckets:
+            return False
+        return all(m.publisher.inflight == 0 and m.publisher.lag()[0] == 0 for m in self.members)
+
+    def actives(self) -> dict[bytes, tuple[bytes, int]]:
+        return self.bucket.state_snapshot()
+
+    def close(self) -> None:
+        for m in self.members:
+            m.leave()
+        try:
+            self.step_until(lambda: not self.members, timeout=30)
+        finally:
+            for m in self.members:
+                m.finish()
+            self.bucket.close(clean=False)
+
+
+@pytest.fixture
+def members(kafka_broker: Broker, tmp_path: Path) -> Iterator[Members]:
+    ms = Members(kafka_broker, tmp_path)
+    try:
+        yield ms
+    finally:
+        ms.close()
+
+
+def test_two_members_share_and_hand_over_vbuckets_without_duplicate_or_gap(members: Members) -> None:
+    a = members.add("a")
+    members.step_until(lambda: members.owned() == [list(range(NVB))], write=3)
+    b = members.add("b")
+    # the join rebalances (eager: everything revoked, then split in two) while writes go on
+    members.step_until(lambda: sorted(len(o) for o in members.owned()) == [8, 8] and b.taken == 8, write=3)
+    assert set(members.owned()[0]).isdisjoint(members.owned()[1])
+    assert a.released >= NVB and a.taken >= NVB
+    members.step_until(lambda: members.written > 300, write=5)
+    members.step_until(members.idle)
+    # b leaves cleanly: its vbuckets are released (acknowledged, checkpointed) before a resumes them
+    b.leave()
+    members.step_until(lambda: members.owned() == [list(range(NVB))], write=3)
+    members.write(100)
+    members.step_until(members.idle)
+    recs = members.check()  # invariants on every partition; replay == engine
+    # no (vbucket, vbuuid, seqno) published twice, by either member
+    for part in range(members.partitions):
+        dup = [k for k, n in data_positions([(o, r) for p, o, r in recs if p == part]).items() if n > 1]
+        assert not dup, dup[:5]
+
+
+def test_a_member_whose_recovery_fails_stops_with_the_error(members: Members) -> None:
+    m = members.add("a")
+
+    def broken(vbs: list[int]) -> Any:
+        raise KeyError("no checkpoint topic")  # anything: not a GatewayError
+
+    m.membership.recover = broken
+    with pytest.raises(GatewayError, match="membership failed: 'no checkpoint topic'"):
+        members.step_until(lambda: False, timeout=60)
+    assert not m.publisher.assigned
+    members.members.remove(m)
+    m.finish()  # closes cleanly after the error
+    assert not m.membership.alive

@@ -1,0 +1,278 @@
+"""Scale-out across gateway processes (docs/scale-out.md, issue 17 "Proof"): ``dcpgw gateway --source --group``
+processes sharing the vbuckets of running engine node processes. Two members stream one engine while documents
+are written; one is killed with SIGKILL mid-load and the other takes its vbuckets over after the session
+timeout; it is started again and gets its share back; the topic passes the invariants checker and an
+independent replay equals the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.network.process_cluster import ProcessCluster
+from gateway.broker import Broker
+from gateway.invariants import check_partition, data_positions
+from tests.engine.process_model import actives_state
+from tests.gateway.kafka_util import TopicReplica, read_topic
+from tests.gateway.processes import CLEAN_ENV, CLI, ROOT, dcpgw
+
+NVB = 16
+ASSIGNED = re.compile(r"group \S+: assigned \d+ coordination partitions, (\d+) vbuckets")
+
+
+class Member:
+    """One ``dcpgw gateway`` process, its log in a file."""
+
+    def __init__(self, env: dict[str, str], source: str, group: str, log: Path) -> None:
+        self.log = log
+        self.f = log.open("w")
+        self.proc = subprocess.Popen([*CLI, "gateway", "--source", source, "--group", group], env=env, cwd=ROOT,
+                                     stdout=self.f, stderr=subprocess.STDOUT, text=True)
+
+    def assignments(self) -> list[int]:
+        """vbucket counts of every assignment this member logged, oldest first."""
+        return [int(m.group(1)) for m in ASSIGNED.finditer(self.log.read_text())]
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                return -9
+        return self.proc.returncode
+
+
+@pytest.fixture(params=[(1, 0), (2, 1)], ids=["one-node", "two-nodes-one-replica"])
+def engine_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ProcessCluster]:
+    nodes, replicas = request.param
+    c = ProcessCluster.start(tmp_path / "engine", nodes=nodes, replicas=replicas, num_vbuckets=NVB,
+                             checkpoint_max_items=5)
+    try:
+        yield c
+    finally:
+        c.close(clean=False)
+
+
+def member_env(broker: Broker, prefix: str) -> dict[str, str]:
+    return {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_TOPIC_PREFIX": prefix,
+            "DCPGW_BUCKET": "default", "DCPGW_GROUP_SESSION_TIMEOUT_MS": "6000", "DCPGW_GROUP_PARTITIONS": "4",
+            "DCPGW_CREATE_TOPIC_PARTITIONS": "8", "DCPGW_CHECKPOINT_INTERVAL_S": "0.2"}
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float, tick: Callable[[], None] | None = None,
+             members: list[Member] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            logs = "\n".join(m.log.read_text()[-3000:] for m in members or [])
+            raise AssertionError(f"timed out: {what}\n{logs}")
+        if tick is not None:
+            tick()
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
+        kafka_broker: Broker, engine_node: ProcessCluster, tmp_path: Path) -> None:
+    # every node's address: the members learn each vbucket's active from the nodes' vbucket states
+    source = ",".join(f"{n.host}:{n.port}" for n in engine_node.nodes.values())
+    prefix = f"so{uuid.uuid4().hex[:8]}"
+    topic = f"{prefix}.default"
+    env = member_env(kafka_broker, prefix)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    written = [0]
+
+    def load() -> None:
+        for _ in range(3):
+            i = written[0]
+            key = f"k{i % 120}"
+            engine_node.write(key, f'{{"n": {i}}}'.encode())
+            if i % 6 == 0:
+                engine_node.delete(key)
+            written[0] += 1
+
+    a = Member(env, source, group, tmp_path / "a.log")
+    b = Member(env, source, group, tmp_path / "b.log")
+    members = [a, b]
+    try:
+        wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
+                 and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
+                 "the two members split the vbuckets", 90, load, members)
+        t_end = time.monotonic() + 2
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        n_assign = len(a.assignments())
+        b.kill9()  # mid-load: the group expels b after its session timeout, a takes everything
+        wait_for(lambda: len(a.assignments()) > n_assign and a.assignments()[-1] == NVB,
+                 "a takes over b's vbuckets", 90, load, members)
+        b = Member(env, source, group, tmp_path / "b2.log")
+        members = [a, b]
+        wait_for(lambda: bool(b.assignments()) and b.assignments()[-1] > 0
+                 and a.assignments()[-1] + b.assignments()[-1] == NVB,
+                 "the restarted member gets its share back", 90, load, members)
+        t_end = time.monotonic() + 2
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        assert written[0] > 100
+        want = actives_state(engine_node)
+
+        def caught_up() -> bool:
+            replica = TopicReplica()
+            replica.apply_all(read_topic(kafka_broker.bootstrap_servers, topic))
+            return replica.state() == want
+
+        wait_for(caught_up, "the topic's replay equals the engine", 90, None, members)
+        recs = read_topic(kafka_broker.bootstrap_servers, topic)
+        for part in range(8):
+            mine = [(o, r) for p, o, r in recs if p == part]
+            check_partition(mine)
+            dup = [k for k, n in data_positions(mine).items() if n > 1]
+            assert not dup, dup[:5]
+    finally:
+        codes = [m.stop() for m in members]
+    assert codes == [0, 0], [m.log.read_text()[-2000:] for m in members]
+
+
+def test_gateway_command_refuses_bad_sources_in_one_line() -> None:
+    env = {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    for bad in ("nohost", "h:0", "h:x", ":11210", ","):
+        r = dcpgw("gateway", "--source", bad, "--group", "g", env=env)
+        assert r.returncode == 2, (bad, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --source"), (bad, r.stderr)
+
+
+def test_gateway_command_needs_group_and_kafka() -> None:
+    r = dcpgw("gateway", "--source", "127.0.0.1:11210", env=CLEAN_ENV)
+    assert r.returncode == 2 and "--group" in r.stderr
+    r = dcpgw("gateway", "--source", "127.0.0.1:11210", "--group", " ", env=CLEAN_ENV)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --group: the group name must not be empty"
+    r = dcpgw("gateway", "--source", "127.0.0.1:11210", "--group", "g", env=CLEAN_ENV)
+    assert r.returncode == 2 and "KAFKA_BOOTSTRAP_SERVERS" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_gateway_command_exits_one_line_when_no_node_answers(kafka_broker: Broker) -> None:
+    env = {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": kafka_broker.bootstrap_servers}
+    r = dcpgw("gateway", "--source", "127.0.0.1:1", "--group", "g", env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: no node answers at 127.0.0.1:1"), r.stderr
+
+
+
+@pytest.mark.slow
+def test_up_with_two_gateways_publishes_every_write_once(kafka_broker: Broker, tmp_path: Path) -> None:
+    from tests.gateway.processes import GatewayProc, docs, verify
+
+    bucket = f"up{uuid.uuid4().hex[:6]}"
+    gw = GatewayProc(kafka_broker, tmp_path / "data", bucket, base_env=CLEAN_ENV, DCPGW_GATEWAYS="2",
+                     DCPGW_GROUP_PARTITIONS="4", DCPGW_GROUP_SESSION_TIMEOUT_MS="6000")
+    try:
+        gw.start()
+        for lo in range(0, 400, 100):
+            gw.bulk(docs(lo, lo + 100))
+        want = {f"doc{i}".encode() for i in range(400)}
+
+        def published() -> bool:
+            replica = TopicReplica()
+            replica.apply_all(read_topic(kafka_broker.bootstrap_servers, f"dcp.{bucket}"))
+            return set(replica.state()) == want
+
+        wait_for(published, "every write in the topic", 120)
+        log = gw.log.read_text()
+        assert f"gateway member of group dcpgw-dcp.{bucket} ready" in log  # the child process joined
+        counts = [int(x) for x in ASSIGNED.findall(log)]
+        assert any(0 < c < NVB for c in counts), counts  # the vbuckets were split between the two processes
+        gw.stop()
+    finally:
+        gw.close()
+    verify(kafka_broker, tmp_path / "data", bucket)
+
+
+def test_up_gateways_refuses_a_cluster_and_bad_counts(tmp_path: Path) -> None:
+    env = {**CLEAN_ENV, "DCPGW_DATA_DIR": str(tmp_path / "d")}
+    r = dcpgw("up", "--gateways", "2", "--nodes", "3", env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --gateways > 1 runs with one engine node only (not with --nodes)"
+    for bad in ("0", "65", "x"):
+        r = dcpgw("up", "--gateways", bad, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+    r = dcpgw("up", env={**env, "DCPGW_GATEWAYS": "0"})
+    assert r.returncode == 2 and "gateways" in r.stderr, r.stderr
+
+
+def test_attached_source_learns_each_vbuckets_active_from_the_nodes(tmp_path: Path) -> None:
+    from engine import InvalidArgument
+    from gateway.source import AttachedNodesSource
+
+    with pytest.raises(InvalidArgument, match="no node address"):
+        AttachedNodesSource([], "c", 1 << 20)
+    c = ProcessCluster.start(tmp_path / "two", nodes=2, replicas=1, num_vbuckets=8)
+    other = ProcessCluster.start(tmp_path / "other", nodes=1, replicas=0, num_vbuckets=4)
+    try:
+        addr = {name: f"{n.host}:{n.port}" for name, n in c.nodes.items()}
+        src = AttachedNodesSource(sorted(addr.values()), "c", 1 << 20)
+        try:
+            src.open()
+            assert src.num_vbuckets == 8
+            vbmap = c.vbucket_map()
+            for vb in range(8):
+                active = vbmap.active(vb)
+                assert active is not None and src.active_node(vb) == addr[active]
+            topo = src.topology()
+            c.kill("n1")  # its actives are not reachable any more: the token changes at the next refresh
+            src.refresh()
+            assert src.topology() != topo
+            assert all(src.active_node(vb) in (addr["n0"], None) for vb in range(8))
+        finally:
+            src.close()
+        o = other.node("n0")
+        mixed = AttachedNodesSource([addr["n0"], f"{o.host}:{o.port}"], "c", 1 << 20)
+        with pytest.raises(InvalidArgument, match="disagree on the number of vbuckets"):
+            mixed.open()
+        mixed.close()
+    finally:
+        c.close(clean=False)
+        other.close(clean=False)
+
+
+@pytest.mark.slow
+def test_up_killed_leaves_no_gateway_child_behind(kafka_broker: Broker, tmp_path: Path) -> None:
+    from tests.gateway.processes import GatewayProc
+
+    gw = GatewayProc(kafka_broker, tmp_path / "data", f"up{uuid.uuid4().hex[:6]}", base_env=CLEAN_ENV,
+                     DCPGW_GATEWAYS="2", DCPGW_GROUP_PARTITIONS="4")
+    try:
+        gw.start()
+        found = re.search(r"more gateway processes \(pids \[(\d+)\]\)", gw.log.read_text())
+        assert found, gw.log.read_text()[-2000:]
+        child = int(found.group(1))
+
+        def gone() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return True
+            # a zombie (exited, not reaped: its parent is gone, init reaps it) counts as gone
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            return True
+
+        assert not gone()  # the child member runs
+        gw.kill9()
+        wait_for(gone, "the child member exits after its parent was killed", 60)
+    finally:
+        gw.close()
