@@ -32,6 +32,13 @@ from engine.exceptions import (
 )
 from engine.kv.checkpoint import MemoryCounter
 from engine.kv.compaction import Compactor
+from engine.kv.conflict_resolution import (
+    MODE_META_KEY,
+    ConflictCounters,
+    ConflictResolutionMismatch,
+    ConflictResolutionMode,
+    ItemMeta,
+)
 from engine.kv.durability import Durability, SyncWrite, monitor, replica_ack_seqno
 from engine.kv.flusher import Flusher
 from engine.kv.item import Item, Op
@@ -50,6 +57,7 @@ from engine.kv.vbucket import (
     vbucket_of,
 )
 from engine.kv.warmup import CLEAN_SHUTDOWN, Warmup
+from engine.kv.with_meta import WithMetaOp, apply_with_meta, get_meta
 from schemas.failover_log import FailoverEntry
 
 _SET = StoreMode.SET
@@ -117,6 +125,9 @@ class Bucket:
         self.replica_rebuilds = 0
         data_dir = Path(config.data_dir)
         self.storage = Storage(data_dir / f"{config.name}.sqlite3", synchronous=config.sqlite_synchronous)
+        #: XDCR target conflict resolution (docs/xdcr.md "Target side"): the mode is fixed at creation
+        self.conflict_resolution = self._fixed_mode(config)
+        self.conflict_counters = ConflictCounters()
         self._vbs: list[VBucket] = []
         self._nvb = config.num_vbuckets
         self._quota = config.checkpoint_quota_bytes
@@ -141,6 +152,16 @@ class Bucket:
             gc.freeze()  # the warmed-up items are permanent residents: exclude them from cyclic GC scans
         # From now until a clean close, a crash counts as unclean.
         self.storage.set_meta(CLEAN_SHUTDOWN, "0")
+
+    def _fixed_mode(self, config: BucketConfig) -> ConflictResolutionMode:
+        # Recorded on creation; a data directory written before the mode existed adopts the configured one.
+        stored = self.storage.get_meta(MODE_META_KEY)
+        if stored is None:
+            self.storage.set_meta(MODE_META_KEY, config.conflict_resolution)
+        elif stored != config.conflict_resolution:
+            self.storage.close()
+            raise ConflictResolutionMismatch(config.name, stored, config.conflict_resolution)
+        return ConflictResolutionMode(config.conflict_resolution)
 
     @property
     def producers(self) -> dict[str, DcpProducer]:
@@ -288,6 +309,56 @@ class Bucket:
         if durability is not None:
             return self._sync_store(k, None, None, cas, 0, 0, None, vbucket, durability)
         return self._vb_for(k, vbucket).delete(k, cas)
+
+    # ------------------------------------------------------------------ XDCR target (docs/xdcr.md "Target side")
+    def get_meta(self, key: bytes | str, *, vbucket: int | None = None) -> ItemMeta:
+        """kv_engine GET_META: deleted flag, flags, expiry (a tombstone's delete time), rev seqno, CAS and datatype
+        of the document or tombstone; KEY_ENOENT when the key has neither."""
+        self._check_open()
+        k = _key(key)
+        return get_meta(self._vb_for(k, vbucket), k)
+
+    def _with_meta(
+        self, op: WithMetaOp, key: bytes | str, value: bytes | str | None, meta: ItemMeta, options: int,
+        cas: int, vbucket: int | None,
+    ) -> MutationResult:
+        self._check_open()
+        if not isinstance(meta, ItemMeta):
+            raise InvalidArgument(f"meta must be an ItemMeta, not {type(meta).__name__}")
+        if type(cas) is not int or cas < 0:
+            raise InvalidArgument(f"invalid cas {cas!r}")
+        k = _key(key)
+        v = None if value is None else _value(value)
+        vb = self._vb_for(k, vbucket)
+        if self.counter.used > self._quota:
+            self.recover_memory()
+            if self.counter.used > self._quota:
+                raise TemporaryFailure("checkpoint memory quota exhausted: the flusher is behind")
+        return apply_with_meta(vb, k, v, meta, op=op, options=options, cas=cas, mode=self.conflict_resolution,
+                               counters=self.conflict_counters, now=self.clock())
+
+    def set_with_meta(
+        self, key: bytes | str, value: bytes | str, meta: ItemMeta, options: int = 0, *, cas: int = 0,
+        vbucket: int | None = None,
+    ) -> MutationResult:
+        """kv_engine SET_WITH_META: store with the source's metadata if it wins conflict resolution
+        (engine/kv/with_meta.py); :class:`~engine.kv.conflict_resolution.ConflictRejected` (KEY_EEXISTS) if not."""
+        return self._with_meta(WithMetaOp.SET, key, value, meta, options, cas, vbucket)
+
+    def add_with_meta(
+        self, key: bytes | str, value: bytes | str, meta: ItemMeta, options: int = 0, *, cas: int = 0,
+        vbucket: int | None = None,
+    ) -> MutationResult:
+        """kv_engine ADD_WITH_META: as :meth:`set_with_meta`, KEY_EEXISTS if a live document exists."""
+        return self._with_meta(WithMetaOp.ADD, key, value, meta, options, cas, vbucket)
+
+    def del_with_meta(
+        self, key: bytes | str, value: bytes | str | None, meta: ItemMeta, options: int = 0, *, cas: int = 0,
+        vbucket: int | None = None,
+    ) -> MutationResult:
+        """kv_engine DEL_WITH_META: a tombstone with the source's metadata (``value``: a tombstone body, usually
+        None); an expiration with IS_EXPIRATION."""
+        return self._with_meta(WithMetaOp.DEL, key, value, meta, options, cas, vbucket)
 
     # ------------------------------------------------------------------ synchronous replication (docs/durability.md)
     def _sync_store(
@@ -574,6 +645,8 @@ class Bucket:
             "replica_rollbacks": self.replica_rollbacks,
             "replica_rebuilds": self.replica_rebuilds,
             "clean_start": int(self.was_clean),
+            "conflict_resolution": self.conflict_resolution.value,
+            **self.conflict_counters.as_dict(),
         }
 
     def vbucket_info(self, vbucket: int) -> VBucketInfo:

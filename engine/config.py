@@ -39,6 +39,9 @@ class BucketConfig(BaseModel):
     #: (the RFC's ``persistence_timeout_floor``, 1500 ms)
     durability_timeout_ms: int = Field(10_000, ge=1, le=0xFFFE)
     durability_timeout_floor_ms: int = Field(1500, ge=0, le=0xFFFE)
+    #: XDCR target conflict resolution (docs/xdcr.md "Target side"), fixed when the bucket is created and
+    #: recorded in its data directory: ``seqno`` (revision seqno first) or ``lww`` (HLC CAS first)
+    conflict_resolution: Literal["seqno", "lww"] = "seqno"
     #: seed for vbuuid generation (tests); None = system randomness
     seed: int | None = None
 

@@ -40,6 +40,7 @@ from engine.exceptions import (
     Status,
     error_for_status,
 )
+from engine.kv.conflict_resolution import ConflictRejected
 from engine.kv.durability import Durability, Level, parse_level
 from engine.kv.item import Item, Op
 from engine.kv.vbucket import VBucketState
@@ -88,6 +89,11 @@ class Opcode(IntEnum):
     STOP_PERSISTENCE = 0x80
     START_PERSISTENCE = 0x81
     OBSERVE_SEQNO = 0x91
+    # XDCR target (docs/xdcr.md "Target side"; kv_engine numbers)
+    GET_META = 0xA0
+    SET_WITH_META = 0xA2
+    ADD_WITH_META = 0xA4
+    DEL_WITH_META = 0xA8
     # Private to this project (no kv_engine counterpart: ns_server drives replication itself):
     #: value = JSON {"sources": {name: {"host", "port", "vbuckets"}}}: the replication streams this node pulls
     SET_REPLICATION = 0xE0
@@ -121,6 +127,17 @@ OPEN_EXTRAS: Final = struct.Struct(">II")  # seqno, flags
 PAIR: Final = struct.Struct(">QQ")
 #: OBSERVE_SEQNO answer, format 0: format u8, vbucket u16, vbuuid u64, persisted u64, current u64
 OBSERVE0: Final = struct.Struct(">BHQQQ")
+#: SET / ADD / DEL_WITH_META extras (kv_engine): flags u32, expiration u32, rev seqno u64, cas u64, then
+#: optionally options u32 (28 / 30 bytes) and extended-meta length u16 (26 / 30 bytes)
+WITH_META_EXTRAS: Final = struct.Struct(">IIQQ")
+WITH_META_EXTRAS_SIZES: Final = (24, 26, 28, 30)
+#: GET_META answer (kv_engine): deleted u32, flags u32, expiry u32, rev seqno u64 [, datatype u8 (version 2)]
+GET_META_EXTRAS: Final = struct.Struct(">IIIQ")
+#: kv_engine ``GET_META_ITEM_DELETED_FLAG``
+GET_META_DELETED: Final = 0x01
+#: GET_META request extras: none or a version byte; version 2 asks for the datatype too
+GET_META_V1: Final = 1
+GET_META_V2: Final = 2
 #: format 1 (failover happened) adds old vbuuid u64, last seqno received on that branch u64
 OBSERVE1: Final = struct.Struct(">BHQQQQQ")
 
@@ -423,6 +440,63 @@ def decode_dcp_message(f: Frame) -> Message:
     raise ProtocolError(f"opcode 0x{op:02x} is not a DCP data message")
 
 
+# ---------------------------------------------------------------------- writes with meta (docs/xdcr.md "Target side")
+#: the XDCR target's opcodes (engine/network/with_meta.py)
+WITH_META_OPCODES: Final = frozenset(
+    {Opcode.GET_META, Opcode.SET_WITH_META, Opcode.ADD_WITH_META, Opcode.DEL_WITH_META})
+
+
+def conflict_error(f: Frame) -> ConflictRejected | None:
+    """The :class:`ConflictRejected` of a KEY_EEXISTS answer to a write with meta whose error context names a
+    conflict-resolution reason (None for any other KEY_EEXISTS, e.g. an ADD over a live document)."""
+    if f.status != Status.KEY_EEXISTS or not f.value:
+        return None
+    try:
+        err = orjson.loads(f.value)["error"]
+        reason, context = err["reason"], str(err["context"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    if reason not in ("rejected_behind", "rejected_identical"):
+        return None
+    return ConflictRejected(context, identical=reason == "rejected_identical")
+
+
+def encode_with_meta_extras(flags: int, expiry: int, rev_seqno: int, cas: int, options: int = 0) -> bytes:
+    """Extras of a SET / ADD / DEL_WITH_META: 24 bytes, or 28 with a non-zero options word."""
+    try:
+        ex = WITH_META_EXTRAS.pack(flags, expiry, rev_seqno, cas)
+        return ex + U32.pack(options) if options else ex
+    except struct.error as e:
+        raise InvalidArgument(f"with-meta field out of range: {e}") from e
+
+
+def decode_with_meta_extras(extras: bytes) -> tuple[int, int, int, int, int, int]:
+    """(flags, expiry, rev seqno, cas, options, extended-meta length) of a write with meta's extras (24, 26,
+    28 or 30 bytes, kv_engine's layouts); :class:`ProtocolError` otherwise."""
+    n = len(extras)
+    if n not in WITH_META_EXTRAS_SIZES:
+        raise ProtocolError(f"with-meta extras of {n} bytes, expected one of {WITH_META_EXTRAS_SIZES}")
+    flags, expiry, rev, cas = WITH_META_EXTRAS.unpack_from(extras)
+    options = U32.unpack_from(extras, 24)[0] if n >= 28 else 0
+    nmeta = int.from_bytes(extras[n - 2:], "big") if n in (26, 30) else 0
+    return flags, expiry, rev, cas, options, nmeta
+
+
+def encode_get_meta_extras(deleted: bool, flags: int, expiry: int, rev_seqno: int, datatype: int | None) -> bytes:
+    """A GET_META answer's extras (``datatype`` None: version 1, 20 bytes; else 21 bytes)."""
+    ex = GET_META_EXTRAS.pack(GET_META_DELETED if deleted else 0, flags, expiry, rev_seqno)
+    return ex if datatype is None else ex + bytes([datatype])
+
+
+def decode_get_meta_extras(extras: bytes) -> tuple[bool, int, int, int, int]:
+    """(deleted, flags, expiry, rev seqno, datatype) of a GET_META answer (datatype 0 when absent)."""
+    if len(extras) not in (GET_META_EXTRAS.size, GET_META_EXTRAS.size + 1):
+        raise ProtocolError(f"GET_META answer extras of {len(extras)} bytes, expected 20 or 21")
+    deleted, flags, expiry, rev = GET_META_EXTRAS.unpack_from(extras)
+    datatype = extras[20] if len(extras) == 21 else 0
+    return bool(deleted & GET_META_DELETED), flags, expiry, rev, datatype
+
+
 def encode_stream_request(
     start: int, end: int, vbuuid: int, snap_start: int, snap_end: int, flags: int,
     failover_log: Sequence[FailoverEntry] | None = None,
@@ -445,19 +519,25 @@ __all__ = [
     "REQ_MAGIC",
     "RES_MAGIC",
     "STATE_CODES",
+    "WITH_META_OPCODES",
     "Frame",
     "FrameBuffer",
     "Opcode",
     "ProtocolError",
+    "conflict_error",
     "decode_dcp_message",
     "decode_failover_log",
     "decode_frame",
     "decode_framing",
+    "decode_get_meta_extras",
+    "decode_with_meta_extras",
     "encode",
     "encode_dcp_message",
     "encode_durability_frame",
     "encode_failover_log",
+    "encode_get_meta_extras",
     "encode_stream_request",
+    "encode_with_meta_extras",
     "error_from",
     "error_response",
     "parse_header",

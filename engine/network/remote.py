@@ -34,6 +34,7 @@ from engine.exceptions import (
     Status,
     TemporaryFailure,
 )
+from engine.kv.conflict_resolution import ItemMeta
 from engine.kv.durability import Durability
 from engine.kv.item import Item
 from engine.kv.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
@@ -41,6 +42,7 @@ from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
     GET_EXTRAS,
+    GET_META_V2,
     OBSERVE0,
     OBSERVE1,
     OPEN_EXTRAS,
@@ -49,14 +51,18 @@ from engine.network.protocol import (
     TOKEN_EXTRAS,
     U32,
     U64,
+    WITH_META_OPCODES,
     Frame,
     FrameBuffer,
     Opcode,
     ProtocolError,
+    conflict_error,
     decode_dcp_message,
     decode_failover_log,
+    decode_get_meta_extras,
     encode_durability_frame,
     encode_stream_request,
+    encode_with_meta_extras,
     error_from,
     request,
     response,
@@ -195,6 +201,8 @@ class RemoteNode:
     def _error(f: Frame, vbucket: int, cas: int) -> Exception:
         if f.opcode == Opcode.SET_VBUCKET_STATE and f.status == Status.KEY_EEXISTS:
             return StateCasMismatch(vbucket, f.cas, cas)  # docs/cluster.md "Partition-state CAS" step 6: the current CAS comes back
+        if f.status == Status.KEY_EEXISTS and f.opcode in WITH_META_OPCODES:
+            return conflict_error(f) or error_from(f, vbucket)
         return error_from(f, vbucket)
 
     # ------------------------------------------------------------------ front end
@@ -234,6 +242,36 @@ class RemoteNode:
         (f,) = self._call(Opcode.DELETE, vbucket=vbucket, key=k, cas=cas, framing=framing)
         uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
         return MutationResult(vbucket, uuid, seqno, f.cas)
+
+    # ------------------------------------------------------------------ XDCR target (docs/xdcr.md "Target side")
+    def get_meta(self, key: bytes | str, *, vbucket: int) -> ItemMeta:
+        """GET_META (version 2: with the datatype) of a document or tombstone; KeyNotFound for neither."""
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        (f,) = self._call(Opcode.GET_META, vbucket=vbucket, key=k, extras=bytes([GET_META_V2]))
+        deleted, flags, expiry, rev, datatype = decode_get_meta_extras(f.extras)
+        return ItemMeta(f.cas, rev, flags, expiry, datatype, deleted)
+
+    def _with_meta(self, opcode: int, key: bytes | str, value: bytes | str | None, meta: ItemMeta, options: int,
+                   vbucket: int, cas: int) -> MutationResult:
+        k = key.encode() if isinstance(key, str) else bytes(key)
+        v = b"" if value is None else value.encode() if isinstance(value, str) else bytes(value)
+        extras = encode_with_meta_extras(meta.flags, meta.expiry, meta.rev_seqno, meta.cas, options)
+        (f,) = self._call(opcode, vbucket=vbucket, key=k, value=v, extras=extras, cas=cas, datatype=meta.datatype)
+        uuid, seqno = TOKEN_EXTRAS.unpack(f.extras)
+        return MutationResult(vbucket, uuid, seqno, f.cas)
+
+    def set_with_meta(self, key: bytes | str, value: bytes | str, meta: ItemMeta, options: int = 0, *,
+                      vbucket: int, cas: int = 0) -> MutationResult:
+        """SET_WITH_META; :class:`ConflictRejected` (KEY_EEXISTS) when the target keeps its document."""
+        return self._with_meta(Opcode.SET_WITH_META, key, value, meta, options, vbucket, cas)
+
+    def add_with_meta(self, key: bytes | str, value: bytes | str, meta: ItemMeta, options: int = 0, *,
+                      vbucket: int, cas: int = 0) -> MutationResult:
+        return self._with_meta(Opcode.ADD_WITH_META, key, value, meta, options, vbucket, cas)
+
+    def del_with_meta(self, key: bytes | str, meta: ItemMeta, options: int = 0, *, vbucket: int, cas: int = 0,
+                      value: bytes | None = None) -> MutationResult:
+        return self._with_meta(Opcode.DEL_WITH_META, key, value, meta, options, vbucket, cas)
 
     def observe_seqno(self, vbucket: int, vbuuid: int) -> NodeObserve:
         """OBSERVE_SEQNO on this node (an active answers its high / persisted seqno, a replica the end of its

@@ -49,6 +49,7 @@ from engine.exceptions import (
     TemporaryFailure,
     UnknownCommand,
 )
+from engine.kv.conflict_resolution import ConflictResolutionMismatch
 from engine.kv.data_dir import DataDirLock, DataDirLocked
 from engine.kv.durability import SyncWrite
 from engine.kv.item import Item
@@ -80,6 +81,8 @@ from engine.network.protocol import (
     response,
 )
 from engine.network.remote import RemoteDcpProducer
+from engine.network.with_meta import WITH_META_OPCODES
+from engine.network.with_meta import answer as with_meta_answer
 from schemas.failover_log import FailoverEntry
 
 log = logging.getLogger("engine.server")
@@ -460,6 +463,10 @@ class NodeServer:
                 r = b.delete(f.key, cas=f.cas, vbucket=vb)
             self.kick()
             return response(op, extras=TOKEN_EXTRAS.pack(r.vbuuid, r.seqno), opaque=f.opaque, cas=r.cas)
+        if op in WITH_META_OPCODES:  # the XDCR target (docs/xdcr.md "Target side", engine/network/with_meta.py)
+            out = with_meta_answer(b, f)
+            self.kick()
+            return out
         if op == Opcode.OBSERVE_SEQNO:
             return self._observe(f)
         if op == Opcode.SET_VBUCKET_STATE:
@@ -713,6 +720,8 @@ class NodeServer:
 async def serve(args: argparse.Namespace) -> None:
     overrides: dict[str, Any] = orjson.loads(args.config_json) if args.config_json else {}
     overrides.setdefault("tune_gc", False)
+    if args.conflict_resolution is not None:
+        overrides["conflict_resolution"] = args.conflict_resolution
     cfg = BucketConfig(data_dir=Path(args.data_dir), num_vbuckets=args.num_vbuckets, **overrides)
     # One process per node directory (a node of an earlier cluster manager still exiting must not share it):
     # held until this process exits (docs/reliability.md "Data directory").
@@ -744,13 +753,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--replication-buffer-bytes", type=int, default=REPLICATION_BUFFER_BYTES,
                     help="flow-control buffer of the replication connections this node opens (0 = none)")
     ap.add_argument("--config-json", default="", help="BucketConfig overrides as a JSON object")
+    ap.add_argument("--conflict-resolution", choices=("seqno", "lww"), default=None,
+                    help="the bucket's XDCR conflict-resolution mode, fixed at creation (docs/xdcr.md)")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer the parent")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     try:
         asyncio.run(serve(args))
-    except DataDirLocked as e:
+    except (DataDirLocked, ConflictResolutionMismatch) as e:
         sys.stderr.write(f"error: {e}\n")
         raise SystemExit(2) from None
 
