@@ -424,7 +424,7 @@ class XdcrReplicator:
             for o, meta in zip(check, metas, strict=True):
                 why = compare(o.version, meta, s.conflict_resolution)
                 if why is not None:
-                    m.reject(f"skipped_{why}")
+                    m.reject(f"rejected_{why}")
                     skip.add(id(o))
                 else:
                     o.add = meta is None
@@ -447,7 +447,8 @@ class XdcrReplicator:
                     o.add = False  # created meanwhile: conflict resolution decides
                     again.append(o)
                 elif st == Status.KEY_EEXISTS:
-                    m.reject("target_conflict")
+                    # the target's conflict resolution kept its version (reason from its error context)
+                    m.reject(r.reason or "rejected_conflict")
                 elif st in RETRYABLE or st == Status.NOT_MY_VBUCKET:
                     again.append(o)
                 elif st == Status.E2BIG:

@@ -102,6 +102,9 @@ class WriteResult:
     status: int
     #: the target vbucket's (vbuuid, seqno) after the write (HELLO MutationSeqno), or None
     token: tuple[int, int] | None = None
+    #: a refusal's reason from the error context (``rejected_behind`` / ``rejected_identical`` for a conflict
+    #: loss on this engine), or ""
+    reason: str = ""
 
 
 @dataclass
@@ -237,7 +240,11 @@ class TargetCluster:
         res = []
         for r in answers:
             tok = TOKEN_EXTRAS.unpack(r.extras) if r.ok and len(r.extras) == TOKEN_EXTRAS.size else None
-            res.append(WriteResult(r.status, tok))
+            reason = ""
+            if not r.ok and r.value[:1] == b"{":
+                with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+                    reason = str(json.loads(r.value)["error"].get("reason", ""))
+            res.append(WriteResult(r.status, tok, reason))
         return res
 
     def get_meta(self, keys: Sequence[tuple[int, bytes]]) -> list[DocVersion | None]:
