@@ -63,3 +63,66 @@ def diverging(src: dict[bytes, Doc], tgt: dict[bytes, Doc]) -> dict[bytes, tuple
         elif s != t:
             bad[k] = (s, t)
     return bad
+
+
+class ClusterSide:
+    """One cluster of a bidirectional pair: a single node process (every vbucket active on it, the XDCR
+    target of the other side) and a gateway publisher streaming it into its own topic."""
+
+    def __init__(self, broker: Any, tmp: Path, mode: str, nvb: int = 8) -> None:
+        import uuid
+
+        from engine.network.process_cluster import ProcessCluster
+        from gateway.publisher import Publisher
+        from gateway.resume import ensure_topics, recover_positions
+        from schemas.codec import RecordEncoder
+        from schemas.records import ValueFormat
+        from tests.harness import producer_conf
+
+        self.nvb = nvb
+        self.pub: Any = None
+        self.cluster = ProcessCluster.start(tmp, nodes=1, replicas=0, num_vbuckets=nvb, conflict_resolution=mode)
+        try:
+            self.client = {"bootstrap.servers": broker.bootstrap_servers}
+            self.topic = f"dcp.x{uuid.uuid4().hex[:10]}"
+            parts = ensure_topics(self.client, self.topic, nvb)
+            positions = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, parts, nvb)
+            self.pub = Publisher(self.cluster, producer_conf(broker), self.topic, parts,
+                                 RecordEncoder(ValueFormat.AVRO), positions)
+            self.pub.open()
+        except BaseException:
+            self.close()
+            raise
+        self.node = next(iter(self.cluster.nodes.values()))
+
+    @property
+    def url(self) -> str:
+        return f"couchbase://127.0.0.1:{self.node.port}"
+
+    def publish(self, timeout: float = 30.0) -> None:
+        """Pump until every vbucket's high seqno is in Kafka."""
+        import time
+
+        pub = self.pub
+        c = self.node.require()
+        deadline = time.monotonic() + timeout
+        while True:
+            for _ in range(20):
+                pub.pump()
+            highs = {vb: c.vbucket_info(vb).high_seqno for vb in range(self.nvb)}
+            if pub.inflight == 0 and pub.held == 0 and all(
+                    vb in pub.streaming and pub.sent[vb].seqno >= h for vb, h in highs.items()):
+                return
+            assert time.monotonic() < deadline, "publisher never caught up"
+            pub.kafka.poll(0.01)
+
+    def high_seqnos(self) -> dict[int, int]:
+        c = self.node.require()
+        return {vb: c.vbucket_info(vb).high_seqno for vb in range(self.nvb)}
+
+    def close(self) -> None:
+        try:
+            if self.pub is not None:
+                self.pub.close(timeout=5)
+        finally:
+            self.cluster.close(clean=False)
