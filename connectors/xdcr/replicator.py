@@ -25,6 +25,7 @@ seqno, flags, expiry, deletion) through SET/ADD/DEL_WITH_META, so the target run
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -71,7 +72,6 @@ DEAD_LETTER_FILE = "dead-letter.jsonl"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS xdcr_docs (key BLOB PRIMARY KEY, vbucket INTEGER NOT NULL, seqno INTEGER NOT NULL,
                                       version BLOB NOT NULL) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS xdcr_docs_vb ON xdcr_docs (vbucket);
 CREATE TABLE IF NOT EXISTS xdcr_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)
 """
 
@@ -132,6 +132,8 @@ class XdcrReplicator:
         self.target = TargetCluster(TargetSpec.parse(target), Credentials(user, password), sleep=self.sleep)
         self._pending: dict[bytes, WriteOp] = {}
         self._pending_bytes = 0
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future[Any] | None = None
         self._target_pos: dict[int, tuple[int, int]] = {}
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
@@ -202,7 +204,8 @@ class XdcrReplicator:
                     log.error("xdcr: target %s: %s (retrying with backoff)", state.replace("_", " "), e)
                 self.metrics.target_state, self.metrics.target_error = state, str(e)
                 self.metrics.retries += 1
-                self._save_metrics()
+                if what == "connect":  # (the writer thread leaves the state file to the next commit)
+                    self._save_metrics()
                 self.target.close()
                 if self._stop.is_set():
                     raise
@@ -404,12 +407,26 @@ class XdcrReplicator:
         if len(self._pending) >= self.settings.batch_docs or self._pending_bytes >= self.settings.batch_bytes:
             self._send()
 
-    def _send(self) -> None:
+    def _send(self, wait: bool = False) -> None:
+        """Hand the pending batch to the writer thread (after the batch before it completed: one batch in
+        flight, so a key's versions reach the target in order); ``wait``: until it completed too. The writer
+        overlaps the target's round trips with the client's decoding and SQLite work; a batch's error is
+        raised here."""
         ops = list(self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
+        self._join_inflight()
         if ops:
-            self._with_retries(lambda: self._write_batch(ops), "write")
+            if self._writer is None:
+                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
+            self._inflight = self._writer.submit(self._with_retries, partial(self._write_batch, ops), "write")
+        if wait:
+            self._join_inflight()
+
+    def _join_inflight(self) -> None:
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            f.result()
 
     def _write_batch(self, ops: list[WriteOp]) -> None:
         t0 = time.monotonic()
@@ -473,7 +490,7 @@ class XdcrReplicator:
     def _before_commit(self) -> None:
         """Runs before every commit of the consumer's transaction: what the positions cover reaches the
         target first; target positions, checkpoints and counters commit with them."""
-        self._send()
+        self._send(wait=True)
         now = self.clock()
         for vb, tp in self._target_pos.items():
             self.checkpoints.set_target_position(vb, *tp)
@@ -523,15 +540,21 @@ class XdcrReplicator:
     def close(self) -> None:
         self.stop()
         if self.consumer is not None:
-            if self._pending:
+            if self._pending or self._inflight is not None:
                 # positions must not commit beyond what reached the target
                 self.store.hook = None
                 self._pending.clear()
+                with contextlib.suppress(Exception):
+                    self._join_inflight()
                 self.store.rollback()
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
             self.consumer.close()
         self.store.hook = None
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._join_inflight()
+            self._writer.shutdown(wait=True)
         try:
             self._save_metrics()
             self.store.close()

@@ -5,14 +5,15 @@ replicated back is rejected as identical, so it never becomes a new mutation).""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from connectors.xdcr.replicator import XdcrReplicator, XdcrSettings
 from connectors.xdcr.document import ConflictMode
+from connectors.xdcr.replicator import XdcrReplicator, XdcrSettings
 from engine import vbucket_of
 from gateway.broker import Broker
 from tests.connectors.xdcr.harness import ClusterSide, target_docs
@@ -41,10 +42,8 @@ def test_concurrent_conflicting_writes_converge_to_one_winner(kafka_broker: Brok
             for side, name in ((a, "a"), (b, "b")):
                 for k in rng.sample(KEYS, 25):
                     if rng.random() < 0.15:
-                        try:
+                        with contextlib.suppress(Exception):
                             side.cluster.delete(k)
-                        except Exception:  # noqa: BLE001 -- nothing to delete on this side
-                            pass
                     else:
                         for _ in range(rng.randint(1, 3)):  # more revisions on one side than the other
                             side.cluster.write(k, f'{{"from": "{name}", "round": {rnd}}}'.encode(),
