@@ -24,9 +24,13 @@ from engine.dcp.conn_map import DcpConnMap
 from engine.dcp.producer import DcpProducer
 from engine.dcp.stream import SnapshotMarker, StreamEndReason
 from engine.exceptions import (
+    DeltaBadValue,
     EngineClosed,
     InvalidArgument,
+    KeyExists,
+    KeyNotFound,
     NotMyVBucket,
+    NotStored,
     StateCasMismatch,
     TemporaryFailure,
 )
@@ -41,7 +45,8 @@ from engine.kv.conflict_resolution import (
 )
 from engine.kv.durability import Durability, SyncWrite, monitor, replica_ack_seqno
 from engine.kv.flusher import Flusher
-from engine.kv.item import Item, Op
+from engine.kv.item import Datatype, Item, Op
+from engine.kv.locks import check_lock, get_locked, locked, unlock
 from engine.kv.memory_recovery import CheckpointMemRecovery
 from engine.kv.pagers import ExpiryPager
 from engine.kv.storage import Storage, VBucketRecord, item_from_row, vbucket_record
@@ -429,6 +434,115 @@ class Bucket:
         self._check_open()
         k = _key(key)
         return self._vb_for(k, vbucket).touch(k, expiry)
+
+    # ------------------------------------------------------------------ the KV port's operations (docs/kv-protocol.md)
+    def store(
+        self, key: bytes | str, value: bytes | str, mode: StoreMode, *, cas: int = 0, flags: int = 0,
+        expiry: int = 0, datatype: int | None = None, vbucket: int | None = None,
+        durability: Durability | None = None,
+    ) -> MutationResult | SyncWrite:
+        """SET / ADD / REPLACE in one call, durable with ``durability`` (the KV port's front end)."""
+        if durability is not None:
+            return self._sync_store(key, value, mode, cas, flags, expiry, datatype, vbucket, durability)
+        return self._store(key, value, mode, cas, flags, expiry, datatype, vbucket)
+
+    def get_and_touch(self, key: bytes | str, expiry: int, *, vbucket: int | None = None) -> GetResult:
+        """GAT: set the document's expiry (a mutation, as kv_engine's touch) and read it."""
+        self._check_open()
+        k = _key(key)
+        vb = self._vb_for(k, vbucket)
+        vb.touch(k, expiry)
+        return vb.get(k)
+
+    def get_locked(self, key: bytes | str, lock_s: int = 0, *, vbucket: int | None = None) -> GetResult:
+        """GET_LOCKED: read and lock (engine/kv/locks.py); the result's CAS is the lock's."""
+        self._check_open()
+        k = _key(key)
+        return get_locked(self._vb_for(k, vbucket), k, lock_s)
+
+    def unlock(self, key: bytes | str, cas: int, *, vbucket: int | None = None) -> None:
+        self._check_open()
+        k = _key(key)
+        unlock(self._vb_for(k, vbucket), k, cas)
+
+    def is_locked(self, key: bytes | str, *, vbucket: int | None = None) -> bool:
+        self._check_open()
+        k = _key(key)
+        return locked(self._vb_for(k, vbucket), k)
+
+    def _modify(
+        self, k: bytes, vb: VBucket, cas: int, new: Callable[[Item], bytes], datatype: int | None,
+        durability: Durability | None, missing: Exception,
+    ) -> MutationResult | SyncWrite:
+        """Read-modify-write of a live document, atomically (the engine is single-threaded): ``new(item)`` is
+        the new value; flags and expiry are kept; the write goes through :meth:`_store` / :meth:`_sync_store`
+        like any other, so it reaches the checkpoint, DCP and Kafka the same way."""
+        vb.check_active()
+        live = vb._live(k, self.clock())
+        if live is None:
+            raise missing
+        eff = check_lock(vb, k, cas)
+        if eff and eff != live.cas:
+            raise KeyExists(f"cas mismatch for key {k!r}")
+        store_cas = cas if eff != cas else live.cas
+        value = new(live)
+        if durability is not None:
+            return self._sync_store(k, value, _SET, store_cas, live.flags, live.expiry, datatype, vb.id, durability)
+        return self._store(k, value, _SET, store_cas, live.flags, live.expiry, datatype, vb.id)
+
+    def append(
+        self, key: bytes | str, value: bytes | str, *, prepend: bool = False, cas: int = 0,
+        vbucket: int | None = None, durability: Durability | None = None,
+    ) -> MutationResult | SyncWrite:
+        """APPEND / PREPEND: NOT_STORED when the document does not exist (memcached)."""
+        self._check_open()
+        k = _key(key)
+        v = _value(value)
+        vb = self._vb_for(k, vbucket)
+
+        def joined(it: Item) -> bytes:
+            old = it.value or b""
+            return v + old if prepend else old + v
+
+        return self._modify(k, vb, cas, joined, None, durability, NotStored(f"key {k!r} does not exist"))
+
+    def arithmetic(
+        self, key: bytes | str, delta: int, *, initial: int = 0, expiry: int = 0, decrement: bool = False,
+        cas: int = 0, vbucket: int | None = None, durability: Durability | None = None,
+    ) -> tuple[MutationResult | SyncWrite, int]:
+        """INCREMENT / DECREMENT (kv_engine arithmetic): the value is an unsigned 64-bit decimal (else
+        DELTA_BADVAL); increment wraps at 2^64, decrement stops at 0. A missing document is created with
+        ``initial`` and ``expiry``, unless ``expiry`` is 0xffffffff (then KEY_ENOENT). Returns the write and
+        the new value."""
+        self._check_open()
+        k = _key(key)
+        if type(delta) is not int or not 0 <= delta < 1 << 64 or type(initial) is not int or not 0 <= initial < 1 << 64:
+            raise InvalidArgument("delta and initial must be unsigned 64-bit integers")
+        vb = self._vb_for(k, vbucket)
+        vb.check_active()
+        if vb._live(k, self.clock()) is None:
+            if expiry == 0xFFFFFFFF:
+                raise KeyNotFound(f"key {k!r} not found (counter without initial value)")
+            if cas:
+                raise KeyNotFound(f"key {k!r} not found (cas {cas})")
+            body = str(initial).encode()
+            if durability is not None:
+                return self._sync_store(k, body, StoreMode.ADD, 0, 0, expiry, Datatype.JSON, vb.id,
+                                        durability), initial
+            return self._store(k, body, StoreMode.ADD, 0, 0, expiry, Datatype.JSON, vb.id), initial
+        result = [0]
+
+        def counted(it: Item) -> bytes:
+            raw = it.value or b""
+            if not raw.isdigit() or len(raw) > 20 or int(raw) >= 1 << 64:
+                raise DeltaBadValue(f"key {k!r}: value is not an unsigned 64-bit decimal")
+            n = int(raw)
+            n = max(0, n - delta) if decrement else (n + delta) & 0xFFFF_FFFF_FFFF_FFFF
+            result[0] = n
+            return str(n).encode()
+
+        res = self._modify(k, vb, cas, counted, Datatype.JSON, durability, KeyNotFound(f"key {k!r} not found"))
+        return res, result[0]
 
     # ------------------------------------------------------------------ background tasks
     def flush(self, max_items: int | None = None) -> int:

@@ -135,6 +135,35 @@ class SyncWriteAmbiguous(EngineError):
     status = Status.SYNC_WRITE_AMBIGUOUS
 
 
+class SyncWriteReCommitInProgress(EngineError):
+    """SYNC_WRITE_RE_COMMIT_IN_PROGRESS (0xa4): a read of a key whose prepare the vbucket holds without a waiter
+    (loaded at warmup or kept across a failover) and is re-committing: its value is not known yet. Retriable
+    (kv_engine answers it while a "maybe visible" prepare is pending; docs/kv-protocol.md "Statuses")."""
+
+    status = Status.SYNC_WRITE_RE_COMMIT_IN_PROGRESS
+    retriable = True
+
+
+class DocumentLocked(EngineError):
+    """LOCKED (0x09): the document is locked by GET_LOCKED and the request did not carry the lock's CAS
+    (kv_engine lock semantics, docs/kv-protocol.md "Locks"). Retriable: the lock expires."""
+
+    status = Status.LOCKED
+    retriable = True
+
+
+class NotLocked(EngineError):
+    """NOT_LOCKED (0x0e): UNLOCK of a document that is not locked (or whose lock expired)."""
+
+    status = Status.NOT_LOCKED
+
+
+class DeltaBadValue(EngineError):
+    """DELTA_BADVAL (0x06): INCREMENT / DECREMENT of a document whose value is not an unsigned 64-bit decimal."""
+
+    status = Status.DELTA_BADVAL
+
+
 class StorageError(EngineError):
     """The durable store failed or is corrupt."""
 
@@ -147,6 +176,32 @@ class EngineClosed(EngineError):
     status = Status.TMPFAIL
 
 
+class AuthenticationFailed(EngineError):
+    """AUTH_ERROR (0x20): unknown user or wrong password -- one error for both, so a caller cannot tell which
+    users exist (docs/security.md). Never carries the password."""
+
+    status = Status.AUTH_ERROR
+
+
+class AccessDenied(EngineError):
+    """EACCESS (0x24): the user is authenticated but none of its roles allows the request (docs/security.md
+    "Roles")."""
+
+    status = Status.EACCESS
+
+
+class UserExists(InvalidArgument):
+    """``add`` of a user name already in the user store (docs/security.md "Users")."""
+
+
+class UnknownUser(InvalidArgument):
+    """``delete`` / ``passwd`` / ``set_roles`` of a user name not in the user store."""
+
+
+class TlsConfigError(InvalidArgument):
+    """A TLS certificate, key or CA file is missing, unreadable or invalid (docs/security.md "TLS")."""
+
+
 #: status code -> exception type, so a status received from elsewhere maps back to the same type.
 STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.KEY_ENOENT: KeyNotFound,
@@ -155,6 +210,8 @@ STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.EINVAL: InvalidArgument,
     Status.NOT_STORED: NotStored,
     Status.NOT_MY_VBUCKET: NotMyVBucket,
+    Status.AUTH_ERROR: AuthenticationFailed,
+    Status.EACCESS: AccessDenied,
     Status.ERANGE: RangeError,
     Status.ENOMEM: OutOfMemory,
     Status.UNKNOWN_COMMAND: UnknownCommand,
@@ -163,6 +220,10 @@ STATUS_TO_EXCEPTION: dict[Status, type[EngineError]] = {
     Status.DURABILITY_IMPOSSIBLE: DurabilityImpossible,
     Status.SYNC_WRITE_IN_PROGRESS: SyncWriteInProgress,
     Status.SYNC_WRITE_AMBIGUOUS: SyncWriteAmbiguous,
+    Status.SYNC_WRITE_RE_COMMIT_IN_PROGRESS: SyncWriteReCommitInProgress,
+    Status.LOCKED: DocumentLocked,
+    Status.NOT_LOCKED: NotLocked,
+    Status.DELTA_BADVAL: DeltaBadValue,
 }
 
 

@@ -53,6 +53,8 @@ from engine.exceptions import (
     ValueTooLarge,
 )
 from engine.kv.durability import Durability, Level, SyncWrite, parse_level
+from gateway.auth import auth_middleware
+from gateway.auth import install as install_auth
 from gateway.exceptions import Backpressure
 from gateway.source import cluster_summary
 
@@ -134,7 +136,10 @@ async def errors_middleware(
             text = e.text or e.reason
             if text.startswith(f"{e.status}: "):  # aiohttp's default body repeats the status line
                 text = text[len(f"{e.status}: "):]
-            return _json_error(e.status, e.reason.lower().replace(" ", "_"), text)
+            resp = _json_error(e.status, e.reason.lower().replace(" ", "_"), text)
+            if "WWW-Authenticate" in e.headers:  # 401 (gateway/auth.py)
+                resp.headers["WWW-Authenticate"] = e.headers["WWW-Authenticate"]
+            return resp
         raise
     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
         raise
@@ -585,6 +590,8 @@ async def health(request: web.Request) -> web.Response:
     status, body = svc.ready_view()
     body.update({"topic": svc.topic, "bootstrap_servers": svc.bootstrap_servers,
                  "streams": len(pub.streaming) if pub else 0})
+    if svc.kv is not None:
+        body["kv_port"] = svc.kv.port  # docs/kv-protocol.md
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
     if pub is not None and pub.failed_vbuckets:
@@ -762,8 +769,13 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 
 def build_app(service: GatewayService) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
+    from gateway.auth_api import add_routes as add_auth_routes  # local: it imports this module
+
+    # errors outermost, so 401 / 403 are JSON errors too; every route's role: gateway/auth.py ROUTE_ACCESS
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=MAX_BODY)
     app[SERVICE] = service
+    assert service.users is not None, "GatewayService.start opens the user store before the app is built"
+    install_auth(app, service.users, service.settings.token_ttl_s)
     app.router.add_post("/docs/_bulk", bulk)
     app.router.add_get("/docs/{key}", get_doc)
     app.router.add_put("/docs/{key}", put_doc)
@@ -782,4 +794,5 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_post("/cluster/rebalance", cluster_rebalance)
     app.router.add_get("/cluster/rebalance", cluster_rebalance_progress)
     app.router.add_get("/openapi.json", openapi_json)
+    add_auth_routes(app)  # /auth/token, /users (docs/security.md)
     return app

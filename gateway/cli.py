@@ -9,7 +9,13 @@
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
 * ``dcpgw xdcr`` replicate the topic into another cluster with meta (connectors/xdcr, docs/xdcr.md)
+* ``dcpgw user add|list|delete|passwd``  the users of the data directory (docs/security.md)
 * ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
+
+Commands that call the HTTP API authenticate with ``--user/--password`` (or ``DCPGW_USER`` / ``DCPGW_PASSWORD``),
+else as ``Administrator`` with ``DCPGW_ADMIN_PASSWORD`` or the password ``dcpgw up`` generated into
+``<data dir>/admin-password``; an ``https://`` gateway is verified with ``--cacert`` (``DCPGW_CACERT``), else with
+the certificate the running gateway serves (docs/security.md "CLI").
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -119,6 +127,82 @@ def _url(url: str | None, data_dir: Path) -> str:
     return str(st.get("http_url") or "http://127.0.0.1:8080")
 
 
+@dataclass
+class _Connection:
+    """How this process talks to the gateway: the ``Authorization`` header and the TLS context (never shown)."""
+
+    user: str = ""
+    authorization: str | None = None
+    tls: ssl.SSLContext | None = None
+    #: where the credentials came from, for the message of a 401
+    source: str = "no credentials"
+
+    def __repr__(self) -> str:
+        return f"_Connection(user={self.user!r}, source={self.source!r})"
+
+
+_CONNECTION = _Connection()
+
+_USER = typer.Option(None, "--user", envvar="DCPGW_USER", show_envvar=True,
+                     help="User for the HTTP API (default: Administrator).")
+_PASSWORD = typer.Option(None, "--password", envvar="DCPGW_PASSWORD", show_envvar=True,
+                         help="Its password (default: DCPGW_ADMIN_PASSWORD, else DATA_DIR/admin-password).")
+_CACERT = typer.Option(None, "--cacert", envvar="DCPGW_CACERT", show_envvar=True,
+                       help="CA certificate (PEM) to verify an https:// gateway (default: the certificate the "
+                            "running gateway serves, from its state file).")
+
+
+def _connect(url: str | None, data_dir: Path, user: str | None, password: str | None,
+             cacert: Path | None) -> str:
+    """The gateway's base URL; sets the credentials and TLS context of every request of this command
+    (module doc, docs/security.md "CLI")."""
+    import base64
+
+    from engine.exceptions import TlsConfigError
+    from engine.security import ADMIN_USER, client_context, read_admin_password
+
+    base = _url(url, data_dir)
+    if password is None and user not in (None, ADMIN_USER):
+        _fail(f"--user {user} needs --password (or DCPGW_PASSWORD)")
+    source = "--user/--password (or DCPGW_USER/DCPGW_PASSWORD)"
+    if password is None:
+        user = ADMIN_USER
+        password = os.environ.get("DCPGW_ADMIN_PASSWORD") or None
+        source = "DCPGW_ADMIN_PASSWORD"
+        if password is None:
+            password = read_admin_password(data_dir)
+            source = f"{data_dir / 'admin-password'}"
+    user = user or ADMIN_USER
+    conn = _Connection(user=user, source=source if password is not None else "no credentials")
+    if password is not None:
+        conn.authorization = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    if base.startswith("https://"):
+        cafile = cacert
+        if cafile is None:
+            configured = _state(data_dir).get("tls_cert")
+            cafile = Path(configured) if configured else None
+        try:
+            conn.tls = client_context(cafile)
+        except TlsConfigError as e:
+            _fail(str(e))
+        # the gateway's own (leaf) certificate may be trusted directly (local use, docs/security.md)
+        conn.tls.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    global _CONNECTION
+    _CONNECTION = conn
+    return base
+
+
+def _auth_problem(method: str, url: str, code: int, msg: str) -> str | None:
+    """The one-line message of a 401 / 403 (no secret in it); None for other statuses."""
+    c = _CONNECTION
+    if code == 401:
+        return (f"{method} {url} -> HTTP 401: authentication failed for user {c.user!r} (credentials from "
+                f"{c.source}); pass --user/--password or set DCPGW_USER/DCPGW_PASSWORD")
+    if code == 403:
+        return f"{method} {url} -> HTTP 403: {msg}"
+    return None
+
+
 class _RequestFailed(Exception):
     """An HTTP request to the gateway failed; the message is one line."""
 
@@ -150,9 +234,12 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _request(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
-    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if _CONNECTION.authorization is not None:
+        headers["Authorization"] = _CONNECTION.authorization
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=_CONNECTION.tls) as resp:
             return json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
         try:
@@ -160,6 +247,9 @@ def _request(method: str, url: str, body: bytes | None = None, timeout: float = 
             msg = f"{err.get('error')}: {err.get('message')}"
         except ValueError:
             msg = str(e)
+        auth = _auth_problem(method, url, e.code, msg)
+        if auth is not None:
+            raise _RequestFailed(auth) from e
         wait = _retry_after(e.headers.get("Retry-After")) if e.code == 503 and e.headers else None
         if wait is not None:
             raise _RetryLater(f"{method} {url} -> HTTP {e.code}: {msg}", wait) from e
@@ -205,10 +295,18 @@ def _kafka_client(bootstrap: str) -> dict[str, Any]:
 
 def _readiness(base: str) -> dict[str, Any]:
     """``GET /health/ready``: its body whether the answer is 200 (ready) or 503 (not ready, with reasons)."""
+    headers = {} if _CONNECTION.authorization is None else {"Authorization": _CONNECTION.authorization}
+    req = urllib.request.Request(f"{base}/health/ready", headers=headers)
     try:
-        with urllib.request.urlopen(f"{base}/health/ready", timeout=30.0) as resp:
+        with urllib.request.urlopen(req, timeout=30.0, context=_CONNECTION.tls) as resp:
             return dict(json.loads(resp.read()))
     except urllib.error.HTTPError as e:
+        auth = _auth_problem("GET", f"{base}/health/ready", e.code, e.reason)
+        if auth is not None:
+            with contextlib.suppress(ValueError, OSError):
+                err = json.loads(e.read())
+                auth = _auth_problem("GET", f"{base}/health/ready", e.code, str(err.get("message"))) or auth
+            _fail(auth)
         if e.code != 503:
             _fail(f"GET {base}/health/ready -> HTTP {e.code}")
         try:
@@ -225,6 +323,8 @@ def up(
     config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
     data_dir: Path | None = typer.Option(None, help="Engine data directory (DCPGW_DATA_DIR)."),
     http_port: int | None = typer.Option(None, help="HTTP API port (DCPGW_HTTP_PORT); 0 picks a free one."),
+    kv_port: int | None = typer.Option(None, help="KV port for the Couchbase SDKs (DCPGW_KV_PORT, default 11210); "
+                                       "0 picks a free one."),
     bucket: str | None = typer.Option(None, help="Bucket name (DCPGW_BUCKET)."),
     num_vbuckets: int | None = typer.Option(None, help="vbucket count (DCPGW_NUM_VBUCKETS)."),
     value_format: str | None = typer.Option(None, help="avro or raw (DCPGW_VALUE_FORMAT)."),
@@ -235,6 +335,11 @@ def up(
                                      "an in-process cluster behind the gateway. Default: one bucket."),
     replicas: int | None = typer.Option(None, "--replicas", min=0, max=3,
                                         help="Replicas per vbucket in cluster mode (DCPGW_CLUSTER_REPLICAS)."),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM certificate chain: serve HTTPS "
+                                         "(DCPGW_TLS_CERT; with --tls-key)."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (DCPGW_TLS_KEY)."),
+    tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA: require client certificates it signed "
+                                       "(DCPGW_TLS_CLIENT_CA)."),
 ) -> None:
     """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
     Ctrl-C / SIGTERM."""
@@ -246,7 +351,10 @@ def up(
     overrides = {k: v for k, v in {
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
         "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
-        "cluster_replicas": replicas}.items() if v is not None}
+        "cluster_replicas": replicas, "tls_cert": tls_cert, "tls_key": tls_key,
+        "tls_client_ca": tls_ca}.items() if v is not None}
+    if kv_port is not None:
+        overrides["kv_port"] = kv_port
     try:
         settings = load_settings(config, **overrides)
     except ConfigError as e:
@@ -254,6 +362,8 @@ def up(
     # Local problems first, in one line each, before a broker is started (docs/reliability.md).
     _check_data_dir(settings.data_dir)
     _check_port(settings.http_host, settings.http_port)
+    if settings.cluster_nodes == 1:
+        _check_port(settings.http_host, settings.kv_port, "kv_port")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.exceptions import EngineError
     from engine.kv.data_dir import DataDirLock, check_layout
@@ -307,7 +417,7 @@ def _check_data_dir(path: Path) -> None:
               + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""))
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(host: str, port: int, name: str = "http_port") -> None:
     """The HTTP port can be bound (as aiohttp binds it, SO_REUSEADDR); else a one-line exit. Port 0 always can."""
     if port == 0:
         return
@@ -322,7 +432,7 @@ def _check_port(host: str, port: int) -> None:
                 sock.bind(addr)
             except OSError as e:
                 why = os.strerror(e.errno) if e.errno else str(e)
-                _fail(f"cannot listen on {host}:{port} (http_port): {why}")
+                _fail(f"cannot listen on {host}:{port} ({name}): {why}")
 
 
 async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLock | None = None) -> None:
@@ -344,9 +454,19 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
             typer.echo("dcpgw: stopped during start-up", err=True)
             return
         raise
-    http_url = f"http://{settings.http_host}:{svc.http_port}"
+    http_url = f"{svc.http_scheme}://{settings.http_host}:{svc.http_port}"
     state = {"bootstrap_servers": bootstrap, "http_url": http_url, "topic": svc.topic, "pid": os.getpid(),
              "num_vbuckets": settings.num_vbuckets}
+    if settings.tls_cert is not None:  # the CLI trusts it for local use (docs/security.md "CLI")
+        state["tls_cert"] = str(settings.tls_cert.resolve())
+    if svc.generated_admin_password is not None:
+        # first start: printed once, here only (also in <data_dir>/admin-password, mode 0600)
+        from engine.security import ADMIN_PASSWORD_FILE, ADMIN_USER
+
+        typer.echo(f"dcpgw: created user {ADMIN_USER} (role admin) with the generated password "
+                   f"{svc.generated_admin_password} -- also in {settings.data_dir / ADMIN_PASSWORD_FILE} "
+                   f"(mode 0600); change it with `dcpgw user passwd {ADMIN_USER}`", err=True)
+        svc.generated_admin_password = None
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(settings.data_dir / STATE_FILE, json.dumps(state).encode())
     typer.echo(f"dcpgw up: topic {svc.topic} on {bootstrap}; HTTP API {http_url}", err=True)
@@ -355,6 +475,9 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
         typer.echo(f"cluster: nodes {', '.join(vbmap.nodes)}, {vbmap.num_replicas} replica(s), "
                    f"map revision {vbmap.revision}", err=True)
     typer.echo(f"KAFKA_BOOTSTRAP_SERVERS={bootstrap}", err=True)
+    if svc.kv is not None:
+        typer.echo(f"KV port {svc.kv.port} (bucket {settings.bucket}): couchbase{'s' if svc.kv.tls else ''}://"
+                   f"{settings.http_host}:{svc.kv.port}", err=True)
     try:
         if progress and sys.stderr.isatty():
             await _catch_up_progress(svc)
@@ -403,6 +526,9 @@ def load(
     start: int = typer.Option(0, min=0, help="First document number (re-running overwrites)."),
     url: str | None = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`)."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
     max_wait: float = typer.Option(300.0, "--max-wait", min=0.0,
                                    help="Seconds one batch may keep being refused with 503 backpressure "
                                         "(retried after each Retry-After) before load gives up."),
@@ -413,7 +539,7 @@ def load(
     after the delay, until --max-wait seconds have passed for that batch."""
     from rich.progress import Progress
 
-    base = _url(url, data_dir)
+    base = _connect(url, data_dir, user, password, cacert)
     pad = "x" * max(0, size - 48)
     written = 0
 
@@ -471,6 +597,9 @@ def _post_with_backpressure(url: str, body: bytes, max_wait: float, bar: Any, ta
 def status(
     url: str | None = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`)."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
     top: int = typer.Option(10, min=0, help="Show the N vbuckets that lag most."),
     as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
 ) -> None:
@@ -478,7 +607,7 @@ def status(
     from rich.console import Console
     from rich.table import Table
 
-    base = _url(url, data_dir)
+    base = _connect(url, data_dir, user, password, cacert)
     ready = _readiness(base)
     stats = _http("GET", f"{base}/stats")
     streams = _http("GET", f"{base}/streams")
@@ -523,13 +652,16 @@ _DATA_DIR = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its stat
 def cluster_status(
     url: str | None = _URL,
     data_dir: Path = _DATA_DIR,
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
     as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
 ) -> None:
     """Nodes (up / down / failed over), their active and replica vbucket counts, the map revision."""
     from rich.console import Console
     from rich.table import Table
 
-    base = _url(url, data_dir)
+    base = _connect(url, data_dir, user, password, cacert)
     st = _http("GET", f"{base}/cluster")
     if as_json:
         typer.echo(json.dumps(st))
@@ -554,10 +686,13 @@ def cluster_status(
 def cluster_map(
     url: str | None = _URL,
     data_dir: Path = _DATA_DIR,
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
     as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
 ) -> None:
     """The vbucket map: every vbucket's chain (active first, then replicas; - is an empty slot)."""
-    base = _url(url, data_dir)
+    base = _connect(url, data_dir, user, password, cacert)
     m = _http("GET", f"{base}/cluster/map")
     if as_json:
         typer.echo(json.dumps(m))
@@ -574,13 +709,16 @@ def cluster_failover(
                                   "no rollback); the node must be up."),
     url: str | None = _URL,
     data_dir: Path = _DATA_DIR,
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
     timeout: float = typer.Option(120.0, help="Seconds to wait for the gateway to follow the new map."),
 ) -> None:
     """Fail NODE over (hard by default) and show the gateway re-streaming its vbuckets from the new actives."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
-    base = _url(url, data_dir)
+    base = _connect(url, data_dir, user, password, cacert)
     kind = "graceful" if graceful else "hard"
     con = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -623,6 +761,9 @@ def cluster_rebalance(
     remove: list[str] = typer.Option([], "--remove", help="A node to rebalance out (repeat for several)."),
     url: str | None = _URL,
     data_dir: Path = _DATA_DIR,
+    user: str | None = _USER,
+    password: str | None = _PASSWORD,
+    cacert: Path | None = _CACERT,
     timeout: float = typer.Option(600.0, help="Seconds to wait for the rebalance and the gateway to follow."),
 ) -> None:
     """Rebalance nodes in / out (vbuckets move by DCP takeover while writes continue); progress bars for the
@@ -630,7 +771,7 @@ def cluster_rebalance(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 
-    base = _url(url, data_dir)
+    base = _connect(url, data_dir, user, password, cacert)
     con = Console(stderr=True)
     before = _http("GET", f"{base}/cluster")
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
@@ -655,6 +796,87 @@ def cluster_rebalance(
     typer.echo(json.dumps({"status": p["status"], "moved": p["moved"], "total": p["total"],
                            "revision": p["revision"], "nodes": p["nodes"], "reverts": p["reverts"],
                            "gateway_rollbacks": int(st["gateway"]["rollbacks"]) - int(before["gateway"]["rollbacks"])}))
+
+
+# ---------------------------------------------------------------------- users
+user_app = typer.Typer(help="The users of the data directory (users.json): add, list, delete, passwd. The running "
+                            "gateway sees a change at its next request (docs/security.md).", no_args_is_help=True)
+app.add_typer(user_app, name="user")
+
+_USERS_DATA_DIR = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="The data directory holding users.json.")
+
+
+def _user_store(data_dir: Path) -> Any:
+    from engine.exceptions import InvalidArgument
+    from engine.security import UserStore
+
+    if data_dir.exists() and not data_dir.is_dir():
+        _fail(f"data directory {data_dir} is not a directory")
+    try:
+        return UserStore.open(data_dir)
+    except (InvalidArgument, OSError) as e:
+        _fail(str(e))
+
+
+def _user_call(fn: Any, *args: Any) -> Any:
+    from engine.exceptions import InvalidArgument
+
+    try:
+        return fn(*args)
+    except (InvalidArgument, OSError) as e:
+        _fail(str(e))
+
+
+@user_app.command("add")
+def user_add(
+    name: str = typer.Argument(..., help="The user name."),
+    password: str = typer.Option(..., "--password", help="Its password."),
+    role: list[str] = typer.Option(..., "--role", help="A role: admin, data_writer, data_reader, dcp_reader, "
+                                   "replication_target (repeat for several)."),
+    data_dir: Path = _USERS_DATA_DIR,
+) -> None:
+    """Add user NAME with its password and roles."""
+    from engine.security import parse_role
+
+    roles = [_user_call(parse_role, r) for r in role]
+    u = _user_call(_user_store(data_dir).add, name, password, roles)
+    typer.echo(f"added user {u.name} ({', '.join(sorted(r.value for r in u.roles))})")
+
+
+@user_app.command("list")
+def user_list(
+    data_dir: Path = _USERS_DATA_DIR,
+    as_json: bool = typer.Option(False, "--json", help="Print raw JSON."),
+) -> None:
+    """List the users and their roles (never a password)."""
+    users = _user_call(_user_store(data_dir).list)
+    rows = [{"name": u.name, "roles": sorted(r.value for r in u.roles)} for u in users]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for r in rows:
+        typer.echo(f"{r['name']}\t{','.join(r['roles'])}")
+
+
+@user_app.command("delete")
+def user_delete(
+    name: str = typer.Argument(..., help="The user name."),
+    data_dir: Path = _USERS_DATA_DIR,
+) -> None:
+    """Delete user NAME (its bearer tokens stop working)."""
+    _user_call(_user_store(data_dir).delete, name)
+    typer.echo(f"deleted user {name}")
+
+
+@user_app.command("passwd")
+def user_passwd(
+    name: str = typer.Argument(..., help="The user name."),
+    password: str = typer.Option(..., "--password", help="The new password."),
+    data_dir: Path = _USERS_DATA_DIR,
+) -> None:
+    """Set the password of user NAME (its bearer tokens stop working)."""
+    _user_call(_user_store(data_dir).passwd, name, password)
+    typer.echo(f"changed the password of user {name}")
 
 
 # ---------------------------------------------------------------------- replicate

@@ -81,7 +81,9 @@ BOOTSTRAP_ENV: Final = "KAFKA_BOOTSTRAP_SERVERS"
 #: Path of the settings file when :func:`load_settings` is given none.
 CONFIG_FILE_ENV: Final = "DCPGW_CONFIG_FILE"
 #: ``DCPGW_*`` variables that are not settings; any other unknown ``DCPGW_*`` variable is an error (a typo).
-RESERVED_ENV_VARS: frozenset[str] = frozenset({CONFIG_FILE_ENV, "DCPGW_BROKER"})
+RESERVED_ENV_VARS: frozenset[str] = frozenset({CONFIG_FILE_ENV, "DCPGW_BROKER",
+                                              # the CLI's credentials and CA (docs/security.md "CLI")
+                                              "DCPGW_USER", "DCPGW_PASSWORD", "DCPGW_CACERT"})
 #: What a secret value is replaced with wherever settings are shown.
 MASK: Final = "**********"
 #: Bound on the producer's local queue (librdkafka ``queue.buffering.max.kbytes``): 64 MiB, so that the
@@ -434,10 +436,23 @@ class GatewaySettings(BaseSettings):
     # HTTP API
     http_host: str = Field(default="127.0.0.1", min_length=1)
     http_port: int = Field(default=8080, ge=0, le=65535)
+    # security (docs/security.md)
+    #: first start only: the password of the user ``Administrator`` (generated, printed once and stored 0600 in
+    #: ``<data_dir>/admin-password`` when unset); ignored once the user store has a user
+    admin_password: SecretStr | None = None
+    #: lifetime of a bearer token issued by ``POST /auth/token``
+    token_ttl_s: float = Field(default=3600.0, gt=0, le=30 * 86400, allow_inf_nan=False)
+    #: PEM certificate chain and key: the HTTP API (and the KV port) serve TLS
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: PEM CA: clients must present a certificate it signed (mutual TLS)
+    tls_client_ca: Path | None = None
     # Kafka
     kafka: KafkaConnection = Field(default_factory=_default_kafka)
     #: `dcpgw up` fails (one line naming the address) when Kafka answers no metadata request within this
     kafka_connect_timeout_s: PositiveSeconds = 10.0
+    #: the KV port (memcached binary protocol for the Couchbase SDKs, docs/kv-protocol.md); 0 picks a free one
+    kv_port: int = Field(default=11210, ge=0, le=65535)
 
     def __init__(self, *args: Any, **values: Any) -> None:
         path = _config_file_path()
@@ -520,6 +535,23 @@ class GatewaySettings(BaseSettings):
             raise _problems_error("cluster_shape", [(("cluster_replicas",), (
                 f"{self.cluster_replicas} replicas need at least {self.cluster_replicas + 1} nodes "
                 f"(cluster_nodes is {self.cluster_nodes})"))])
+        return self
+
+    @field_validator("admin_password", mode="after")
+    @classmethod
+    def _admin_password(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value():
+            return None  # DCPGW_ADMIN_PASSWORD= (empty): generate one
+        return v
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GatewaySettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            missing = "tls_key" if self.tls_key is None else "tls_cert"
+            raise _problems_error("tls", [((missing,), "tls_cert and tls_key go together (HTTPS needs both)")])
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise _problems_error("tls", [(("tls_client_ca",), "needs tls_cert and tls_key (client certificates "
+                                                               "are checked over TLS only)")])
         return self
 
     @model_validator(mode="after")

@@ -74,6 +74,18 @@ PROGRESS = {
                    "nodes": {"type": "array", "items": {"type": "string"}}},
 }
 NODE_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+ROLE = {"type": "string", "enum": ["admin", "data_writer", "data_reader", "dcp_reader", "replication_target"]}
+USER = {"type": "object", "required": ["name", "roles"],
+        "properties": {"name": {"type": "string"}, "roles": {"type": "array", "items": ROLE}}}
+USER_NAME = {"name": "name", "in": "path", "required": True, "description": "user name (1..128 characters)",
+             "schema": {"type": "string", "minLength": 1, "maxLength": 128}}
+TOKEN = {"type": "object", "required": ["token", "expires_at"],
+         "properties": {"token": {"type": "string"}, "expires_at": {"type": "string", "format": "date-time"},
+                        "expires_in": {"type": "integer"}, "user": {"type": "string"}}}
+#: docs/security.md: Basic credentials or a bearer token from POST /auth/token on every route but /health/live
+SECURITY_SCHEMES = {"basic": {"type": "http", "scheme": "basic"},
+                    "bearer": {"type": "http", "scheme": "bearer"}}
+PUBLIC_PATHS = frozenset({"/health/live"})
 OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -85,7 +97,8 @@ def _resp(description: str, schema: dict[str, Any] | None = None, ctype: str = _
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    text = {400: "bad request (JSON error)", 404: "not found (JSON error)", 405: "method not allowed",
+    text = {400: "bad request (JSON error)", 401: "no or bad credentials (WWW-Authenticate)",
+            403: "the user lacks the role the route needs", 404: "not found (JSON error)", 405: "method not allowed",
             409: "conflict", 412: "CAS mismatch / document exists", 413: "too large",
             503: "temporarily unavailable (Retry-After)", 504: "sync write ambiguous"}
     return {str(c): _resp(text[c], ERROR) for c in codes}
@@ -152,6 +165,26 @@ PATHS: dict[str, dict[str, Any]] = {
                          "responses": {"200": _resp("text exposition format", {"type": "string"}, "text/plain")}}},
     "/stats": {"get": {"summary": "engine and publisher statistics", "responses": {"200": _resp("stats", OBJECT)}}},
     "/openapi.json": {"get": {"summary": "this document", "responses": {"200": _resp("OpenAPI 3", OBJECT)}}},
+    "/auth/token": {
+        "post": {"summary": "a bearer token for the Basic credentials sent (expires after token_ttl_s)",
+                 "responses": {"200": _resp("the token", TOKEN)}},
+        "delete": {"summary": "revoke the bearer token this request is authenticated with",
+                   "responses": {"200": _resp("revoked", OBJECT), **_errors(400)}},
+    },
+    "/users": {"get": {"summary": "admin: every user and its roles",
+                       "responses": {"200": _resp("users", {"type": "array", "items": USER})}}},
+    "/users/{name}": {
+        "put": {"summary": "admin: create a user (password required) or change its roles / password",
+                "parameters": [USER_NAME],
+                "requestBody": {"required": True, "content": {_JSON: {"schema": {
+                    "type": "object", "required": ["roles"], "additionalProperties": False,
+                    "properties": {"password": {"type": "string", "minLength": 1},
+                                   "roles": {"type": "array", "minItems": 1, "items": ROLE}}}}}},
+                "responses": {"200": _resp("updated", USER), "201": _resp("created", USER),
+                              **_errors(400, 409, 413)}},
+        "delete": {"summary": "admin: delete a user (its tokens are revoked)", "parameters": [USER_NAME],
+                   "responses": {"200": _resp("deleted", OBJECT), **_errors(404, 409)}},
+    },
     "/cluster": {"get": {"summary": "cluster mode: nodes, vbucket counts, map revision, gateway following",
                          "responses": {"200": _resp("status", OBJECT), **_errors(404)}}},
     "/cluster/map": {"get": {"summary": "cluster mode: the vbucket map",
@@ -181,6 +214,11 @@ def document(routes: set[tuple[str, str]] | None = None) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for path, ops in PATHS.items():
         kept = {m: copy.deepcopy(op) for m, op in ops.items() if routes is None or (m.upper(), path) in routes}
+        for op in kept.values():
+            if path in PUBLIC_PATHS:
+                op["security"] = []
+            else:
+                op["responses"].update(_errors(401, 403))
         if kept:
             paths[path] = kept
     return {
@@ -189,6 +227,8 @@ def document(routes: set[tuple[str, str]] | None = None) -> dict[str, Any]:
                  "description": "Documents, streams, operations and cluster administration (docs/gateway.md). "
                                 "Every error is a JSON body {\"error\", \"message\"} with a 4xx status."},
         "paths": paths,
+        "components": {"securitySchemes": copy.deepcopy(SECURITY_SCHEMES)},
+        "security": [{"basic": []}, {"bearer": []}],
     }
 
 

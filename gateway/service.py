@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import ssl
 import threading
 import time
 from typing import Any
@@ -25,10 +26,12 @@ from engine import Bucket, InvalidArgument, TemporaryFailure
 from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
 from engine.kv.data_dir import DataDirLock, Layout, check_layout
+from engine.security import UserStore, server_context
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
 from gateway.health import Readiness, UnackedWrites
 from gateway.kafka.client_log import ClientLog, with_client_log
+from gateway.kv_port import KVServer, start_kv_port
 from gateway.metrics import GatewayMetrics
 from gateway.publisher import DEFAULT_LARGE_RECORD_BYTES, KeyFilter, ProducerFailed, Publisher, TopicLost
 from gateway.resume import (
@@ -77,6 +80,8 @@ class GatewayService:
         self.checkpoints: CheckpointWriter | None = None
         self.runner: web.AppRunner | None = None  # gateway.api.JsonAppRunner once started
         self.http_port: int = settings.http_port
+        #: the KV port's server (docs/kv-protocol.md), started with the HTTP API (single node)
+        self.kv: KVServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
@@ -90,6 +95,18 @@ class GatewayService:
         #: times the topic was found to have lost acknowledged records (and was republished from seqno 0)
         self.truncations = 0
         self._large_record_bytes = DEFAULT_LARGE_RECORD_BYTES
+        #: the user store of the data directory, opened by :meth:`start` (docs/security.md)
+        self.users: UserStore | None = None
+        #: the password generated for ``Administrator`` at the first start (None otherwise): ``dcpgw up`` prints
+        #: it once; it is also in ``<data_dir>/admin-password`` (mode 0600)
+        self.generated_admin_password: str | None = None
+        #: the HTTPS context when ``tls_cert`` / ``tls_key`` are set (the KV port serves TLS with it too)
+        self.tls_context: ssl.SSLContext | None = None
+
+    @property
+    def http_scheme(self) -> str:
+        """``https`` when the HTTP API serves TLS, else ``http``."""
+        return "https" if self.tls_context is not None else "http"
 
     # ------------------------------------------------------------------ config helpers
     def _client_config(self) -> dict[str, Any]:
@@ -124,6 +141,7 @@ class GatewayService:
         except BaseException:
             self._release_data_dir()
             raise
+        await self._open_security()
         client = self._client_config()
         # Unreachable Kafka: one BrokerError naming the address within kafka_connect_timeout_s, before
         # anything else waits on it (docs/reliability.md).
@@ -155,7 +173,7 @@ class GatewayService:
         app = build_app(self)
         self.runner = JsonAppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, s.http_host, s.http_port)
+        site = web.TCPSite(self.runner, s.http_host, s.http_port, ssl_context=self.tls_context)
         try:
             await site.start()
         except OSError as e:
@@ -164,6 +182,8 @@ class GatewayService:
         server = getattr(site, "_server", None)
         if server is not None and server.sockets:
             self.http_port = server.sockets[0].getsockname()[1]
+        if self.bucket is not None:
+            self.kv = await start_kv_port(self)
         self.started_at = time.time()
         self._tasks = [
             asyncio.create_task(self._pump_loop(), name="dcpgw-pump"),
@@ -174,8 +194,19 @@ class GatewayService:
         ]
         if not s.rollback_mitigation:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
-        log.info("gateway up: topic %s (%d partitions), http://%s:%d", self.topic, partitions, s.http_host,
-                 self.http_port)
+        log.info("gateway up: topic %s (%d partitions), %s://%s:%d", self.topic, partitions, self.http_scheme,
+                 s.http_host, self.http_port)
+
+    async def _open_security(self) -> None:
+        """The user store (first start: the user ``Administrator``) and the TLS context, before Kafka is waited
+        for, so a bad certificate fails the start at once (docs/security.md)."""
+        s = self.settings
+        if s.tls_cert is not None and s.tls_key is not None:
+            self.tls_context = server_context(s.tls_cert, s.tls_key, s.tls_client_ca)
+        users = await asyncio.to_thread(UserStore.open, s.data_dir)
+        given = s.admin_password.get_secret_value() if s.admin_password is not None else None
+        self.generated_admin_password = await asyncio.to_thread(users.ensure_admin, given)
+        self.users = users
 
     def _new_publisher(self, partitions: int, positions: dict[int, PublishPosition], *,
                        rollback_to_zero: bool) -> Publisher:
@@ -541,6 +572,8 @@ class GatewayService:
         if self.runner is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.runner.cleanup(), timeout=max(0.1, budget * 0.2))
+        if self.kv is not None:
+            await self.kv.stop()
         if self.publisher is not None:
             self.publisher.close(timeout=max(0.0, deadline - time.monotonic() - budget * 0.2))
             self._checkpoint()

@@ -26,6 +26,8 @@ class Status(IntEnum):
     EINVAL = 0x04
     NOT_STORED = 0x05
     NOT_MY_VBUCKET = 0x07
+    AUTH_ERROR = 0x20
+    EACCESS = 0x24
     ERANGE = 0x22
     ROLLBACK = 0x23
     UNKNOWN_COMMAND = 0x81
@@ -36,6 +38,11 @@ class Status(IntEnum):
     DURABILITY_IMPOSSIBLE = 0xA1
     SYNC_WRITE_IN_PROGRESS = 0xA2
     SYNC_WRITE_AMBIGUOUS = 0xA3
+    # the KV port (docs/kv-protocol.md "Statuses")
+    DELTA_BADVAL = 0x06
+    LOCKED = 0x09
+    NOT_LOCKED = 0x0E
+    SYNC_WRITE_RE_COMMIT_IN_PROGRESS = 0xA4
 
 
 class DcpGatewayError(Exception):

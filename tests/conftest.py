@@ -8,6 +8,7 @@ Nothing is skipped: if no broker can be started the tests that need one fail.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,15 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from gateway.broker import Broker, select_broker
 from gateway.exceptions import BrokerError
+from tests.credentials import ADMIN_PASSWORD, ADMIN_PASSWORD_ENV
 from tests.harness import Harness, harnesses
+
+# Authentication is on in every test: services and `dcpgw up` processes create the user Administrator with this
+# password, and the tests' HTTP clients send it (tests/credentials.py, docs/security.md).
+os.environ[ADMIN_PASSWORD_ENV] = ADMIN_PASSWORD
+# Every gateway a test starts picks a free KV port (docs/kv-protocol.md): the default 11210 would collide
+# between tests and with other processes on the machine.
+os.environ.setdefault("DCPGW_KV_PORT", "0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

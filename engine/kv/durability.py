@@ -49,6 +49,7 @@ from engine.exceptions import (
     ValueTooLarge,
 )
 from engine.kv.item import Datatype, Item, Op, detect_datatype
+from engine.kv.locks import check_lock, release
 
 if TYPE_CHECKING:
     from engine.kv.vbucket import MutationResult, StoreMode, VBucket
@@ -376,6 +377,8 @@ class ActiveDurabilityMonitor:
             raise DurabilityImpossible(
                 f"vbucket {vb.id}: chain {list(self.chain)} has fewer defined nodes than a majority "
                 f"({self.majority})")
+        if vb.locks:  # a locked document takes a write only with the lock's CAS (engine/kv/locks.py)
+            cas = check_lock(vb, key, cas)
         now = vb.clock()
         old = vb.ht.get(key)
         live = old
@@ -413,6 +416,8 @@ class ActiveDurabilityMonitor:
         item = Item(key, value, vb.id, seqno, rev, vb.next_cas(), flags, exp, dt, op, 0, int(level))
         vb.prepares[key] = item
         vb.sync_seen = True
+        if vb.locks:
+            release(vb, key)
         vb.enqueue(item)
         deadline = None if timeout_ms is None else now + timeout_ms / 1000.0
         sw = SyncWrite(key, vb.id, vb.failover.latest.vbuuid, seqno, level, deadline)

@@ -29,17 +29,20 @@ def fsync_dir(directory: Path | str) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path | str, data: bytes) -> None:
+def write_atomically(path: Path | str, data: bytes, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync of the directory.
 
     Readers (and a restart after a crash at any point) see the old content or the new, never a mix or an empty
     file. On an error (disk full, permissions) the temp file is removed, the target is untouched, and the
-    ``OSError`` propagates."""
+    ``OSError`` propagates. ``mode`` is the new file's permission bits (0o600 for a file holding secrets,
+    docs/security.md); the temporary file is created with them, so the content is never readable by others."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         try:
+            if not mode & 0o077:  # owner-only: narrow a leftover temp file of the same name too
+                os.fchmod(fd, mode)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)

@@ -24,6 +24,7 @@ from engine.exceptions import (
 )
 from engine.kv.checkpoint import CheckpointManager, MemoryCounter
 from engine.kv.item import Datatype, Item, Op, detect_datatype
+from engine.kv.locks import check_lock, release
 from schemas.failover_log import FailoverLog
 
 if TYPE_CHECKING:
@@ -198,6 +199,8 @@ class VBucket:
         self.prepares: dict[bytes, Item] = {}
         self.durability: ActiveDurabilityMonitor | None = None
         self.sync_seen = False
+        #: document locks (GET_LOCKED, engine/kv/locks.py): key -> (lock CAS, deadline); memory only
+        self.locks: dict[bytes, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ helpers
     def __repr__(self) -> str:
@@ -298,6 +301,8 @@ class VBucket:
         exp = absolute_expiry(expiry, self.clock()) if expiry else 0
         if self.prepares and key in self.prepares:
             self._sync_write_in_progress(key)
+        if self.locks:
+            cas = check_lock(self, key, cas)
         ht = self.ht
         old = ht.get(key)
         live = old
@@ -337,6 +342,8 @@ class VBucket:
             self.expiring.add(key)
         elif live is not None and live.expiry:
             self.expiring.discard(key)
+        if self.locks:
+            release(self, key)
         # queue_item(item), inlined on the ingest path.
         ht[key] = item
         self.ckpt.queue(item)
@@ -365,6 +372,9 @@ class VBucket:
         live = self._live(key, now)
         if live is None:
             raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
+        if self.locks:
+            cas = check_lock(self, key, cas)
+            release(self, key)
         if cas and live.cas != cas:
             raise KeyExists(f"cas mismatch for key {key!r}")
         seqno = self.high_seqno + 1
@@ -378,7 +388,7 @@ class VBucket:
         self.queue_item(item)
         return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
 
-    def touch(self, key: bytes, expiry: int) -> MutationResult:
+    def touch(self, key: bytes, expiry: int, cas: int = 0) -> MutationResult:
         self.check_active()
         if key in self.prepares:
             self._sync_write_in_progress(key)
@@ -387,6 +397,11 @@ class VBucket:
         live = self._live(key, now)
         if live is None:
             raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
+        if self.locks:
+            cas = check_lock(self, key, cas)
+            release(self, key)
+        if cas and live.cas != cas:
+            raise KeyExists(f"cas mismatch for key {key!r}")
         seqno = self.high_seqno + 1
         new_cas = self.next_cas()
         item = Item(
@@ -554,6 +569,7 @@ class VBucket:
         dropped (kv_engine rollback resets the checkpoint manager and reloads the vbucket from disk)."""
         self.ht = {}
         self.prepares = {}
+        self.locks = {}
         self.num_items = 0
         self.max_deleted_rev = 0
         self.max_cas = 0

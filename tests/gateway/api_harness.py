@@ -14,6 +14,7 @@ import aiohttp
 from gateway.broker import Broker
 from gateway.config import load_settings
 from gateway.service import GatewayService
+from tests.credentials import auth_headers
 
 #: vbuckets of the services of ``run`` and ``run_cluster``
 NVB = 8
@@ -23,14 +24,15 @@ Scenario = Callable[[GatewayService, str, aiohttp.ClientSession], Awaitable[None
 
 def run_service(broker: Broker, tmp: Path, scenario: Scenario, *, bucket: str, num_vbuckets: int,
                 **overrides: Any) -> None:
-    """Start a GatewayService with data under ``tmp / "data"``, run ``scenario(service, url, http)``, stop it."""
+    """Start a GatewayService with data under ``tmp / "data"``, run ``scenario(service, url, http)``, stop it.
+    ``http`` authenticates as the admin user (tests/credentials.py)."""
     async def main() -> None:
         settings = load_settings(None, data_dir=tmp / "data", bucket=bucket, num_vbuckets=num_vbuckets,
                                  http_port=0, **overrides)
         svc = GatewayService(settings, broker.bootstrap_servers)
         await svc.start()
         try:
-            async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession(headers=auth_headers()) as http:
                 await scenario(svc, f"http://127.0.0.1:{svc.http_port}", http)
         finally:
             await svc.stop()

@@ -21,14 +21,17 @@ from typing import Any
 from engine import Bucket, BucketConfig
 from gateway.broker import Broker, EmbeddedTansuBroker
 from gateway.invariants import check_partition
+from tests.credentials import ADMIN_PASSWORD, ADMIN_PASSWORD_ENV, auth_headers
 from tests.gateway.kafka_util import TopicReplica, read_topic
 
 #: vbuckets of a GatewayProc unless it is given others
 NVB = 16
 
-#: environment without any broker / gateway setting of the caller
-CLEAN_ENV = {k: v for k, v in os.environ.items()
-             if not k.startswith("DCPGW_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "CALF_TANSU_BIN")}
+#: environment without any broker / gateway setting of the caller -- but with the test admin password
+#: (tests/credentials.py): `dcpgw up` creates Administrator with it, the CLI falls back to it
+CLEAN_ENV = {**{k: v for k, v in os.environ.items()
+                if not k.startswith("DCPGW_") and k not in ("KAFKA_BOOTSTRAP_SERVERS", "CALF_TANSU_BIN")},
+             ADMIN_PASSWORD_ENV: ADMIN_PASSWORD, "DCPGW_KV_PORT": "0"}
 
 CLI = [sys.executable, "-m", "gateway.cli"]
 #: the checkout: the working directory of the processes, so that they import this copy of the packages
@@ -57,8 +60,8 @@ def dcpgw_background(*args: str, env: Mapping[str, str] | None = None) -> subpro
 
 # ------------------------------------------------------------------------------------------ HTTP
 def request(url: str, method: str = "GET", body: bytes | None = None, timeout: float = 10) -> bytes:
-    """The body of the answer; an HTTP error status raises urllib.error.HTTPError."""
-    req = urllib.request.Request(url, data=body, method=method)
+    """The body of the answer; an HTTP error status raises urllib.error.HTTPError. As the admin user."""
+    req = urllib.request.Request(url, data=body, method=method, headers=auth_headers())
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return bytes(r.read())
 
@@ -71,8 +74,8 @@ def call(url: str, method: str = "GET", body: bytes | None = None, timeout: floa
 def answer(url: str, method: str = "GET", body: bytes | None = None,
            bound_s: float = 3.0) -> tuple[int, dict[str, str], bytes, float]:
     """(status, headers, body, seconds) of any answer, error statuses included; fails the test unless the
-    request is answered within ``bound_s`` (a "did not hang" bound, never a timing target)."""
-    req = urllib.request.Request(url, data=body, method=method)
+    request is answered within ``bound_s`` (a "did not hang" bound, never a timing target). As the admin user."""
+    req = urllib.request.Request(url, data=body, method=method, headers=auth_headers())
     t = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=bound_s + 5) as r:

@@ -31,6 +31,7 @@ from schemathesis.checks import content_type_conformance, status_code_conformanc
 from gateway.broker import Broker
 from gateway.config import load_settings
 from gateway.service import GatewayService
+from tests.credentials import auth_headers
 from tests.gateway.api_harness import engine_state
 
 NVB = 8
@@ -100,9 +101,10 @@ def assert_answer(resp: requests.Response | Any, ok: set[int], what: str = "") -
 
 
 def test_schemathesis_fuzz_of_the_openapi_document(live: LiveGateway) -> None:
-    schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json", timeout=10)
+    schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json", timeout=10, headers=auth_headers())
     strategy = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
     session = requests.Session()
+    session.headers.update(auth_headers())  # as the admin user (tests/credentials.py)
 
     @FUZZ
     @given(case=strategy)
@@ -113,7 +115,7 @@ def test_schemathesis_fuzz_of_the_openapi_document(live: LiveGateway) -> None:
             case.validate_response(resp, checks=[status_code_conformance, content_type_conformance])
 
     fuzz()
-    assert requests.get(f"{live.url}/stats", timeout=10).status_code == 200  # still serving
+    assert session.get(f"{live.url}/stats", timeout=10).status_code == 200  # still serving
 
 
 # ---------------------------------------------------------------------- hypothesis: garbage bodies
@@ -157,6 +159,7 @@ def bodies(structured: st.SearchStrategy[Any]) -> st.SearchStrategy[bytes]:
 def test_garbage_bodies_answer_json_4xx_and_change_nothing(live: LiveGateway, path: str,
                                                            structured: st.SearchStrategy[Any], ok: set[int]) -> None:
     session = requests.Session()
+    session.headers.update(auth_headers())  # as the admin user (tests/credentials.py)
 
     @FUZZ
     @given(body=bodies(structured))

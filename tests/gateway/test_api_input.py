@@ -21,6 +21,7 @@ import gateway.api
 from gateway.broker import Broker
 from gateway.openapi import described, document
 from gateway.service import GatewayService
+from tests.credentials import auth_headers, basic
 from tests.gateway.api_harness import engine_state, expect_error, run_cluster
 from tests.gateway.api_harness import run as run_single
 
@@ -146,7 +147,8 @@ def test_deep_json_and_oversized_bodies_are_json_4xx(kafka_broker: Broker, tmp_p
         # a body larger than the API's limit (64 MiB), announced by Content-Length, is refused without reading it
         port = svc.http_port
         st, hd, body = await raw_http(port, b"POST /docs/_bulk HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                                            b"\r\nContent-Length: 70000000\r\n\r\n[")
+                                            b"\r\nAuthorization: " + basic().encode()
+                                            + b"\r\nContent-Length: 70000000\r\n\r\n[")
         assert_json_error(st, hd, body, 413)
         assert engine_state(svc) == before
         assert (await (await http.get(f"{url}/cluster/map")).json())["revision"] == 1
@@ -277,7 +279,7 @@ def test_sigint_stops_dcpgw_up_during_a_rebalance(kafka_broker: Broker, tmp_path
     gw.start()
     try:
         gw.bulk([{"key": f"d{i}", "value": {"i": i, "pad": "x" * 200}} for i in range(3000)])
-        req = urllib.request.Request(gw.url + "/cluster/rebalance", method="POST",
+        req = urllib.request.Request(gw.url + "/cluster/rebalance", method="POST", headers=auth_headers(),
                                      data=json.dumps({"add": [f"a{i}" for i in range(8)]}).encode())
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 202

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from gateway.broker import Broker
+from tests.credentials import auth_headers
 from tests.gateway import processes
 from tests.gateway.processes import CLEAN_ENV, GatewayProc, dcpgw_background
 
@@ -153,7 +154,8 @@ def gateway(kafka_broker: Broker, tmp_path: Path) -> Iterator[tuple[subprocess.P
 
 def _exists(url: str, key: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/docs/{key}", timeout=10):
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/docs/{key}", headers=auth_headers()),
+                                    timeout=10):
             return True
     except urllib.error.HTTPError as e:
         assert e.code == 404

@@ -18,6 +18,7 @@ import pytest
 
 from engine.cluster.local import MAP_FILE
 from gateway.broker import Broker
+from tests.credentials import auth_headers
 from tests.gateway.processes import NVB, GatewayProc, dcpgw, docs, request
 
 pytestmark = pytest.mark.slow
@@ -107,7 +108,8 @@ def test_cluster_gateway_rebuilds_an_emptied_map(kafka_broker: Broker, tmp_path:
     try:
         gw.bulk(docs(0, 300))
         req = urllib.request.Request(f"{gw.url}/cluster/failover", data=json.dumps({"node": "n1"}).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
+                                     method="POST", headers={"Content-Type": "application/json",
+                                                             **auth_headers()})
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
         gw.bulk(docs(300, 400))

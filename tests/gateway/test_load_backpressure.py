@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from gateway.broker import EmbeddedTansuBroker
+from tests.credentials import auth_headers
 from tests.gateway import processes
 from tests.gateway.processes import GatewayProc, dcpgw_background, request, verify
 
@@ -115,7 +116,8 @@ def test_load_retries_through_a_broker_stall_and_every_document_is_acknowledged(
         assert "Traceback" not in err
         gw.wait_caught_up()
         for i in range(DOCS):  # every document acknowledged is readable
-            with urllib.request.urlopen(f"{url}/docs/f:{i}", timeout=10) as r:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/docs/f:{i}", headers=auth_headers()),
+                                        timeout=10) as r:
                 assert json.loads(r.read())["n"] == i
     finally:
         if private_broker.paused:

@@ -19,6 +19,7 @@ import pytest
 from gateway.broker import EmbeddedTansuBroker
 from gateway.invariants import check_partition
 from schemas.records import RecordType
+from tests.credentials import auth_headers
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.gateway.processes import GatewayProc
 from tests.gateway.test_stall import bulk_body, call, wait_for
@@ -151,7 +152,7 @@ def test_running_replicator_converges_after_the_broker_lost_the_topic(
 def urllib_text(url: str) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()), timeout=10) as r:
         return r.read().decode()
 
 

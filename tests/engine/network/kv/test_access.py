@@ -1,0 +1,72 @@
+"""Every KV request checked against the user's roles (docs/kv-protocol.md "Authorization"): each role against
+each document opcode, EACCESS when none of its roles allows it, and role changes taking effect on open
+connections."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import pytest
+
+from engine.network.kv.access import NEEDS
+from engine.network.kv.opcodes import ClientOpcode as Op
+from engine.network.kv.opcodes import KVStatus
+from engine.security.roles import Role
+from tests.engine.network.kv.harness import USERS, KVNode, RawClient
+
+#: opcode -> a request body that is valid for it (key k exists when it runs)
+REQUESTS: dict[int, dict[str, object]] = {
+    Op.GET: {},
+    Op.GET_LOCKED: {},
+    Op.GAT: {"extras": struct.pack(">I", 0)},
+    Op.SET: {"extras": b"\0" * 8, "value": b"v"},
+    Op.REPLACE: {"extras": b"\0" * 8, "value": b"v"},
+    Op.APPEND: {"value": b"v"},
+    Op.PREPEND: {"value": b"v"},
+    Op.INCREMENT: {"extras": struct.pack(">QQI", 1, 0, 0)},
+    Op.TOUCH: {"extras": struct.pack(">I", 0)},
+    Op.DELETE: {},
+}
+
+
+@pytest.mark.parametrize("user", sorted(USERS))
+def test_each_role_against_each_document_opcode(node: KVNode, connect: Callable[..., RawClient], user: str) -> None:
+    admin = connect().login("admin")
+    roles = frozenset(USERS[user])
+    c = connect().login(user)
+    for op, body in REQUESTS.items():
+        key = f"k-{int(op)}".encode()
+        admin.doc(Op.SET, key, extras=b"\0" * 8, value=b"1")
+        f = c.doc(op, key, **body)  # type: ignore[arg-type]
+        allowed = Role.ADMIN in roles or any(r in roles for r in NEEDS[op])
+        if allowed:
+            assert f.status == 0, (user, op, f)
+        else:
+            assert f.status == KVStatus.EACCESS, (user, op, f)
+    # anyone authenticated may read the cluster config; the DCP-only user may observe seqnos
+    assert c.call(Op.GET_CLUSTER_CONFIG).status == 0
+    obs = c.call(Op.OBSERVE_SEQNO, value=b"\0" * 8)
+    assert obs.status == 0
+
+
+def test_with_meta_writes_need_replication_target(connect: Callable[..., RawClient]) -> None:
+    for user, status in (("app", KVStatus.EACCESS), ("xdcr", KVStatus.NOT_SUPPORTED)):
+        c = connect().login(user)
+        f = c.doc(Op.SET_WITH_META, b"k", extras=b"\0" * 24, value=b"v")
+        assert f.status == status, (user, f)
+
+
+def test_a_role_change_reaches_an_open_connection(node: KVNode, connect: Callable[..., RawClient]) -> None:
+    c = connect().login("app")
+    assert c.doc(Op.SET, b"k", extras=b"\0" * 8, value=b"v").status == 0
+    node.users.set_roles("app", [Role.DATA_READER])
+    assert node.server is not None
+    for conn in node.server.conns:  # the refresh interval passes
+        conn.session._roles_at = -1e9
+    assert c.doc(Op.SET, b"k", extras=b"\0" * 8, value=b"v").status == KVStatus.EACCESS
+    assert c.doc(Op.GET, b"k").status == 0
+    node.users.delete("app")
+    for conn in node.server.conns:
+        conn.session._roles_at = -1e9
+    assert c.doc(Op.GET, b"k").status == KVStatus.EACCESS
