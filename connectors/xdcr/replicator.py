@@ -456,7 +456,7 @@ class XdcrReplicator:
                 if st == Status.SUCCESS:
                     m.written += 1
                     self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
-                    if r.token is not None:
+                    if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
                         prev = self._target_pos.get(o.vbucket)
                         if prev is None or prev[0] != r.token[0] or r.token[1] > prev[1]:
                             self._target_pos[o.vbucket] = r.token
@@ -468,6 +468,10 @@ class XdcrReplicator:
                     m.reject(r.reason or "rejected_conflict")
                 elif st in RETRYABLE or st == Status.NOT_MY_VBUCKET:
                     again.append(o)
+                elif st in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED, Status.EACCESS):
+                    why = ("the user may not write with meta (it needs the replication_target role)"
+                           if st == Status.EACCESS else "the target does not support writes with meta")
+                    raise XdcrError(f"{why}: {_status_name(st)} for {o.version.key!r}")
                 elif st == Status.E2BIG:
                     m.reject("too_big")
                     self._dead_letter({"reason": "too_big", "vbucket": o.vbucket,

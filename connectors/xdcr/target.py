@@ -14,6 +14,7 @@ import contextlib
 import json
 import ssl
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,15 +82,15 @@ class WriteOp:
     add: bool = False
     expiration: bool = False
 
-    def request(self) -> tuple[int, dict[str, Any]]:
+    def request(self, vbucket: int) -> tuple[int, dict[str, Any]]:
         v = self.version
         opts = self.options | (IS_EXPIRATION if v.deleted and self.expiration else 0)
         extras = WITH_META_EXTRAS.pack(v.flags, v.expiry, v.rev_seqno, v.cas, opts)
         if v.deleted:
-            return Op.DEL_WITH_META, {"key": v.key, "extras": extras, "vbucket": self.vbucket,
+            return Op.DEL_WITH_META, {"key": v.key, "extras": extras, "vbucket": vbucket,
                                       "datatype": 0}
         op = Op.ADD_WITH_META if self.add else Op.SET_WITH_META
-        return op, {"key": v.key, "extras": extras, "value": v.value or b"", "vbucket": self.vbucket,
+        return op, {"key": v.key, "extras": extras, "value": v.value or b"", "vbucket": vbucket,
                     "datatype": v.datatype}
 
     @property
@@ -105,6 +106,8 @@ class WriteResult:
     #: a refusal's reason from the error context (``rejected_behind`` / ``rejected_identical`` for a conflict
     #: loss on this engine), or ""
     reason: str = ""
+    #: the target vbucket written
+    vbucket: int = -1
 
 
 @dataclass
@@ -192,6 +195,12 @@ class TargetCluster:
             raise TargetError(f"the target has no active node for vbucket {vbucket} ({len(m.active)} vbuckets)")
         return m.servers[m.active[vbucket]]
 
+    def vbucket_of(self, key: bytes, source_vbucket: int) -> int:
+        """The key's vbucket on the target: Couchbase's CRC32 hash over the target's vbucket count when the map
+        is known (the clusters may have different counts), else the source's."""
+        n = self.num_vbuckets
+        return source_vbucket if n is None else ((zlib.crc32(key) >> 16) & 0x7FFF) % n
+
     @property
     def num_vbuckets(self) -> int | None:
         return len(self.map.active) if self.map is not None and self.map.active else None
@@ -236,19 +245,21 @@ class TargetCluster:
         return [r for r in out if r is not None]
 
     def write(self, ops: Sequence[WriteOp]) -> list[WriteResult]:
-        answers = self._routed([(o.vbucket, o.request()) for o in ops])
+        tvbs = [self.vbucket_of(o.version.key, o.vbucket) for o in ops]
+        answers = self._routed([(vb, o.request(vb)) for vb, o in zip(tvbs, ops, strict=True)])
         res = []
-        for r in answers:
+        for vb, r in zip(tvbs, answers, strict=True):
             tok = TOKEN_EXTRAS.unpack(r.extras) if r.ok and len(r.extras) == TOKEN_EXTRAS.size else None
             reason = ""
             if not r.ok and r.value[:1] == b"{":
                 with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
                     reason = str(json.loads(r.value)["error"].get("reason", ""))
-            res.append(WriteResult(r.status, tok, reason))
+            res.append(WriteResult(r.status, tok, reason, vb))
         return res
 
     def get_meta(self, keys: Sequence[tuple[int, bytes]]) -> list[DocVersion | None]:
         """The target's metadata of each ``(vbucket, key)`` (None: no document and no tombstone)."""
+        keys = [(self.vbucket_of(k, vb), k) for vb, k in keys]
         answers = self._routed([(vb, (Op.GET_META, {"key": k, "vbucket": vb, "extras": GET_META_VERSION_2}))
                                 for vb, k in keys])
         out: list[DocVersion | None] = []
