@@ -75,3 +75,34 @@ def test_rollback_restores_lost_branch_documents(harness: Harness, target: Any, 
     st = replicate(h, target, tmp_path / "state")
     assert st["counters"]["rollbacks"] > 0 and st["counters"]["restored"] > 0
     check_equal(h, target)
+
+
+def test_target_that_lost_history_resumes_from_an_older_checkpoint(harness: Harness, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The target node is killed with writes it never persisted: it warms up with a new failover entry below
+    the replicator's target positions; those vbuckets resume from the newest checkpoint the target still holds
+    (or zero) and the lost documents are written again."""
+    h = harness
+    node = target_node(tmp_path, "lossy")
+    try:
+        write(h.bucket, 80)
+        h.bucket.flush_all()
+        h.settle()
+        state = tmp_path / "state"
+        replicate(h, node, state, checkpoint_interval=0)
+        node.require().stop_persistence()
+        write(h.bucket, 80, start=1000)
+        h.bucket.flush_all()
+        h.settle()
+        replicate(h, node, state, checkpoint_interval=3600)  # no new checkpoint: only target positions move
+        node.kill()
+        node.start()  # unclean warmup: the unpersisted writes are gone, a new failover entry
+        assert diverging(source_docs(h.bucket), target_docs(node, {k: vbucket_of(k, h.nvb)
+                                                                   for k in source_docs(h.bucket)}))
+        with caplog.at_level("WARNING", logger="connectors.xdcr.replicator"):
+            replicate(h, node, state)
+        lost = [r.getMessage() for r in caplog.records if "lost the history" in r.getMessage()]
+        assert lost and any("from the checkpoint at seqno" in m for m in lost), lost
+        check_equal(h, node)
+    finally:
+        node.kill()
