@@ -52,6 +52,7 @@ from engine.exceptions import (
     TemporaryFailure,
     ValueTooLarge,
 )
+from engine.kv.conflict_resolution import ConflictCounters
 from engine.kv.durability import Durability, Level, SyncWrite, parse_level
 from gateway.auth import auth_middleware
 from gateway.auth import install as install_auth
@@ -609,6 +610,7 @@ async def metrics(request: web.Request) -> web.Response:
     svc = _svc(request)
     assert svc.publisher is not None
     svc.metrics.collect_health(svc.publisher.oldest_unacked_age(), len(svc.readiness.stalled), svc.unacked.total)
+    svc.metrics.collect_conflicts(svc.settings.conflict_resolution, ConflictCounters.total(b.conflict_counters for b in svc.buckets()).as_dict())
     return web.Response(body=svc.metrics.render(svc.publisher),
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -624,7 +626,8 @@ async def stats(request: web.Request) -> web.Response:
         body = {"bucket": svc.settings.bucket, "vbuckets": svc.cluster.num_vbuckets, "items": pub.source.items(),
                 "checkpoint_memory": pub.source.checkpoint_memory(), "nodes": len(svc.cluster.nodes),
                 "map_revision": svc.cluster.vbucket_map().revision, "restreams": pub.restreams,
-                "held": pub.held}
+                "held": pub.held, "conflict_resolution": svc.settings.conflict_resolution,
+                **ConflictCounters.total(b.conflict_counters for b in svc.buckets()).as_dict()}
     body.update({
         "topic": svc.topic,
         "records_published": pub.records_sent,

@@ -340,6 +340,9 @@ def up(
     tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (DCPGW_TLS_KEY)."),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA: require client certificates it signed "
                                        "(DCPGW_TLS_CLIENT_CA)."),
+    conflict_resolution: str | None = typer.Option(
+        None, "--conflict-resolution", help="seqno | lww: the bucket's XDCR conflict resolution, fixed at creation "
+        "(DCPGW_CONFLICT_RESOLUTION, default seqno; docs/xdcr.md)."),
 ) -> None:
     """Run the engine (one bucket, or a local cluster with --nodes), the gateway and the HTTP API until
     Ctrl-C / SIGTERM."""
@@ -352,7 +355,7 @@ def up(
         "data_dir": data_dir, "http_port": http_port, "bucket": bucket, "num_vbuckets": num_vbuckets,
         "value_format": value_format, "stream_from": stream_from, "cluster_nodes": nodes,
         "cluster_replicas": replicas, "tls_cert": tls_cert, "tls_key": tls_key,
-        "tls_client_ca": tls_ca}.items() if v is not None}
+        "tls_client_ca": tls_ca, "conflict_resolution": conflict_resolution}.items() if v is not None}
     if kv_port is not None:
         overrides["kv_port"] = kv_port
     try:

@@ -402,6 +402,8 @@ class GatewaySettings(BaseSettings):
     #: > 1: an in-process cluster of engine nodes behind the gateway (docs/gateway-cluster.md)
     cluster_nodes: int = Field(default=1, ge=1, le=64)
     cluster_replicas: int = Field(default=1, ge=0, le=3)
+    #: the bucket's XDCR conflict-resolution mode, fixed when the bucket is created (docs/xdcr.md "Target side")
+    conflict_resolution: Literal["seqno", "lww"] = "seqno"
     # streams
     topic_prefix: str = Field(default="dcp", min_length=1)
     value_format: ValueFormat = "avro"
@@ -571,7 +573,8 @@ class GatewaySettings(BaseSettings):
         """The embedded engine's bucket configuration (name, data directory, vbucket count)."""
         try:
             return BucketConfig.model_validate(
-                {"name": self.bucket, "data_dir": self.data_dir, "num_vbuckets": self.num_vbuckets}
+                {"name": self.bucket, "data_dir": self.data_dir, "num_vbuckets": self.num_vbuckets,
+                 "conflict_resolution": self.conflict_resolution}
             )
         except ValidationError as exc:
             names = {"name": "bucket"}

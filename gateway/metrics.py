@@ -44,6 +44,11 @@ class GatewayMetrics:
                                    "by Kafka (writes answer 503 above max_unacked_bytes)", registry=r)
         self.truncations = Counter("dcpgw_topic_truncations", "Times the topic was found to have lost records "
                                    "Kafka had acknowledged (every vbucket republished from seqno 0)", registry=r)
+        self.with_meta = Gauge("dcpgw_xdcr_target_writes", "Writes with meta (XDCR target) by result: accepted, "
+                               "rejected_behind, rejected_identical (sum over the live engine buckets)", ["result"],
+                               registry=r)
+        self.cr_mode = Gauge("dcpgw_conflict_resolution_mode", "The bucket's conflict-resolution mode (label; "
+                             "always 1)", ["mode"], registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
                       "oversize": 0}
         self._last = (time.monotonic(), 0)
@@ -52,6 +57,12 @@ class GatewayMetrics:
         """The service replaced its publisher (whose counts start at 0 again): count from there."""
         self._seen = dict.fromkeys(self._seen, 0)
         self._last = (time.monotonic(), 0)
+
+    def collect_conflicts(self, mode: str, counts: dict[str, int]) -> None:
+        """The XDCR target's writes with meta by result (docs/xdcr.md "Target side") and the bucket's mode."""
+        self.cr_mode.labels(mode=mode).set(1)
+        for result, n in counts.items():
+            self.with_meta.labels(result=result).set(n)
 
     def collect_health(self, oldest_age: float, stalled: int, unacked_bytes: int) -> None:
         self.oldest_unacked.set(oldest_age)

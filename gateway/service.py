@@ -317,14 +317,16 @@ class GatewayService:
         self.settings.engine_config()  # validates the bucket name / vbucket count the nodes will use
         if check_layout(s.data_dir, cluster=True) is Layout.CLUSTER:
             # a missing or damaged map next to node data is rebuilt from the nodes' states (engine/cluster/map_recovery.py)
-            cluster = Cluster.open(s.data_dir, replicas=s.cluster_replicas, name=s.bucket)
+            cluster = Cluster.open(s.data_dir, replicas=s.cluster_replicas, name=s.bucket,
+                                   conflict_resolution=s.conflict_resolution)
             if cluster.num_vbuckets != s.num_vbuckets:
                 cluster.close()
                 raise InvalidArgument(f"the cluster under {s.data_dir} has {cluster.num_vbuckets} vbuckets, "
                                       f"not {s.num_vbuckets}")
             return cluster
         return Cluster.create(s.data_dir, nodes=s.cluster_nodes, replicas=s.cluster_replicas,
-                              num_vbuckets=s.num_vbuckets, seed=None, name=s.bucket)
+                              num_vbuckets=s.num_vbuckets, seed=None, name=s.bucket,
+                              conflict_resolution=s.conflict_resolution)
 
     def buckets(self) -> list[Bucket]:
         """The live engine buckets (one, or every live node of the cluster)."""

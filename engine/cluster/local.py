@@ -31,6 +31,7 @@ from engine.exceptions import (
     NotMyVBucket,
     TemporaryFailure,
 )
+from engine.kv.conflict_resolution import ItemMeta
 from engine.kv.data_dir import MAP_FILE
 from engine.kv.durability import Durability, ManualClock, SyncWrite
 from engine.kv.durable_file import write_atomically
@@ -226,6 +227,27 @@ class Cluster(ClusterManager):
             return self.wait(self.submit(key, None, cas=cas, durability=durability))
         bucket, vb = self._route(key, True)
         return bucket.delete(key, cas=cas, vbucket=vb)
+
+    # ------------------------------------------------------------------ XDCR target (docs/xdcr.md "Target side")
+    def get_meta(self, key: bytes | str) -> ItemMeta:
+        bucket, vb = self._route(key, False)
+        return bucket.get_meta(key, vbucket=vb)
+
+    def set_with_meta(self, key: bytes | str, value: bytes | str, meta: ItemMeta, options: int = 0, *,
+                      cas: int = 0) -> MutationResult:
+        """SET_WITH_META on the active node of the key's vbucket (conflict resolution by that node's bucket)."""
+        bucket, vb = self._route(key, True)
+        return bucket.set_with_meta(key, value, meta, options, cas=cas, vbucket=vb)
+
+    def add_with_meta(self, key: bytes | str, value: bytes | str, meta: ItemMeta, options: int = 0, *,
+                      cas: int = 0) -> MutationResult:
+        bucket, vb = self._route(key, True)
+        return bucket.add_with_meta(key, value, meta, options, cas=cas, vbucket=vb)
+
+    def del_with_meta(self, key: bytes | str, value: bytes | str | None, meta: ItemMeta, options: int = 0, *,
+                      cas: int = 0) -> MutationResult:
+        bucket, vb = self._route(key, True)
+        return bucket.del_with_meta(key, value, meta, options, cas=cas, vbucket=vb)
 
     # ------------------------------------------------------------------ synchronous replication (docs/durability.md)
     def push_topologies(self) -> None:

@@ -27,9 +27,10 @@ from engine.kv.conflict_resolution import (
     resolve,
 )
 from engine.kv.item import Datatype, Item, Op, detect_datatype
+from engine.kv.vbucket import MutationResult
 
 if TYPE_CHECKING:
-    from engine.kv.vbucket import MutationResult, VBucket
+    from engine.kv.vbucket import VBucket
 
 
 class WithMetaOp(Enum):
@@ -63,8 +64,6 @@ def apply_with_meta(
     a CAS mismatch, KEY_ENOENT for a CAS on nothing, NOT_MY_VBUCKET unless active, E2BIG, EINVAL for bad
     options or metadata, SYNC_WRITE_IN_PROGRESS when the key has a prepare in flight.
     """
-    from engine.kv.vbucket import MutationResult
-
     vb.check_active()
     deletion = op is WithMetaOp.DEL
     opts = parse_options(options, mode, deletion=deletion)

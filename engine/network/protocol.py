@@ -45,6 +45,17 @@ from engine.kv.durability import Durability, Level, parse_level
 from engine.kv.item import Item, Op
 from engine.kv.vbucket import VBucketState
 from schemas.failover_log import FailoverEntry
+from schemas.with_meta import (
+    GET_META_V1,
+    GET_META_V2,
+    REJECTED_BEHIND,
+    REJECTED_IDENTICAL,
+    WithMetaOpcode,
+    decode_get_meta_extras,
+    decode_with_meta_extras,
+    encode_get_meta_extras,
+    encode_with_meta_extras,
+)
 
 HEADER: Final = struct.Struct(">BBHBBHIIQ")
 HEADER_LEN: Final = 24
@@ -90,10 +101,10 @@ class Opcode(IntEnum):
     START_PERSISTENCE = 0x81
     OBSERVE_SEQNO = 0x91
     # XDCR target (docs/xdcr.md "Target side"; kv_engine numbers)
-    GET_META = 0xA0
-    SET_WITH_META = 0xA2
-    ADD_WITH_META = 0xA4
-    DEL_WITH_META = 0xA8
+    GET_META = WithMetaOpcode.GET_META
+    SET_WITH_META = WithMetaOpcode.SET_WITH_META
+    ADD_WITH_META = WithMetaOpcode.ADD_WITH_META
+    DEL_WITH_META = WithMetaOpcode.DEL_WITH_META
     # Private to this project (no kv_engine counterpart: ns_server drives replication itself):
     #: value = JSON {"sources": {name: {"host", "port", "vbuckets"}}}: the replication streams this node pulls
     SET_REPLICATION = 0xE0
@@ -127,17 +138,6 @@ OPEN_EXTRAS: Final = struct.Struct(">II")  # seqno, flags
 PAIR: Final = struct.Struct(">QQ")
 #: OBSERVE_SEQNO answer, format 0: format u8, vbucket u16, vbuuid u64, persisted u64, current u64
 OBSERVE0: Final = struct.Struct(">BHQQQ")
-#: SET / ADD / DEL_WITH_META extras (kv_engine): flags u32, expiration u32, rev seqno u64, cas u64, then
-#: optionally options u32 (28 / 30 bytes) and extended-meta length u16 (26 / 30 bytes)
-WITH_META_EXTRAS: Final = struct.Struct(">IIQQ")
-WITH_META_EXTRAS_SIZES: Final = (24, 26, 28, 30)
-#: GET_META answer (kv_engine): deleted u32, flags u32, expiry u32, rev seqno u64 [, datatype u8 (version 2)]
-GET_META_EXTRAS: Final = struct.Struct(">IIIQ")
-#: kv_engine ``GET_META_ITEM_DELETED_FLAG``
-GET_META_DELETED: Final = 0x01
-#: GET_META request extras: none or a version byte; version 2 asks for the datatype too
-GET_META_V1: Final = 1
-GET_META_V2: Final = 2
 #: format 1 (failover happened) adds old vbuuid u64, last seqno received on that branch u64
 OBSERVE1: Final = struct.Struct(">BHQQQQQ")
 
@@ -456,45 +456,9 @@ def conflict_error(f: Frame) -> ConflictRejected | None:
         reason, context = err["reason"], str(err["context"])
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-    if reason not in ("rejected_behind", "rejected_identical"):
+    if reason not in (REJECTED_BEHIND, REJECTED_IDENTICAL):
         return None
-    return ConflictRejected(context, identical=reason == "rejected_identical")
-
-
-def encode_with_meta_extras(flags: int, expiry: int, rev_seqno: int, cas: int, options: int = 0) -> bytes:
-    """Extras of a SET / ADD / DEL_WITH_META: 24 bytes, or 28 with a non-zero options word."""
-    try:
-        ex = WITH_META_EXTRAS.pack(flags, expiry, rev_seqno, cas)
-        return ex + U32.pack(options) if options else ex
-    except struct.error as e:
-        raise InvalidArgument(f"with-meta field out of range: {e}") from e
-
-
-def decode_with_meta_extras(extras: bytes) -> tuple[int, int, int, int, int, int]:
-    """(flags, expiry, rev seqno, cas, options, extended-meta length) of a write with meta's extras (24, 26,
-    28 or 30 bytes, kv_engine's layouts); :class:`ProtocolError` otherwise."""
-    n = len(extras)
-    if n not in WITH_META_EXTRAS_SIZES:
-        raise ProtocolError(f"with-meta extras of {n} bytes, expected one of {WITH_META_EXTRAS_SIZES}")
-    flags, expiry, rev, cas = WITH_META_EXTRAS.unpack_from(extras)
-    options = U32.unpack_from(extras, 24)[0] if n >= 28 else 0
-    nmeta = int.from_bytes(extras[n - 2:], "big") if n in (26, 30) else 0
-    return flags, expiry, rev, cas, options, nmeta
-
-
-def encode_get_meta_extras(deleted: bool, flags: int, expiry: int, rev_seqno: int, datatype: int | None) -> bytes:
-    """A GET_META answer's extras (``datatype`` None: version 1, 20 bytes; else 21 bytes)."""
-    ex = GET_META_EXTRAS.pack(GET_META_DELETED if deleted else 0, flags, expiry, rev_seqno)
-    return ex if datatype is None else ex + bytes([datatype])
-
-
-def decode_get_meta_extras(extras: bytes) -> tuple[bool, int, int, int, int]:
-    """(deleted, flags, expiry, rev seqno, datatype) of a GET_META answer (datatype 0 when absent)."""
-    if len(extras) not in (GET_META_EXTRAS.size, GET_META_EXTRAS.size + 1):
-        raise ProtocolError(f"GET_META answer extras of {len(extras)} bytes, expected 20 or 21")
-    deleted, flags, expiry, rev = GET_META_EXTRAS.unpack_from(extras)
-    datatype = extras[20] if len(extras) == 21 else 0
-    return bool(deleted & GET_META_DELETED), flags, expiry, rev, datatype
+    return ConflictRejected(context, identical=reason == REJECTED_IDENTICAL)
 
 
 def encode_stream_request(
@@ -515,6 +479,8 @@ __all__ = [
     "ALT_REQ_MAGIC",
     "CODE_STATES",
     "DCP_OPEN_PRODUCER",
+    "GET_META_V1",
+    "GET_META_V2",
     "HEADER_LEN",
     "REQ_MAGIC",
     "RES_MAGIC",

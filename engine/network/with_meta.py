@@ -15,8 +15,7 @@ engine's typed errors; :func:`answer` turns them into kv_engine's error response
   answers here. A conflict loss is KEY_EEXISTS with the JSON error context naming the reason
   (``rejected_behind`` / ``rejected_identical``).
 
-Not supported (EINVAL): durability frames, snappy-compressed values (datatype 0x02 is never negotiated here),
-FORCE_WITH_META_OP (0x01, writing to replica vbuckets). Extended metadata (the trailing ``nmeta`` bytes of the
+Not supported (EINVAL): durability frames, snappy-compressed values (datatype 0x02 is never negotiated here). Extended metadata (the trailing ``nmeta`` bytes of the
 value) is accepted and ignored, as kv_engine ignores it since 6.x.
 """
 

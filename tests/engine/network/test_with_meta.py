@@ -10,8 +10,11 @@ import sys
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from engine.exceptions import InvalidArgument, KeyExists, KeyNotFound, NotMyVBucket, Status
+from engine import Bucket, BucketConfig, vbucket_of
+from engine.exceptions import EngineError, InvalidArgument, KeyExists, KeyNotFound, NotMyVBucket, Status
 from engine.kv.conflict_resolution import (
     FORCE_ACCEPT_WITH_META_OPS,
     FORCE_WITH_META_OP,
@@ -30,7 +33,7 @@ from engine.network.protocol import (
     encode_with_meta_extras,
     request,
 )
-from tests.engine.nodes import drain, keys_on
+from tests.engine.nodes import NVB, drain, keys_on
 
 CAS = 0x1234_5678_9ABC_0000
 
@@ -113,7 +116,11 @@ def test_options_and_statuses(spawn) -> None:
     # REGENERATE_CAS (with SKIP): the target's own CAS, ahead of its HLC
     r = c.set_with_meta(k, b"regen", ItemMeta(5, 3), SKIP_CONFLICT_RESOLUTION_FLAG | REGENERATE_CAS, vbucket=0)
     assert r.cas > CAS and c.get_meta(k, vbucket=0).cas == r.cas
-    for bad in (REGENERATE_CAS, FORCE_ACCEPT_WITH_META_OPS, FORCE_WITH_META_OP, 0x100, IS_EXPIRATION):
+    # FORCE_WITH_META_OP: skips conflict resolution only (kv_engine since MB-67207)
+    c.set_with_meta(k, b"forced-too", ItemMeta(CAS - 200, 1), FORCE_WITH_META_OP, vbucket=0)
+    assert c.get_meta(k, vbucket=0).rev_seqno == 1
+    r = c.set_with_meta(k, b"regen", ItemMeta(5, 3), FORCE_WITH_META_OP | REGENERATE_CAS, vbucket=0)
+    for bad in (REGENERATE_CAS, FORCE_ACCEPT_WITH_META_OPS, 0x100, 0x20, IS_EXPIRATION):
         with pytest.raises(InvalidArgument):
             c.set_with_meta(k, b"x", ItemMeta(CAS * 2, 99), bad, vbucket=0)
     with pytest.raises(KeyExists):  # a CAS of 0 in the metadata: KEY_EEXISTS, as kv_engine
@@ -216,3 +223,60 @@ def test_node_refuses_a_different_mode_on_reopen(spawn, tmp_path) -> None:
     assert "created with conflict resolution 'seqno'" in proc.stderr and "lww" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
+
+
+# ---------------------------------------------------------------------- the wire vs the in-process bucket
+_wire_meta = st.builds(ItemMeta, cas=st.sampled_from([CAS, CAS + 1, CAS + 2, 0]), rev_seqno=st.integers(1, 4),
+                       flags=st.integers(0, 2), expiry=st.sampled_from([0, 4_000_000_000]))
+_wire_op = st.tuples(st.sampled_from(["set_with_meta", "add_with_meta", "del_with_meta", "get_meta"]),
+                     st.integers(0, 2), _wire_meta,
+                     st.sampled_from([0, 0, SKIP_CONFLICT_RESOLUTION_FLAG, FORCE_ACCEPT_WITH_META_OPS,
+                                      IS_EXPIRATION, 0x40]))
+
+
+def _outcome(fn: Any, *args: Any, **kw: Any) -> Any:
+    try:
+        r = fn(*args, **kw)
+    except ConflictRejected as e:
+        return ("rejected", e.identical)
+    except EngineError as e:
+        return ("error", int(e.status))
+    return ("ok", r.cas if hasattr(r, "cas") and not isinstance(r, ItemMeta) else r)
+
+
+@pytest.mark.parametrize("mode", ["seqno", "lww"])
+def test_wire_answers_equal_the_in_process_bucket(spawn, tmp_path, mode: str) -> None:
+    c = spawn(conflict_resolution=mode).require()
+    examples = iter(range(10_000))
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(_wire_op, min_size=1, max_size=12))
+    def check(ops: list[tuple[Any, ...]]) -> None:
+        n = next(examples)
+        b = Bucket(BucketConfig(data_dir=tmp_path / f"b{n}", num_vbuckets=NVB, conflict_resolution=mode,
+                                tune_gc=False))
+        try:
+            for name, ki, meta, opts in ops:
+                key = f"e{n}-{ki}"
+                vb = vbucket_of(key.encode(), NVB)
+                if name == "get_meta":
+                    local = _outcome(b.get_meta, key)
+                    remote = _outcome(c.get_meta, key, vbucket=vb)
+                elif name == "del_with_meta":
+                    local = _outcome(b.del_with_meta, key, None, meta, opts)
+                    remote = _outcome(c.del_with_meta, key, meta, opts, vbucket=vb)
+                else:
+                    local = _outcome(getattr(b, name), key, b"v", meta, opts)
+                    remote = _outcome(getattr(c, name), key, b"v", meta, opts, vbucket=vb)
+                if name == "get_meta" and local[0] == "ok":
+                    lm, rm = local[1], remote[1]
+                    assert remote[0] == "ok" and (lm.cas, lm.rev_seqno, lm.flags, lm.deleted) == (
+                        rm.cas, rm.rev_seqno, rm.flags, rm.deleted)
+                    if not lm.deleted:  # (a tombstone sent without a delete time gets each side's "now")
+                        assert lm.expiry == rm.expiry
+                else:
+                    assert local == remote, (name, meta, opts)
+        finally:
+            b.close()
+
+    check()
