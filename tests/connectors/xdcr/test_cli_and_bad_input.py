@@ -200,3 +200,41 @@ def test_unreachable_target_in_process_gives_up_after_the_bound(harness: Harness
                         settings=XdcrSettings(give_up_after=0.5)) as r, pytest.raises(TargetUnreachable):
         r.start()
     assert r.metrics.target_state == "unreachable"
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_replicator_process_then_catch_up(harness: Harness, target: Any, tmp_path: Path) -> None:
+    """``dcpgw xdcr`` SIGKILLed while it replicates (several times, at different points), then run to the end:
+    the target equals the source (documents and metadata), a lost branch included."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.gateway.processes import CLI, ROOT
+
+    h = harness
+    state = tmp_path / "state"
+    args = ["xdcr", "--topic", h.topic, "--target", f"couchbase://127.0.0.1:{target.port}", "--state-dir",
+            str(state), "--bootstrap", h.broker.bootstrap_servers, "--batch-docs", "50"]
+    for round_ in range(3):
+        write(h.bucket, 400, start=round_ * 300)
+        if round_ == 1:
+            h.publish_unpersisted()
+        else:
+            h.bucket.flush_all()
+            h.settle()
+        p = subprocess.Popen([*CLI, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(2.0 + round_)
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        if round_ == 1:
+            h.crash_engine()
+    h.bucket.flush_all()
+    h.settle()
+    proc = dcpgw(*args, "--until-caught-up", timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    src = source_docs(h.bucket)
+    every = {f"k{i}".encode() for i in range(1300)} | set(src)  # the lost branch's keys too
+    assert not diverging(src, target_docs(target, {k: vbucket_of(k, h.nvb) for k in every}))
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["rollbacks"] + read_status(state)["counters"][
+        "rollbacks"] > 0
