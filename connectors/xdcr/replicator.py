@@ -157,6 +157,7 @@ class XdcrReplicator:
                 self.metrics.target_state = "starting"
                 self.metrics.target_error = ""
             self._save_meta("target", target)
+            self.target_url = target
         except BaseException:
             self.store.close()
             raise
@@ -531,20 +532,16 @@ class XdcrReplicator:
     def status(self) -> dict[str, Any]:
         now = self.clock()
         if self.consumer is not None:
-            # what the client buffered but not yet handed out (its replayers' open snapshot ranges)
-            for vb, s in list(self.consumer._vbs.items()):
-                rng = getattr(s.replayer, "_range", None)
-                if rng is not None:
-                    st = self.vbs.setdefault(vb, VBucketStatus())
-                    st.seen_seqno = max(st.seen_seqno, rng[1])
-        return {"topic": self.topic, "target": self._meta_safe("target"), "counters": self.metrics.to_dict(),
-                "vbuckets": {str(vb): _vb_dict(v, now) for vb, v in sorted(self.vbs.items())}}
-
-    def _meta_safe(self, name: str) -> str | None:
-        try:
-            return self._meta(name)
-        except sqlite3.Error:
-            return None
+            # what the client buffered but not yet handed out (its replayers' open snapshot ranges); read from
+            # the HTTP thread while the replication thread runs: a dictionary that changed size is read next time
+            with contextlib.suppress(RuntimeError):
+                for vb, s in list(self.consumer._vbs.items()):
+                    rng = getattr(s.replayer, "_range", None)
+                    if rng is not None:
+                        st = self.vbs.setdefault(vb, VBucketStatus())
+                        st.seen_seqno = max(st.seen_seqno, rng[1])
+        return {"topic": self.topic, "target": self.target_url, "counters": self.metrics.to_dict(),
+                "vbuckets": {str(vb): _vb_dict(v, now) for vb, v in sorted(list(self.vbs.items()))}}
 
     def close(self) -> None:
         self.stop()
