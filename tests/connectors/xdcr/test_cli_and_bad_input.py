@@ -238,3 +238,41 @@ def test_kill_9_of_the_replicator_process_then_catch_up(harness: Harness, target
     assert not diverging(src, target_docs(target, {k: vbucket_of(k, h.nvb) for k in every}))
     assert json.loads(proc.stdout.strip().splitlines()[-1])["rollbacks"] + read_status(state)["counters"][
         "rollbacks"] > 0
+
+
+def test_cli_http_port_serves_metrics_and_sigterm_stops_cleanly(harness: Harness, target: Any,
+                                                                tmp_path: Path) -> None:
+    import re
+    import signal
+    import subprocess
+    import time
+
+    from tests.gateway.processes import CLI, ROOT
+
+    h = harness
+    _loaded(h, 50)
+    p = subprocess.Popen([*CLI, "xdcr", "--topic", h.topic, "--target", f"couchbase://127.0.0.1:{target.port}",
+                          "--state-dir", str(tmp_path / "s"), "--bootstrap", h.broker.bootstrap_servers,
+                          "--http-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/status", line)
+        assert m, line
+        base = f"http://127.0.0.1:{m.group(1)}"
+        deadline = time.monotonic() + 60
+        while True:
+            st = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+            if st["counters"]["written"] == len(source_docs(h.bucket)):
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
+        text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        assert "dcpgw_xdcr_target_up 1" in text
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["written"] == st["counters"]["written"]
+    finally:
+        if p.poll() is None:
+            p.kill()
