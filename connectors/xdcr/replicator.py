@@ -32,6 +32,7 @@ import logging
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -66,6 +67,8 @@ __all__ = ["STATE_FILE", "XdcrReplicator", "XdcrSettings", "read_status"]
 log = logging.getLogger(__name__)
 
 STATE_FILE = "xdcr.sqlite"
+#: batches queued for the writer thread before the replication thread waits
+INFLIGHT_BATCHES = 4
 DEAD_LETTER_FILE = "dead-letter.jsonl"
 
 #: part of the state file (tables of the consumer, mutation log and checkpoints besides). ``xdcr_docs`` is a rowid
@@ -135,7 +138,7 @@ class XdcrReplicator:
         self._pending: dict[bytes, WriteOp] = {}
         self._pending_bytes = 0
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: concurrent.futures.Future[Any] | None = None
+        self._inflight: deque[concurrent.futures.Future[Any]] = deque()
         self._target_pos: dict[int, tuple[int, int]] = {}
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
@@ -414,25 +417,24 @@ class XdcrReplicator:
             self._send()
 
     def _send(self, wait: bool = False) -> None:
-        """Hand the pending batch to the writer thread (after the batch before it completed: one batch in
-        flight, so a key's versions reach the target in order); ``wait``: until it completed too. The writer
-        overlaps the target's round trips with the client's decoding and SQLite work; a batch's error is
-        raised here."""
+        """Queue the pending batch for the writer thread; ``wait``: until every queued batch completed. The
+        single writer runs batches in order (a key's versions reach the target in order); up to
+        ``INFLIGHT_BATCHES`` are queued, overlapping the target's round trips with the client's decoding and
+        SQLite work. A batch's error is raised here."""
         ops = list(self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
-        self._join_inflight()
         if ops:
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
-            self._inflight = self._writer.submit(self._with_retries, partial(self._write_batch, ops), "write")
-        if wait:
-            self._join_inflight()
+            self._inflight.append(self._writer.submit(self._with_retries, partial(self._write_batch, ops),
+                                                      "write"))
+        while self._inflight and (wait or len(self._inflight) > INFLIGHT_BATCHES or self._inflight[0].done()):
+            self._inflight.popleft().result()
 
     def _join_inflight(self) -> None:
-        f, self._inflight = self._inflight, None
-        if f is not None:
-            f.result()
+        while self._inflight:
+            self._inflight.popleft().result()
 
     def _write_batch(self, ops: list[WriteOp]) -> None:
         t0 = time.monotonic()
@@ -546,7 +548,7 @@ class XdcrReplicator:
     def close(self) -> None:
         self.stop()
         if self.consumer is not None:
-            if self._pending or self._inflight is not None:
+            if self._pending or self._inflight:
                 # positions must not commit beyond what reached the target
                 self.store.hook = None
                 self._pending.clear()
