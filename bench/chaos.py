@@ -30,12 +30,14 @@ duplicated, an invariant broke, a plain write was lost outside the window or a r
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import http.client
 import json
 import os
 import random
 import resource
+import secrets
 import shutil
 import signal
 import sqlite3
@@ -99,6 +101,12 @@ def supports_setting(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------- HTTP
+#: the gateways of this campaign create the user Administrator with this password (DCPGW_ADMIN_PASSWORD) and
+#: every request sends it (docs/security.md)
+ADMIN_PASSWORD = secrets.token_urlsafe(18)
+AUTHORIZATION = "Basic " + base64.b64encode(f"Administrator:{ADMIN_PASSWORD}".encode()).decode()
+
+
 class Http:
     """A keep-alive HTTP/1.1 client to the gateway; a broken connection is reopened on the next call."""
 
@@ -116,8 +124,10 @@ class Http:
             self.conn.timeout = timeout
             if self.conn.sock is not None:
                 self.conn.sock.settimeout(timeout)
-            self.conn.request(method, path, body=body,
-                              headers={"Content-Type": "application/json"} if body is not None else {})
+            headers = {"Authorization": AUTHORIZATION}
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            self.conn.request(method, path, body=body, headers=headers)
             r = self.conn.getresponse()
             data = r.read()
             return r.status, data, (time.monotonic() - t0) * 1000, {k.lower(): v for k, v in r.getheaders()}
@@ -271,6 +281,7 @@ class Session:
             "DCPGW_CHECKPOINT_INTERVAL_S": "0.5",
             # readiness: delivery_stalled after this (docs/reliability.md "Fault campaign", readiness)
             "DCPGW_HEALTH_DELIVERY_STALL_S": str(camp.args.ready_threshold_s),
+            "DCPGW_ADMIN_PASSWORD": ADMIN_PASSWORD,
         })
         self.env = env
         args = [sys.executable, "-m", "gateway.cli", "up", "--no-progress"]

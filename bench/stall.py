@@ -16,9 +16,11 @@ seconds to catch up after the resume.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -32,17 +34,21 @@ from typing import Any
 from bench.report import figure
 from gateway.broker import EmbeddedTansuBroker
 
+#: the gateway creates the user Administrator with this password; every request sends it (docs/security.md)
+ADMIN_PASSWORD = secrets.token_urlsafe(18)
+AUTH = {"Authorization": "Basic " + base64.b64encode(f"Administrator:{ADMIN_PASSWORD}".encode()).decode()}
+
 
 def _get(url: str, timeout: float = 30.0) -> tuple[int, bytes, dict[str, str]]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=AUTH), timeout=timeout) as r:
             return r.status, r.read(), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, e.read(), dict(e.headers)
 
 
 def _post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict[str, str]]:
-    req = urllib.request.Request(url, data=body, method="POST")
+    req = urllib.request.Request(url, data=body, method="POST", headers=AUTH)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             r.read()
@@ -107,7 +113,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-stall-"))
     data = tmp / "data"
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_DATA_DIR": str(data),
-           "DCPGW_BUCKET": "stall", "DCPGW_HTTP_PORT": "0"}
+           "DCPGW_BUCKET": "stall", "DCPGW_HTTP_PORT": "0", "DCPGW_ADMIN_PASSWORD": ADMIN_PASSWORD}
     with open(tmp / "gw.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--no-progress"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log)

@@ -15,6 +15,9 @@ Cluster (``dcpgw up --nodes N``): ``GET /cluster``, ``GET /cluster/map``, ``POST
 (``{"add": ["n3"], "remove": ["n1"]}``; starts it, answers 202 with its progress) and ``GET /cluster/rebalance``
 (progress of the running or last rebalance). ``GET /openapi.json``: the OpenAPI document (gateway/openapi.py).
 
+Authentication (Basic or bearer token) and the role each route needs: gateway/auth.py, docs/security.md;
+``/auth/token`` and ``/users``: gateway/auth_api.py.
+
 Every error is a JSON body ``{"error": <code>, "message": <text>}`` with a 4xx status (5xx only for server
 faults), mapped from the engine's typed exceptions -- aiohttp's own errors included (:class:`JsonAppRunner`).
 Inputs are bounded before any work (docs/gateway.md "Limits").

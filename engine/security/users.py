@@ -363,13 +363,16 @@ class UserStore:
         already has users -- the password given is then ignored, as Couchbase ignores it after initialisation)."""
         if password is not None:
             _check_password(password)
+        if self.list():
+            return None
         generated = None
+        if password is None:
+            generated = password = secrets.token_urlsafe(18)
+        record = {"roles": [Role.ADMIN.value], **_secret_record(password)}  # slow: outside the lock
         with self._writing() as users:
-            if users:
+            if users:  # another process added a user meanwhile
                 return None
-            if password is None:
-                generated = password = secrets.token_urlsafe(18)
-            users[ADMIN_USER] = {"roles": [Role.ADMIN.value], **_secret_record(password)}
+            users[ADMIN_USER] = record
         if generated is not None:
             write_atomically(self.data_dir / ADMIN_PASSWORD_FILE, (generated + "\n").encode("utf-8"), mode=0o600)
         return generated

@@ -24,3 +24,9 @@ def test_kv_port_out_of_range(tmp_path: Path) -> None:
     res = dcpgw("up", "--no-progress", "--data-dir", str(tmp_path / "d"), DCPGW_KV_PORT="70000")
     line = one_error_line(res)
     assert "kv_port" in line and "DCPGW_KV_PORT" in line, line
+
+
+def test_kv_port_default_is_11210() -> None:
+    from gateway.config import GatewaySettings
+
+    assert GatewaySettings.model_fields["kv_port"].default == 11210

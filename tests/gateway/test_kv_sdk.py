@@ -140,6 +140,11 @@ def test_document_operations(collection: Collection) -> None:
     locked = c.get_and_lock("doc-1", timedelta(seconds=10))
     with pytest.raises(DocumentLockedException):
         c.get_and_lock("doc-1", timedelta(seconds=10))
+    with pytest.raises(CasMismatchException):
+        c.unlock("doc-1", locked.cas + 1)
+    with pytest.raises(DocumentLockedException):  # the SDK retries LOCKED until its timeout
+        c.upsert("doc-1", {"n": 0}, UpsertOptions(timeout=timedelta(seconds=1)))
+    assert c.get("doc-1").cas == 0xFFFF_FFFF_FFFF_FFFF  # readers do not get the lock's CAS
     c.unlock("doc-1", locked.cas)
     with pytest.raises(DocumentNotLockedException):
         c.unlock("doc-1", locked.cas)

@@ -31,14 +31,14 @@ NEEDS: Final[dict[int, tuple[Role, ...]]] = {
     Op.GET_REPLICA: _R,
     Op.GET_LOCKED: _R,
     Op.UNLOCK_KEY: _R,
-    Op.GAT: (Role.DATA_WRITER,),  # kv_engine: Read and Upsert; a writer reads what it touches
+    Op.GAT: _W,  # and _R: see BOTH
     Op.SET: _W,
     Op.ADD: _W,
     Op.REPLACE: _W,
     Op.DELETE: _W,
     Op.APPEND: _W,
     Op.PREPEND: _W,
-    Op.INCREMENT: _W,
+    Op.INCREMENT: _W,  # and _R: see BOTH
     Op.DECREMENT: _W,
     Op.TOUCH: _W,
     Op.OBSERVE_SEQNO: _META_READ,
@@ -49,6 +49,10 @@ NEEDS: Final[dict[int, tuple[Role, ...]]] = {
     Op.GET_CLUSTER_CONFIG: _ANY,
     Op.SELECT_BUCKET: _ANY,
 }
+
+#: opcodes that read as well as write (the answer carries the document's value): kv_engine checks both the
+#: Read and the Upsert privilege, so they need ``data_reader`` too
+BOTH: Final[dict[int, tuple[Role, ...]]] = {Op.GAT: _R, Op.INCREMENT: _R, Op.DECREMENT: _R}
 
 #: opcodes that need a selected bucket (NO_BUCKET otherwise)
 NEEDS_BUCKET: Final = frozenset(NEEDS) - {Op.GET_CLUSTER_CONFIG, Op.SELECT_BUCKET}
@@ -62,4 +66,5 @@ def allowed(roles: frozenset[Role], opcode: int) -> bool:
     need = NEEDS.get(opcode)
     if need is None:
         return True
-    return any(r in roles for r in need)
+    also = BOTH.get(opcode, ())
+    return any(r in roles for r in need) and (not also or any(r in roles for r in also))

@@ -153,6 +153,10 @@ class ScramServer:
         server_sig = hmac.new(cred.server_key, auth_message, h).digest()
         return user, b"v=" + base64.b64encode(server_sig)
 
+    def __repr__(self) -> str:
+        # no salt, nonce, key or secret (docs/security.md: secrets never in repr)
+        return f"ScramServer(mechanism={self.mechanism!r}, user={self._user!r})"
+
 
 def parse_plain(value: bytes) -> tuple[str, str]:
     """PLAIN (RFC 4616): ``[authzid] NUL user NUL password`` -> (user, password)."""

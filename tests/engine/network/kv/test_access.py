@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.network.kv.access import NEEDS
+from engine.network.kv.access import BOTH, NEEDS, allowed
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.opcodes import KVStatus
 from engine.security.roles import Role
@@ -39,8 +39,7 @@ def test_each_role_against_each_document_opcode(node: KVNode, connect: Callable[
         key = f"k-{int(op)}".encode()
         admin.doc(Op.SET, key, extras=b"\0" * 8, value=b"1")
         f = c.doc(op, key, **body)  # type: ignore[arg-type]
-        allowed = Role.ADMIN in roles or any(r in roles for r in NEEDS[op])
-        if allowed:
+        if allowed(roles, op):
             assert f.status == 0, (user, op, f)
         else:
             assert f.status == KVStatus.EACCESS, (user, op, f)
@@ -48,6 +47,19 @@ def test_each_role_against_each_document_opcode(node: KVNode, connect: Callable[
     assert c.call(Op.GET_CLUSTER_CONFIG).status == 0
     obs = c.call(Op.OBSERVE_SEQNO, value=b"\0" * 8)
     assert obs.status == 0
+
+
+def test_the_role_table() -> None:
+    writer, reader = frozenset({Role.DATA_WRITER}), frozenset({Role.DATA_READER})
+    both = writer | reader
+    assert allowed(writer, Op.SET) and not allowed(reader, Op.SET)
+    assert allowed(reader, Op.GET) and not allowed(writer, Op.GET)
+    # a write whose answer carries the value needs both (kv_engine: Read and Upsert)
+    for op in BOTH:
+        assert allowed(both, op) and not allowed(writer, op) and not allowed(reader, op)
+    assert all(allowed(frozenset({Role.ADMIN}), op) for op in NEEDS)
+    assert allowed(frozenset({Role.DCP_READER}), Op.OBSERVE_SEQNO)
+    assert not allowed(frozenset({Role.DCP_READER}), Op.GET)
 
 
 def test_with_meta_writes_need_replication_target(connect: Callable[..., RawClient]) -> None:

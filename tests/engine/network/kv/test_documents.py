@@ -275,3 +275,24 @@ def test_get_meta_of_a_document_and_a_tombstone(connect: Callable[..., RawClient
     c.doc(Op.DELETE, b"k")
     f = c.doc(Op.GET_META, b"k")
     assert f.status == 0 and struct.unpack(">IIIQ", f.extras)[0] == 1
+
+
+def test_lock_times_follow_kv_engine() -> None:
+    from engine.kv.locks import DEFAULT_LOCK_S, MAX_LOCK_S, lock_time
+
+    assert (DEFAULT_LOCK_S, MAX_LOCK_S) == (15, 30)
+    assert lock_time(0) == 15 and lock_time(1) == 1 and lock_time(30) == 30 and lock_time(31) == 15
+
+
+def test_get_locked_without_a_time_locks_for_the_default(node: KVNode, connect: Callable[..., RawClient]) -> None:
+    c = connect().login()
+    _set(c, b"k", b"v")
+    lk = c.doc(Op.GET_LOCKED, b"k")
+    vb = vbucket_of(b"k", 16)
+    lock_cas, deadline = node.call(lambda: node.bucket.vbucket(vb).locks[b"k"])
+    now = node.call(node.bucket.clock)
+    assert lock_cas == lk.cas and 14 <= deadline - now <= 15
+    c.doc(Op.UNLOCK_KEY, b"k", cas=lk.cas)
+    c.doc(Op.GET_LOCKED, b"k", extras=struct.pack(">I", 3600))  # above the maximum: the default
+    _cas, deadline = node.call(lambda: node.bucket.vbucket(vb).locks[b"k"])
+    assert 14 <= deadline - node.call(node.bucket.clock) <= 15

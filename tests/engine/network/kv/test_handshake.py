@@ -159,3 +159,14 @@ def test_clustermap_change_notification_reaches_duplex_connections(node: KVNode,
     assert int.from_bytes(body[:extlen], "big") == 1 and body[extlen:extlen + keylen] == b"default"
     assert b"vBucketServerMap" in body[extlen + keylen:]
     assert d.call(Op.NOOP).status == 0  # nothing was pushed to the connection that did not ask
+
+
+def test_no_secret_in_a_session_repr(node: KVNode, connect: Callable[..., RawClient]) -> None:
+    c = connect()
+    c.hello()
+    f = c.call(Op.SASL_AUTH, key=b"SCRAM-SHA512", value=b"n,,n=app,r=abc")
+    assert f.status == KVStatus.AUTH_CONTINUE
+    assert node.server is not None
+    sessions = [repr(conn.session) for conn in node.server.conns]
+    assert sessions and all("fake_secret" not in r and "_nonce" not in r and PASSWORD not in r for r in sessions)
+    assert all("stored_key" not in r and "server_key" not in r for r in sessions)
