@@ -53,12 +53,15 @@ from engine.network.kv.session import Session
 from engine.network.protocol import (
     HEADER,
     HEADER_LEN,
+    TOKEN_EXTRAS,
+    U64,
     Frame,
     ProtocolError,
     frame_from,
     parse_header,
     response,
 )
+from engine.network.with_meta import answer as with_meta_answer
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,10 @@ class KVServer:
         self.ssl_context = ssl_context
         self.hooks: WriteHooks = hooks if hooks is not None else StandaloneHooks()
         self.documents = DocumentOps(provider, self.hooks)
+        # the XDCR target's writes with meta (engine/network/with_meta.py, docs/xdcr.md "Target side"); the role
+        # each needs is engine/network/kv/access.py's (replication_target)
+        for op in (Op.SET_WITH_META, Op.ADD_WITH_META, Op.DEL_WITH_META):
+            self.documents.register(op, self._with_meta)
         self.random_bytes = random_bytes
         self._fake_secret = random_bytes(32)
         self._server: asyncio.Server | None = None
@@ -153,6 +160,15 @@ class KVServer:
             body = extras + key + value
             c.writer.write(HEADER.pack(SERVER_REQ_MAGIC, CLUSTERMAP_CHANGE_NOTIFICATION, len(key), len(extras),
                                        _JSON if s.json else 0, 0, len(body), 0, 0) + body)
+
+    async def _with_meta(self, s: Session, f: Frame) -> bytes:
+        self.hooks.admit_write()
+        out = with_meta_answer(self.provider.bucket_for(f.vbucket), f)
+        if out[6:8] == b"\x00\x00" and out[4] == TOKEN_EXTRAS.size:  # SUCCESS with the mutation token
+            vbuuid, seqno = TOKEN_EXTRAS.unpack_from(out, HEADER_LEN)
+            cas = U64.unpack_from(out, 16)[0]
+            self.hooks.wrote(MutationResult(f.vbucket, vbuuid, seqno, cas), len(f.value))
+        return out
 
     # ------------------------------------------------------------------ connections
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -66,3 +66,39 @@ def test_cli_wrong_password_is_one_clear_line_after_retries(kv_port: int, kafka_
     assert "refused the credentials of user 'xdcr'" in proc.stderr.strip().splitlines()[-1]
     st = dcpgw("xdcr", "status", "--state-dir", str(tmp_path / "s"))
     assert '"state": "auth_failed"' in st.stdout
+
+
+def test_dcpgw_xdcr_into_the_kv_port_of_dcpgw_up(kv_port: int, kafka_broker: Broker, tmp_path: Path) -> None:
+    """`dcpgw xdcr --target couchbase://HOST:KVPORT --user U --password P` end to end: a topic of 8 vbuckets
+    into a 16-vbucket `dcpgw up` (keys routed by the target's map), with a replication-target user; the
+    target's metadata equals the source's for every key."""
+    import json
+
+    from tests.connectors.xdcr.harness import source_docs
+    from tests.harness import Harness, write
+
+    h = Harness(kafka_broker, tmp_path / "h", rollback_mitigation=False)
+    try:
+        write(h.bucket, 120, prefix="xk")
+        h.bucket.flush_all()
+        h.settle()
+        proc = dcpgw("xdcr", "--topic", h.topic, "--target", f"couchbase://127.0.0.1:{kv_port}/default",
+                     "--user", "xdcr", "--password", PASSWORD, "--state-dir", str(tmp_path / "s"),
+                     "--bootstrap", kafka_broker.bootstrap_servers, "--until-caught-up", timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        src = source_docs(h.bucket)
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["written"] == len(src)
+        t = TargetCluster(TargetSpec.parse(f"couchbase://127.0.0.1:{kv_port}"), Credentials("xdcr", PASSWORD))
+        try:
+            t.connect()
+            keys = sorted(src)
+            metas = t.get_meta([(0, k) for k in keys])  # routed by the target's map
+        finally:
+            t.close()
+        for k, m in zip(keys, metas, strict=True):
+            _v, cas, rev, flags, expiry, deleted = src[k]
+            assert m is not None and (m.cas, m.rev_seqno, m.flags, m.deleted) == (cas, rev, flags, deleted), k
+            if not deleted:
+                assert m.expiry == expiry
+    finally:
+        h.close()
