@@ -10,6 +10,7 @@
   vbuckets of running engine node processes (docs/scale-out.md)
 * ``dcpgw tail``    print the decoded records of one vbucket's partition
 * ``dcpgw replicate`` keep a SQLite table equal to the bucket (rollback-aware client, connectors/)
+* ``dcpgw xdcr`` replicate the topic into another cluster with meta (connectors/xdcr, docs/xdcr.md)
 * ``dcpgw user add|list|delete|passwd``  the users of the data directory (docs/security.md)
 * ``dcpgw index``   a search index of the topic with a consistent query API (connectors/search, docs/search.md)
 * ``dcpgw broker``  run the embedded Tansu broker alone; ``dcpgw version``
@@ -733,6 +734,10 @@ def status(
 cluster_app = typer.Typer(help="The running gateway's cluster: status, vbucket map, failover, rebalance.",
                           no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
+
+from gateway.xdcr_cli import xdcr_app  # noqa: E402 -- dcpgw xdcr (docs/xdcr.md)
+
+app.add_typer(xdcr_app, name="xdcr")
 
 _URL = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`).")
 _DATA_DIR = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file.")

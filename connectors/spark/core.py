@@ -49,6 +49,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("cas", "bigint"),
     ("kafka_partition", "int"),
     ("kafka_offset", "bigint"),
+    # the rest of a change's metadata (null for rollback rows): what XDCR writes with meta (docs/xdcr.md)
+    ("flags", "bigint"),
+    ("expiry", "bigint"),
+    ("datatype", "int"),
 )
 SCHEMA_DDL = ", ".join(f"{n} {t}" for n, t in COLUMNS)
 
@@ -322,10 +326,12 @@ def event_rows(ev: Snapshot | Rollback, partition: int) -> list[Row]:
     if isinstance(ev, Rollback):
         vbuuid = ev.failover_log[0].vbuuid if ev.failover_log else 0
         return [("rollback", None, None, ev.vbucket, signed64(vbuuid), signed64(ev.restart_seqno),
-                 signed64(ev.restart_seqno), signed64(ev.restart_seqno), None, None, partition, ev.offset)]
+                 signed64(ev.restart_seqno), signed64(ev.restart_seqno), None, None, partition, ev.offset, None, None,
+                 None)]
     s0, s1 = signed64(ev.start), signed64(ev.end)
     return [(c.type.value, c.key, c.value, c.vbucket, signed64(c.vbuuid), signed64(c.seqno), s0, s1,
-             signed64(c.rev_seqno), signed64(c.cas), partition, c.offset) for c in ev.changes]
+             signed64(c.rev_seqno), signed64(c.cas), partition, c.offset, c.flags, c.expiry, c.datatype)
+            for c in ev.changes]
 
 
 def replay_rows(opts: SourceOptions, partition: int, start: PartitionPosition, end: int) -> Iterator[Row]:

@@ -36,10 +36,11 @@ def _decode_frames(frames: Iterator[Any]) -> Iterator[Any]:
             if r.is_data:
                 out.append((r.type.value, r.key, r.value, r.vbucket, signed64(r.vbuuid), signed64(r.seqno),
                             signed64(r.snap_start), signed64(r.snap_end), signed64(r.rev_seqno or 0),
-                            signed64(r.cas or 0), int(part), int(off)))
+                            signed64(r.cas or 0), int(part), int(off), r.flags or 0, r.expiry or 0, r.datatype or 0))
             elif r.type is RecordType.ROLLBACK:
                 out.append(("rollback", None, None, r.vbucket, signed64(r.vbuuid), signed64(r.snap_end),
-                            signed64(r.snap_end), signed64(r.snap_end), None, None, int(part), int(off)))
+                            signed64(r.snap_end), signed64(r.snap_end), None, None, int(part), int(off), None, None,
+                            None))
         yield pd.DataFrame(out, columns=[n for n, _t in COLUMNS])
 
 

@@ -54,6 +54,7 @@ def _arrow_batches(rows: Iterator[Row]) -> Iterator[Any]:
         ("op", pa.string()), ("key", pa.binary()), ("value", pa.binary()), ("vbucket", pa.int32()),
         ("vbuuid", pa.int64()), ("seqno", pa.int64()), ("snap_start", pa.int64()), ("snap_end", pa.int64()),
         ("rev", pa.int64()), ("cas", pa.int64()), ("kafka_partition", pa.int32()), ("kafka_offset", pa.int64()),
+        ("flags", pa.int64()), ("expiry", pa.int64()), ("datatype", pa.int32()),
     ])
     assert [f.name for f in schema] == [n for n, _t in COLUMNS]
     buf: list[Row] = []

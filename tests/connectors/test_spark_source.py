@@ -258,7 +258,7 @@ def test_materialize_reverts_rollbacks_exactly_and_is_idempotent(spark: Any, tmp
 
     def row(op: str, key: str | None, value: str | None, seqno: int, off: int) -> tuple[Any, ...]:
         return (op, None if key is None else key.encode(), None if value is None else value.encode(), 0, 7,
-                seqno, seqno, seqno, 1, 1, 0, off)
+                seqno, seqno, seqno, 1, 1, 0, off, 0, 0, 1)
 
     path = str(tmp_path / "t")
     b0 = [row("mutation", "a", "a1", 1, 1), row("mutation", "b", "b1", 2, 2), row("deletion", "c", None, 3, 3)]

@@ -1,0 +1,627 @@
+"""The XDCR replicator: a gateway topic into a target cluster, with meta (docs/xdcr.md).
+
+:class:`XdcrReplicator` reads the topic with the rollback-aware client (``connectors.client``, as
+``connectors.replicate`` does) and writes every change to the target with its source metadata (CAS, revision
+seqno, flags, expiry, deletion) through SET/ADD/DEL_WITH_META, so the target runs conflict resolution.
+
+* **Batches** of ``batch_docs`` documents / ``batch_bytes`` (goxdcr's ``workerBatchSize`` 500 and
+  ``docBatchSizeKb`` 2048), one pipeline per target node, sent before the consumer commits the positions they
+  cover (the state store's commit calls :meth:`XdcrReplicator._before_commit`): a crash re-sends, never skips.
+* **Optimistic replication** (goxdcr ``optimisticReplicationThreshold``, 256 bytes): a document up to the
+  threshold is sent straight away; a larger one only after GET_META showed the target would not reject it.
+* **Source rollbacks -- beyond Couchbase.** The replicator keeps the source's version of every replicated key
+  (``xdcr_docs``, with its metadata) and the client's mutation log of prior versions. A rollback instruction
+  restores each key the lost branch changed to its version at the rollback point, written with
+  ``SKIP_CONFLICT_RESOLUTION`` (a key that did not exist gets a dominated tombstone: CAS 1, rev seqno 1), so
+  the target converges to exactly the source. Couchbase's XDCR leaves the lost branch's writes on the target.
+* **Checkpoints** per vbucket (``connectors.xdcr.checkpoints``), validated against the target's failover log
+  on start.
+* **Dead letter** (``dead-letter.jsonl`` in the state directory): corrupt records (also copied to the
+  client's ``{topic}.dlq``), documents the target refused for size or another permanent status, documents
+  Kafka refused as too large; replication goes on.
+* **Target down / wrong credentials**: a clear one-line error, retried with exponential backoff, shown in the
+  status (``target.state``); ``give_up_after`` ends the attempt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, MutationLog, Prior
+from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
+from connectors.client.state import SqliteStateStore
+from connectors.exceptions import DecodeError
+from connectors.xdcr.checkpoints import CheckpointStore, history_holds
+from connectors.xdcr.connection import Credentials
+from connectors.xdcr.document import ConflictMode, DocVersion, compare
+from connectors.xdcr.errors import (
+    ConflictModeMismatch,
+    FilterChanged,
+    KvError,
+    TargetAuthError,
+    TargetUnreachable,
+    XdcrError,
+)
+from connectors.xdcr.filters import Filters
+from connectors.xdcr.mcbp import RETRYABLE, SKIP_CONFLICT_RESOLUTION_FLAG, Status
+from connectors.xdcr.metrics import Metrics, VBucketStatus
+from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
+from schemas.records import RecordType
+from schemas.topics import partition_for
+
+__all__ = ["STATE_FILE", "XdcrReplicator", "XdcrSettings", "read_status"]
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "xdcr.sqlite"
+#: batches queued for the writer thread before the replication thread waits
+INFLIGHT_BATCHES = 4
+DEAD_LETTER_FILE = "dead-letter.jsonl"
+
+#: part of the state file (tables of the consumer, mutation log and checkpoints besides). ``xdcr_docs`` is a rowid
+#: table (its key an index): rows of ~300 bytes inserted in random key order cost a third of a WITHOUT ROWID
+#: table's B-tree page splits
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS xdcr_docs (key BLOB PRIMARY KEY, vbucket INTEGER NOT NULL, seqno INTEGER NOT NULL,
+                                      version BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS xdcr_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)
+"""
+
+
+@dataclass(frozen=True)
+class XdcrSettings:
+    batch_docs: int = 500
+    batch_bytes: int = 2 << 20
+    optimistic_threshold: int = 256
+    checkpoint_interval: float = 5.0
+    checkpoints_per_vbucket: int = 5
+    conflict_resolution: ConflictMode = ConflictMode.SEQNO
+    filters: Filters = field(default_factory=Filters)
+    #: the filters changed since the state directory was written: True restream from zero, False keep the
+    #: positions (the new filters apply from there), None refuse to start
+    restream: bool | None = None
+    #: stop retrying an unreachable / refusing target after this many seconds (None: never)
+    give_up_after: float | None = None
+    retry_max_delay: float = 30.0
+    mutation_log_max: int = DEFAULT_MAX_ENTRIES
+    group_commit: int = 64
+    dead_letter_topic: str | None = "{topic}.dlq"
+
+
+class _HookedStore(SqliteStateStore):
+    """The client's SQLite store; every commit first runs the replicator's hook (send the pending batch,
+    record target positions and checkpoints in the same transaction)."""
+
+    hook: Callable[[], None] | None = None
+
+    def flush(self) -> None:
+        if self.hook is not None and not self._in_event:
+            self.hook()
+        super().flush()
+
+
+def _tombstone(key: bytes) -> DocVersion:
+    """The version written for a key the source does not hold at a rollback point: a deletion every real
+    version beats in both conflict-resolution modes (CAS 1, rev seqno 1)."""
+    return DocVersion(key, 1, 1, 0, 0, True)
+
+
+class XdcrReplicator:
+    def __init__(self, kafka: str | Mapping[str, Any], topic: str, target: str, state_dir: str | Path, *,
+                 user: str | None = None, password: str | None = None,
+                 settings: XdcrSettings | None = None, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] | None = None) -> None:
+        self.settings = s = settings or XdcrSettings()
+        self.topic = topic
+        self._kafka = kafka
+        self.clock = clock
+        self._stop = threading.Event()
+        self.sleep: Callable[[float], None] = sleep or self._wait
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = Metrics()
+        self.vbs: dict[int, VBucketStatus] = {}
+        self.target = TargetCluster(TargetSpec.parse(target), Credentials(user, password), sleep=self.sleep)
+        self._pending: dict[bytes, WriteOp] = {}
+        self._pending_bytes = 0
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: deque[concurrent.futures.Future[Any]] = deque()
+        self._target_pos: dict[int, tuple[int, int]] = {}
+        self._dirty: dict[int, ConsumerPosition] = {}
+        self._last_ckpt: dict[int, float] = {}
+        self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
+        self.consumer: ChangeStreamConsumer | None = None
+        self.store = _HookedStore(self.state_dir / STATE_FILE, topic)
+        try:
+            self.conn = self.store.conn
+            # the source mirror is written with every change and read for every rollback: a page cache that
+            # holds it (64 MiB; SQLite's default is 2 MiB) keeps its random-key B-tree inserts off the file
+            self.conn.execute("PRAGMA cache_size=-65536")
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    self.conn.execute(stmt)
+            self.checkpoints = CheckpointStore(self.conn, s.checkpoints_per_vbucket, clock)
+            prev = self._meta("metrics")
+            if prev:
+                self.metrics = Metrics.from_dict(json.loads(prev))
+                self.metrics.target_state = "starting"
+                self.metrics.target_error = ""
+            self._save_meta("target", target)
+            self.target_url = target
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _wait(self, seconds: float) -> None:
+        self._stop.wait(seconds)
+
+    # -------------------------------------------------------------------------------------- start-up
+    def start(self) -> None:
+        """Connect to the target (with retries), refuse a different conflict-resolution mode, settle the
+        filters, validate the positions against the target's history, then open the consumer."""
+        s = self.settings
+        self._with_retries(self.target.connect, "connect")
+        mode = self.target.conflict_mode()
+        if mode is not None and mode is not s.conflict_resolution:
+            raise ConflictModeMismatch(
+                f"the target bucket resolves conflicts by {mode.value}, the source by {s.conflict_resolution.value}: "
+                "XDCR needs the same conflict-resolution mode on both buckets (as Couchbase refuses it)")
+        if mode is None:
+            log.warning("xdcr: the target does not report its conflict-resolution mode; assuming %s",
+                        s.conflict_resolution.value)
+        self._settle_filters()
+        self._validate_positions()
+        self.consumer = ChangeStreamConsumer(
+            self._kafka, self.topic, state_store=self.store, prior_lookup=self._priors,
+            mutation_log_max=s.mutation_log_max, group_commit=s.group_commit,
+            dead_letter=None if s.dead_letter_topic is None else s.dead_letter_topic.format(topic=self.topic))
+        self._save_meta("partitions", str(len(self.consumer.assignment)))
+        self.store.hook = self._before_commit
+        for vb, st in self.store.load_all().items():
+            self.vbs[vb] = VBucketStatus(st.vbuuid, st.seqno, st.snap_start, st.snap_end, seen_seqno=st.seqno)
+        for vb, (u, q) in self.checkpoints.target_positions().items():
+            v = self.vbs.setdefault(vb, VBucketStatus())
+            v.target_vbuuid, v.target_seqno = u, q
+
+    def _with_retries(self, fn: Callable[[], Any], what: str) -> Any:
+        delay = 0.1
+        t0 = time.monotonic()
+        while True:
+            try:
+                out = fn()
+                if self.metrics.target_state != "ok":
+                    if self.metrics.target_state not in ("starting",):
+                        log.warning("xdcr: the target answers again")
+                    self.metrics.target_state, self.metrics.target_error = "ok", ""
+                return out
+            except (TargetUnreachable, TargetAuthError) as e:
+                state = "auth_failed" if isinstance(e, TargetAuthError) else "unreachable"
+                if (state, str(e)) != (self.metrics.target_state, self.metrics.target_error):
+                    log.error("xdcr: target %s: %s (retrying with backoff)", state.replace("_", " "), e)
+                self.metrics.target_state, self.metrics.target_error = state, str(e)
+                self.metrics.retries += 1
+                if what == "connect":  # (the writer thread leaves the state file to the next commit)
+                    self._save_metrics()
+                self.target.close()
+                if self._stop.is_set():
+                    raise
+                if self.settings.give_up_after is not None and time.monotonic() - t0 >= self.settings.give_up_after:
+                    raise
+                self.sleep(delay)
+                if self._stop.is_set():
+                    raise
+                delay = min(delay * 2, self.settings.retry_max_delay)
+                if what != "connect":
+                    with contextlib.suppress(TargetUnreachable, TargetAuthError):
+                        self.target.connect()
+
+    def _settle_filters(self) -> None:
+        fp = self.settings.filters.fingerprint()
+        prev = self._meta("filters")
+        has_state = self.conn.execute("SELECT 1 FROM dcp_consumer_state LIMIT 1").fetchone() is not None
+        if prev is not None and prev != fp and has_state:
+            if self.settings.restream is None:
+                raise FilterChanged(
+                    f"the filters changed since {self.state_dir} was replicated ({prev} -> {fp}): pass --restream "
+                    "to replicate everything again under the new filters, or --no-restream to apply them from the "
+                    "current positions on")
+            if self.settings.restream:
+                log.warning("xdcr: filters changed: restreaming every vbucket from zero")
+                self._begin()
+                for (vb,) in self.conn.execute("SELECT vbucket FROM dcp_consumer_state").fetchall():
+                    self._reset_vbucket(int(vb), None)
+                self.conn.execute("DELETE FROM dcp_consumer_offsets")
+                self._commit()
+        self._save_meta("filters", fp)
+
+    def _validate_positions(self) -> None:
+        """Resume each vbucket only where the target still holds the history it was written into
+        (checkpoints.py)."""
+        positions = self.checkpoints.target_positions()
+        states = self.store.load_all()
+        nparts = int(self._meta("partitions") or 0)
+        self._begin()
+        try:
+            for vb, st in sorted(states.items()):
+                tp = positions.get(vb)
+                if tp is None or tp[0] == 0:
+                    continue
+                try:
+                    flog = self._with_retries(partial(self.target.failover_log, vb), "failover log")
+                except KvError as e:
+                    log.warning("xdcr: the target gives no failover log (%s): positions not validated", e)
+                    break
+                if history_holds(flog, *tp):
+                    continue
+                back: ConsumerPosition | None = None
+                for ck in self.checkpoints.list(vb):
+                    if history_holds(flog, ck.target_vbuuid, ck.target_seqno) and ck.source.seqno <= st.seqno:
+                        back = ck.source
+                        break
+                log.warning("xdcr: the target lost the history of vbucket %d (target position %s not in its "
+                            "failover log %s): resuming from %s", vb, tp, flog,
+                            f"the checkpoint at seqno {back.seqno}" if back else "zero")
+                self._reset_vbucket(vb, back, nparts)
+        finally:
+            self._commit()
+
+    def _reset_vbucket(self, vb: int, back: ConsumerPosition | None, nparts: int = 0) -> None:
+        if back is None:
+            self.conn.execute("DELETE FROM dcp_consumer_state WHERE topic = ? AND vbucket = ?", (self.topic, vb))
+            MutationLog(self.conn).clear(vb)
+            self.checkpoints.drop(vb)
+            new_offset = 0
+        else:
+            self.conn.execute("INSERT OR REPLACE INTO dcp_consumer_state VALUES (?, ?, ?)",
+                              (self.topic, vb, back.to_json().decode()))
+            new_offset = back.offset + 1
+        if nparts:
+            p = partition_for(vb, nparts)
+            self.conn.execute("UPDATE dcp_consumer_offsets SET offset = min(offset, ?) WHERE topic = ? AND "
+                              "partition = ?", (new_offset, self.topic, p))
+
+    # ---------------------------------------------------------------------------------- state helpers
+    def _begin(self) -> None:
+        if not self.conn.in_transaction:
+            self.conn.execute("BEGIN IMMEDIATE")
+
+    def _commit(self) -> None:
+        if self.conn.in_transaction:
+            self.conn.execute("COMMIT")
+
+    def _meta(self, name: str) -> str | None:
+        row = self.conn.execute("SELECT value FROM xdcr_meta WHERE name = ?", (name,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _save_meta(self, name: str, value: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO xdcr_meta VALUES (?, ?)", (name, value))
+
+    def _save_metrics(self) -> None:
+        try:
+            self._save_meta("metrics", json.dumps(self.metrics.to_dict()))
+        except sqlite3.Error as e:
+            log.warning("xdcr: cannot save the counters: %s", e)
+
+    # ------------------------------------------------------------------------------ the client's events
+    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+        out: dict[bytes, Prior] = {}
+        for i in range(0, len(keys), 500):
+            chunk = keys[i:i + 500]
+            q = f"SELECT key, version, seqno FROM xdcr_docs WHERE key IN ({','.join('?' * len(chunk))})"
+            for k, v, sq in self.conn.execute(q, chunk):
+                out[bytes(k)] = (bytes(v), int(sq))
+        return out
+
+    def on_snapshot(self, snap: Snapshot) -> None:
+        f = self.settings.filters
+        rows = []
+        vb = snap.vbucket
+        for ch in snap.changes:
+            if f.key_regex is not None and not f.passes_key(ch.key):
+                self.metrics.filtered += 1
+                continue
+            deleted = ch.deleted
+            v = DocVersion(ch.key, ch.cas, ch.rev_seqno, ch.flags, ch.expiry, deleted, ch.datatype,
+                           None if deleted else ch.value)
+            rows.append((ch.key, vb, ch.seqno, v.pack()))
+            if not f.passes(ch):
+                self.metrics.filtered += 1
+                continue
+            self._queue(WriteOp(vb, v, expiration=ch.type is RecordType.EXPIRATION))
+        if rows:
+            self.conn.executemany("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)", rows)
+        self._applied(vb, snap.state)
+
+    def _applied(self, vb: int, state: ConsumerPosition | None) -> None:
+        if state is None:
+            return
+        st = self.vbs.setdefault(vb, VBucketStatus())
+        st.source_vbuuid, st.applied_seqno = state.vbuuid, state.seqno
+        st.snap_start, st.snap_end = state.snap_start, state.snap_end
+        st.seen_seqno = max(st.seen_seqno, state.seqno)
+        st.caught_up_at = self.clock()
+        self._dirty[vb] = state.copy()
+
+    def on_rollback(self, rb: RollbackInstruction) -> None:
+        vb = rb.vbucket
+        f = self.settings.filters
+        self.metrics.rollbacks += 1
+        restored = 0
+        if rb.rebuild_from_zero:
+            self.metrics.rollbacks_from_zero += 1
+            for (k,) in self.conn.execute("SELECT key FROM xdcr_docs WHERE vbucket = ?", (vb,)).fetchall():
+                self._queue(WriteOp(vb, _tombstone(bytes(k)), SKIP_CONFLICT_RESOLUTION_FLAG))
+                restored += 1
+            self.conn.execute("DELETE FROM xdcr_docs WHERE vbucket = ?", (vb,))
+        else:
+            for u in rb.undo:
+                if not f.passes_key(u.key):
+                    continue
+                if u.prior_value is None:
+                    self._queue(WriteOp(vb, _tombstone(u.key), SKIP_CONFLICT_RESOLUTION_FLAG))
+                    self.conn.execute("DELETE FROM xdcr_docs WHERE key = ?", (u.key,))
+                else:
+                    v = DocVersion.unpack(u.key, u.prior_value)
+                    self._queue(WriteOp(vb, v, SKIP_CONFLICT_RESOLUTION_FLAG))
+                    self.conn.execute("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)",
+                                      (u.key, vb, u.prior_seqno, u.prior_value))
+                restored += 1
+        self.metrics.restored += restored
+        log.info("xdcr: vbucket %d rolled back to seqno %d: %d target document(s) restored%s", vb, rb.to_seqno,
+                 restored, " (rebuilt from zero)" if rb.rebuild_from_zero else "")
+        st = rb.rollback.state
+        if st is not None:
+            self._applied(vb, st)
+            self.vbs[vb].seen_seqno = st.seqno
+
+    def on_oversize(self, o: Oversize) -> None:
+        self.metrics.reject("oversize_in_topic")
+        self._dead_letter({"reason": "oversize_in_topic", "vbucket": o.vbucket, "seqno": o.seqno,
+                           "key": o.key.decode("utf-8", "replace"), "size": o.size, "detail": o.reason})
+
+    def on_corrupt(self, e: DecodeError) -> None:
+        self.metrics.corrupt_records += 1
+        self._dead_letter({"reason": "corrupt_record", "partition": e.partition, "offset": e.offset,
+                           "detail": str(e)})
+        log.warning("xdcr: corrupt record at %s[%d]@%d sent to the dead letter: %s", e.topic, e.partition,
+                    e.offset, e)
+
+    def _dead_letter(self, entry: dict[str, Any]) -> None:
+        self.metrics.dead_letters += 1
+        entry["at"] = self.clock()
+        self._dead.write(json.dumps(entry) + "\n")
+        self._dead.flush()
+
+    # ---------------------------------------------------------------------------------------- batches
+    def _queue(self, op: WriteOp) -> None:
+        key = op.version.key
+        old = self._pending.pop(key, None)
+        if old is not None:
+            op.options |= old.options & SKIP_CONFLICT_RESOLUTION_FLAG
+        self._pending[key] = op
+        self._pending_bytes += op.size
+        if len(self._pending) >= self.settings.batch_docs or self._pending_bytes >= self.settings.batch_bytes:
+            self._send()
+
+    def _send(self, wait: bool = False) -> None:
+        """Queue the pending batch for the writer thread; ``wait``: until every queued batch completed. The
+        single writer runs batches in order (a key's versions reach the target in order); up to
+        ``INFLIGHT_BATCHES`` are queued, overlapping the target's round trips with the client's decoding and
+        SQLite work. A batch's error is raised here."""
+        ops = list(self._pending.values())
+        self._pending.clear()
+        self._pending_bytes = 0
+        if ops:
+            if self._writer is None:
+                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
+            self._inflight.append(self._writer.submit(self._with_retries, partial(self._write_batch, ops),
+                                                      "write"))
+        while self._inflight and (wait or len(self._inflight) > INFLIGHT_BATCHES or self._inflight[0].done()):
+            self._inflight.popleft().result()
+
+    def _join_inflight(self) -> None:
+        while self._inflight:
+            self._inflight.popleft().result()
+
+    def _write_batch(self, ops: list[WriteOp]) -> None:
+        t0 = time.monotonic()
+        s = self.settings
+        m = self.metrics
+        check = [o for o in ops if not o.options & SKIP_CONFLICT_RESOLUTION_FLAG
+                 and len(o.version.value or b"") > s.optimistic_threshold]
+        skip: set[int] = set()
+        if check:
+            m.get_meta += len(check)
+            metas = self.target.get_meta([(o.vbucket, o.version.key) for o in check])
+            for o, meta in zip(check, metas, strict=True):
+                why = compare(o.version, meta, s.conflict_resolution)
+                if why is not None:
+                    m.reject(f"rejected_{why}")
+                    skip.add(id(o))
+                else:
+                    o.add = meta is None
+        send = [o for o in ops if id(o) not in skip]
+        for attempt in range(20):
+            if not send:
+                break
+            results = self.target.write(send)
+            again: list[WriteOp] = []
+            for o, r in zip(send, results, strict=True):
+                st = r.status
+                if st == Status.SUCCESS:
+                    m.written += 1
+                    self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
+                    if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
+                        prev = self._target_pos.get(o.vbucket)
+                        if prev is None or prev[0] != r.token[0] or r.token[1] > prev[1]:
+                            self._target_pos[o.vbucket] = r.token
+                elif st == Status.KEY_EEXISTS and o.add:
+                    o.add = False  # created meanwhile: conflict resolution decides
+                    again.append(o)
+                elif st == Status.KEY_EEXISTS:
+                    # the target's conflict resolution kept its version (reason from its error context)
+                    m.reject(r.reason or "rejected_conflict")
+                elif st in RETRYABLE or st == Status.NOT_MY_VBUCKET:
+                    again.append(o)
+                elif st in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED, Status.EACCESS):
+                    why = ("the user may not write with meta (it needs the replication_target role)"
+                           if st == Status.EACCESS else "the target does not support writes with meta")
+                    raise XdcrError(f"{why}: {_status_name(st)} for {o.version.key!r}")
+                elif st == Status.E2BIG:
+                    m.reject("too_big")
+                    self._dead_letter({"reason": "too_big", "vbucket": o.vbucket,
+                                       "key": o.version.key.decode("utf-8", "replace"),
+                                       "size": len(o.version.value or b"")})
+                else:
+                    name = _status_name(st)
+                    m.reject(f"target_{name}")
+                    self._dead_letter({"reason": f"target_{name}", "vbucket": o.vbucket,
+                                       "key": o.version.key.decode("utf-8", "replace")})
+            send = again
+            if send:
+                m.retries += 1
+                self.sleep(min(0.01 * 2 ** attempt, 2.0))
+        if send:
+            raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
+        m.not_my_vbucket = self.target.not_my_vbucket
+        m.batch(time.monotonic() - t0)
+
+    def _before_commit(self) -> None:
+        """Runs before every commit of the consumer's transaction: what the positions cover reaches the
+        target first; target positions, checkpoints and counters commit with them."""
+        self._send(wait=True)
+        now = self.clock()
+        for vb, tp in self._target_pos.items():
+            self.checkpoints.set_target_position(vb, *tp)
+            st = self.vbs.setdefault(vb, VBucketStatus())
+            st.target_vbuuid, st.target_seqno = tp
+        for vb, pos in self._dirty.items():
+            if now - self._last_ckpt.get(vb, 0.0) >= self.settings.checkpoint_interval:
+                tp = self._target_pos.get(vb) or (self.vbs[vb].target_vbuuid, self.vbs[vb].target_seqno)
+                self.checkpoints.add(pos, *tp)
+                self._last_ckpt[vb] = now
+        self._target_pos.clear()
+        self._dirty.clear()
+        self._save_metrics()
+
+    # ------------------------------------------------------------------------------------------- running
+    def run(self, until_caught_up: bool = False) -> None:
+        if self.consumer is None:
+            self.start()
+        assert self.consumer is not None
+        self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
+                          on_error=self.on_corrupt, on_oversize=self.on_oversize)
+
+    def stop(self) -> None:
+        """Signal- and thread-safe: run() returns after the current event; retries give up."""
+        self._stop.set()
+        if self.consumer is not None:
+            self.consumer.stop()
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        if self.consumer is not None:
+            # what the client buffered but not yet handed out (its replayers' open snapshot ranges); read from
+            # the HTTP thread while the replication thread runs: a dictionary that changed size is read next time
+            with contextlib.suppress(RuntimeError):
+                for vb, s in list(self.consumer._vbs.items()):
+                    rng = getattr(s.replayer, "_range", None)
+                    if rng is not None:
+                        st = self.vbs.setdefault(vb, VBucketStatus())
+                        st.seen_seqno = max(st.seen_seqno, rng[1])
+        return {"topic": self.topic, "target": self.target_url, "counters": self.metrics.to_dict(),
+                "vbuckets": {str(vb): _vb_dict(v, now) for vb, v in sorted(list(self.vbs.items()))}}
+
+    def close(self) -> None:
+        self.stop()
+        if self.consumer is not None:
+            if self._pending or self._inflight:
+                # positions must not commit beyond what reached the target
+                self.store.hook = None
+                self._pending.clear()
+                with contextlib.suppress(Exception):
+                    self._join_inflight()
+                self.store.rollback()
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+            self.consumer.close()
+        self.store.hook = None
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._join_inflight()
+            self._writer.shutdown(wait=True)
+        try:
+            self._save_metrics()
+            self.store.close()
+        finally:
+            self.target.close()
+            self._dead.close()
+
+    def __enter__(self) -> XdcrReplicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _status_name(st: int) -> str:
+    try:
+        return Status(st).name.lower()
+    except ValueError:
+        return f"0x{st:02x}"
+
+
+def _vb_dict(v: VBucketStatus, now: float) -> dict[str, Any]:
+    return {"source_vbuuid": v.source_vbuuid, "applied_seqno": v.applied_seqno, "snap_start": v.snap_start,
+            "snap_end": v.snap_end, "target_vbuuid": v.target_vbuuid, "target_seqno": v.target_seqno,
+            "lag_seqnos": v.lag_seqnos(), "lag_seconds": round(v.lag_seconds(now), 3), "written": v.written}
+
+
+def read_status(state_dir: str | Path) -> dict[str, Any]:
+    """The persisted status of a state directory (``dcpgw xdcr status``): per-vbucket positions, target
+    positions, checkpoints and counters, as the replicator last committed them."""
+    path = Path(state_dir) / STATE_FILE
+    if not path.exists():
+        raise XdcrError(f"no XDCR state in {state_dir} (no {STATE_FILE})")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            meta = dict(conn.execute("SELECT name, value FROM xdcr_meta").fetchall())
+            vbs: dict[int, VBucketStatus] = {}
+            topic = None
+            for t, vb, st in conn.execute("SELECT topic, vbucket, state FROM dcp_consumer_state"):
+                topic = t
+                p = ConsumerPosition.from_dict(json.loads(st))
+                vbs[int(vb)] = VBucketStatus(p.vbuuid, p.seqno, p.snap_start, p.snap_end, seen_seqno=p.seqno)
+            tps = CheckpointStore.read_target_positions(conn)
+            for vb, (u, q) in tps.items():
+                v = vbs.setdefault(vb, VBucketStatus())
+                v.target_vbuuid, v.target_seqno = u, q
+            ck = dict(conn.execute("SELECT vbucket, COUNT(*) FROM xdcr_checkpoints GROUP BY vbucket").fetchall())
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        raise XdcrError(f"cannot read the XDCR state in {state_dir}: {e}") from e
+    counters = Metrics.from_dict(json.loads(meta["metrics"])) if "metrics" in meta else Metrics()
+    d = counters.to_dict()
+    if "metrics" in meta:
+        d["target"] = json.loads(meta["metrics"]).get("target", d["target"])
+    now = time.time()
+    return {"topic": topic, "target": meta.get("target"), "filters": json.loads(meta.get("filters", "{}")),
+            "counters": d,
+            "vbuckets": {str(vb): {**_vb_dict(v, now), "checkpoints": int(ck.get(vb, 0))}
+                         for vb, v in sorted(vbs.items())}}
+
