@@ -16,6 +16,7 @@ point with forced acceptance -- as the standalone replicator does from its mutat
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import sys
 from collections.abc import Iterable
@@ -162,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topic", required=True)
     ap.add_argument("--target", required=True)
     ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--user")
-    ap.add_argument("--password")
+    ap.add_argument("--user", default=os.environ.get("DCPGW_XDCR_USER"), help="target user (DCPGW_XDCR_USER)")
+    ap.add_argument("--password", default=os.environ.get("DCPGW_XDCR_PASSWORD"),
+                    help="its password (DCPGW_XDCR_PASSWORD: keeps it off the command line)")
     ap.add_argument("--conflict-resolution", choices=("seqno", "lww"), default="seqno")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--available-now", action="store_true", help="process what is in the topic, then exit")
