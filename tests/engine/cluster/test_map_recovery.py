@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from engine.cluster.local import MAP_FILE, Cluster
 from engine.cluster.map_recovery import CopyState, read_node_states, rebuild_map, salvage_revision
 from engine.cluster.vbucket_map import VBucketMap
-from engine.exceptions import InvalidArgument, KeyNotFound
+from engine.exceptions import InvalidArgument, KeyNotFound, NotMyVBucket
 
 NVB = 16
 
@@ -167,7 +167,9 @@ def test_rebuilt_map_equals_the_saved_one_where_determined(tmp_path_factory: pyt
             with contextlib.suppress(InvalidArgument):
                 if op == "write":
                     for _ in range(arg):
-                        with contextlib.suppress(KeyNotFound):
+                        # NotMyVBucket: a second hard failover can take the last copy of a vbucket whose replica
+                        # slot the first one emptied (no rebalance in between): it has no active copy then
+                        with contextlib.suppress(KeyNotFound, NotMyVBucket):
                             c.write(f"k{written}", b"v")
                         written += 1
                 elif op == "hard_failover" and len(members) > replicas + 1:
