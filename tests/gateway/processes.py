@@ -174,10 +174,10 @@ def docs(lo: int, hi: int) -> list[dict[str, Any]]:
     return [{"key": f"doc{i}", "value": {"n": i, "v": lo}} for i in range(lo, hi)]
 
 
-def verify(broker: Broker, data_dir: Path, bucket: str, nvb: int = NVB) -> None:
+def verify(broker: Broker, data_dir: Path, bucket: str, nvb: int = NVB, *, topic: str | None = None) -> None:
     """Every engine item is in the topic exactly once, each partition passes the invariants, and a replica
     built from the topic equals the engine."""
-    topic = f"dcp.{bucket}"
+    topic = topic or f"dcp.{bucket}"
     recs = read_topic(broker.bootstrap_servers, topic)
     parts: dict[int, list] = {}
     for p, _o, r in recs:

@@ -18,6 +18,7 @@ import re
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -62,6 +63,8 @@ from tests.gateway.processes import CLEAN_ENV, GatewayProc, dcpgw_background, re
 
 PASSWORD = "sdk-secret-pw"
 NVB = 16
+#: this module's gateway publishes into `<TOPIC_PREFIX>.default` (see the gateway fixture)
+TOPIC_PREFIX = f"kvsdk{uuid.uuid4().hex[:8]}"
 LEVELS = [DurabilityLevel.MAJORITY, DurabilityLevel.MAJORITY_AND_PERSIST_TO_ACTIVE,
           DurabilityLevel.PERSIST_TO_MAJORITY]
 
@@ -82,7 +85,9 @@ def connect(port: int, user: str, password: str = PASSWORD, *, scheme: str = "co
 def gateway(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProc]:
     data = tmp_path_factory.mktemp("kvsdk") / "data"
     data.mkdir()
-    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0")
+    # the SDK needs the bucket `default`: a topic prefix of its own keeps this gateway's topic apart from other
+    # tests' `default` buckets on the same broker
+    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0", DCPGW_TOPIC_PREFIX=TOPIC_PREFIX)
     gw.start()
     # users of the store `dcpgw up` created (with Administrator): the running gateway reloads the file
     users = UserStore.open(data)
@@ -190,7 +195,7 @@ def test_sdk_writes_reach_kafka_as_http_writes_do(kafka_broker: Broker, gateway:
     # the SDK's JSON transcoder sets the common flags 0x02000000 (JSON): give the HTTP write the same
     request(gateway.url + "/docs/via-http?flags=33554432", "PUT", json.dumps(body).encode())
     gateway.wait_caught_up()
-    recs = {r.key: r for _p, _o, r in read_topic(kafka_broker.bootstrap_servers, "dcp.default")
+    recs = {r.key: r for _p, _o, r in read_topic(kafka_broker.bootstrap_servers, f"{TOPIC_PREFIX}.default")
             if r.type is RecordType.MUTATION and r.key in (b"via-sdk", b"via-http")}
     sdk, http = recs[b"via-sdk"], recs[b"via-http"]
     assert json.loads(sdk.value or b"") == json.loads(http.value or b"") == body
@@ -222,7 +227,7 @@ def test_everything_acknowledged_is_in_kafka_after_stop(kafka_broker: Broker, ga
         collection.upsert(f"final-{i}", {"i": i})
     gateway.wait_caught_up()
     gateway.stop()
-    verify(kafka_broker, gateway.data_dir, "default", NVB)
+    verify(kafka_broker, gateway.data_dir, "default", NVB, topic=f"{TOPIC_PREFIX}.default")
 
 
 # ------------------------------------------------------------------------------ in-process nodes

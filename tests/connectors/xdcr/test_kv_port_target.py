@@ -4,6 +4,7 @@ as a clear error retried with backoff (``dcpgw xdcr`` exits 3 after ``--give-up-
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +24,16 @@ PASSWORD = "xdcr-secret-pw"
 NVB = 16
 
 
+#: the gateway of this module publishes into `<TOPIC_PREFIX>.default`
+TOPIC_PREFIX = f"xdcrkv{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="module")
 def kv_port(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     data = tmp_path_factory.mktemp("xdcrkv") / "data"
     data.mkdir()
-    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0")
+    gw = GatewayProc(kafka_broker, data, "default", nvb=NVB, DCPGW_KV_PORT="0",
+                     DCPGW_TOPIC_PREFIX=TOPIC_PREFIX)  # apart from other tests' `default` buckets
     gw.start()
     UserStore.open(data).add("xdcr", PASSWORD, [Role.REPLICATION_TARGET, Role.DATA_READER])
     try:
@@ -59,7 +65,7 @@ def test_wrong_password_is_refused(kv_port: int) -> None:
 
 def test_cli_wrong_password_is_one_clear_line_after_retries(kv_port: int, kafka_broker: Broker,
                                                             tmp_path: Path) -> None:
-    proc = dcpgw("xdcr", "--topic", "dcp.default", "--target", f"couchbase://127.0.0.1:{kv_port}",
+    proc = dcpgw("xdcr", "--topic", f"{TOPIC_PREFIX}.default", "--target", f"couchbase://127.0.0.1:{kv_port}",
                  "--user", "xdcr", "--password", "wrong", "--state-dir", str(tmp_path / "s"), "--bootstrap",
                  kafka_broker.bootstrap_servers, "--give-up-after", "1", timeout=60)
     assert proc.returncode == 3, proc.stderr
