@@ -381,11 +381,9 @@ class VBucket:
         # kv_engine (docs/durability.md): a write to a key with a prepare in flight answers SYNC_WRITE_IN_PROGRESS.
         raise SyncWriteInProgress(f"key {key!r} has a sync write in progress")
 
-    def delete(self, key: bytes, cas: int = 0) -> MutationResult:
-        self.check_active()
-        if key in self.prepares:
-            self._sync_write_in_progress(key)
-        now = self.clock()
+    def _live_to_change(self, key: bytes, cas: int, now: float) -> Item:
+        """The live version a delete / touch replaces: KEY_ENOENT without one; a lock (GET_LOCKED) is checked
+        against ``cas`` and released; then the CAS compare (KEY_EEXISTS)."""
         live = self._live(key, now)
         if live is None:
             raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
@@ -394,6 +392,14 @@ class VBucket:
             release(self, key)
         if cas and live.cas != cas:
             raise KeyExists(f"cas mismatch for key {key!r}")
+        return live
+
+    def delete(self, key: bytes, cas: int = 0) -> MutationResult:
+        self.check_active()
+        if key in self.prepares:
+            self._sync_write_in_progress(key)
+        now = self.clock()
+        live = self._live_to_change(key, cas, now)
         seqno = self.high_seqno + 1
         new_cas = self.next_cas()
         item = Item(
@@ -453,14 +459,7 @@ class VBucket:
             self._sync_write_in_progress(key)
         now = self.clock()
         exp = absolute_expiry(expiry, now)
-        live = self._live(key, now)
-        if live is None:
-            raise KeyNotFound(f"key {key!r} not found in vbucket {self.id}")
-        if self.locks:
-            cas = check_lock(self, key, cas)
-            release(self, key)
-        if cas and live.cas != cas:
-            raise KeyExists(f"cas mismatch for key {key!r}")
+        live = self._live_to_change(key, cas, now)
         seqno = self.high_seqno + 1
         new_cas = self.next_cas()
         item = Item(
@@ -577,8 +576,20 @@ class VBucket:
         # A copy: the producer's item is shared with its own checkpoint, and prev_seqno is per vbucket copy.
         it = Item(key, item.value, self.id, item.seqno, item.rev_seqno, item.cas, item.flags, item.expiry,
                   item.datatype, item.op, old.seqno if old is not None else 0, 0, prepared)
+        self.account_replacement(old, it)
+        if it.cas > self.max_cas:
+            self.max_cas = it.cas
+        self.queue_item(it)
+        if it.seqno == end:
+            self.snapshot_complete = end
+        return it
+
+    def account_replacement(self, old: Item | None, it: Item) -> None:
+        """Item count, expiry index and highest deleted revision when ``it`` replaces ``old`` (None: the key
+        had nothing) -- a replica applying a stream item, and a write with meta (engine/kv/with_meta.py)."""
         if old is not None and old.op is Op.MUTATION:
             self.num_items -= 1
+        key = it.key
         if it.op is Op.MUTATION:
             self.num_items += 1
             if it.expiry:
@@ -589,12 +600,6 @@ class VBucket:
             self.expiring.discard(key)
             if it.rev_seqno > self.max_deleted_rev:
                 self.max_deleted_rev = it.rev_seqno
-        if it.cas > self.max_cas:
-            self.max_cas = it.cas
-        self.queue_item(it)
-        if it.seqno == end:
-            self.snapshot_complete = end
-        return it
 
     def replica_position(self) -> tuple[int, int, int]:
         """``(start, snap_start, snap_end)`` for this replica's stream request (docs/cluster.md

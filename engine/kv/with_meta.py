@@ -111,19 +111,7 @@ def apply_with_meta(
         dt = meta.datatype if meta.datatype else detect_datatype(v)
         item = Item(key, v, vb.id, seqno, meta.rev_seqno, new_cas, meta.flags, meta.expiry, dt, Op.MUTATION,
                     prev)
-    # bookkeeping as a replica applies an item (engine/kv/vbucket.py ``replica_apply``)
-    if old is not None and old.op is Op.MUTATION:
-        vb.num_items -= 1
-    if item.op is Op.MUTATION:
-        vb.num_items += 1
-        if item.expiry:
-            vb.expiring.add(key)
-        else:
-            vb.expiring.discard(key)
-    else:
-        vb.expiring.discard(key)
-        if item.rev_seqno > vb.max_deleted_rev:
-            vb.max_deleted_rev = item.rev_seqno
+    vb.account_replacement(old, item)  # the bookkeeping of a replica applying an item
     vb.queue_item(item)
     return MutationResult(vb.id, vb.failover.latest.vbuuid, seqno, new_cas)
 
