@@ -33,32 +33,14 @@ from typing import Any
 # Only what the raw reader needs at module level: a reader process imports no more than an application would.
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
+from bench.topic_fill import fill_topic
+
 NVB = 1024
 
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> str:
-    from engine import Bucket, BucketConfig
-    from gateway.publisher import Publisher
-    from gateway.resume import PublishPosition, ensure_topics
-    from schemas.codec import RecordEncoder
-    from schemas.records import ValueFormat
-
     value = b'{"name": "' + b"x" * 244 + b'"}'
-    b = Bucket(BucketConfig(data_dir=tmp / "engine", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))
-    topic = f"bench-client-{uuid.uuid4().hex[:8]}"
-    parts = ensure_topics(client, topic, NVB)
-    pub = Publisher(b, conf, topic, parts, RecordEncoder(ValueFormat.AVRO),
-                    {vb: PublishPosition(vb) for vb in range(NVB)}, rollback_mitigation=False)
-    pub.open()
-    for i in range(n):
-        b.set(f"user::{i:010d}".encode(), value)
-    while True:
-        if not pub.pump():
-            if pub.inflight == 0:
-                break
-            pub.kafka.poll(0.005)
-    pub.close()
-    b.close(clean=False)
+    topic, _ = fill_topic(conf, client, tmp, "client", ((f"user::{i:010d}".encode(), value) for i in range(n)))
     return topic
 
 

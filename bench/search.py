@@ -26,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import zlib
 from pathlib import Path
 from typing import Any
+
+from bench.topic_fill import fill_topic
 
 NVB = 1024
 #: go-dcp-elasticsearch's published benchmark (its README): 1,001,006 documents in 50 s
@@ -52,31 +53,7 @@ def document(i: int) -> tuple[str, bytes]:
 
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> str:
-    from engine import Bucket, BucketConfig
-    from gateway.publisher import Publisher
-    from gateway.resume import PublishPosition, ensure_topics
-    from schemas.codec import RecordEncoder
-    from schemas.records import ValueFormat
-
-    b = Bucket(BucketConfig(data_dir=tmp / "engine", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))
-    topic = f"bench-search-{uuid.uuid4().hex[:8]}"
-    parts = ensure_topics(client, topic, NVB)
-    pub = Publisher(b, conf, topic, parts, RecordEncoder(ValueFormat.AVRO),
-                    {vb: PublishPosition(vb) for vb in range(NVB)}, rollback_mitigation=False)
-    pub.open()
-    for i in range(n):
-        k, v = document(i)
-        b.set(k, v)
-        if i % 50_000 == 49_999:
-            while pub.pump():
-                pass
-    while True:
-        if not pub.pump():
-            if pub.inflight == 0:
-                break
-            pub.kafka.poll(0.005)
-    pub.close()
-    b.close(clean=False)
+    topic, _ = fill_topic(conf, client, tmp, "search", (document(i) for i in range(n)), pump_every=50_000)
     return topic
 
 

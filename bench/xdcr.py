@@ -19,45 +19,26 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from bench.report import figure
+from bench.topic_fill import fill_topic
 
 NVB = 64
 
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> tuple[str, list[Any]]:
     from connectors.xdcr.document import DocVersion
-    from engine import Bucket, BucketConfig
-    from gateway.publisher import Publisher
-    from gateway.resume import PublishPosition, ensure_topics
-    from schemas.codec import RecordEncoder
-    from schemas.records import ValueFormat
+
+    def versions(b: Any) -> list[Any]:
+        return [(vb.id, DocVersion(bytes(k), it.cas, it.rev_seqno, it.flags, it.expiry, False, it.datatype,
+                                   bytes(it.value or b""))) for vb in b.vbuckets() for k, it in vb.ht.items()]
 
     value = b'{"name": "' + b"x" * 244 + b'"}'
-    b = Bucket(BucketConfig(data_dir=tmp / "engine", num_vbuckets=NVB, checkpoint_quota_bytes=2 << 30))
-    topic = f"bench-xdcr-{uuid.uuid4().hex[:8]}"
-    parts = ensure_topics(client, topic, NVB)
-    pub = Publisher(b, conf, topic, parts, RecordEncoder(ValueFormat.AVRO),
-                    {vb: PublishPosition(vb) for vb in range(NVB)}, rollback_mitigation=False)
-    pub.open()
-    for i in range(n):
-        b.set(f"user::{i:010d}".encode(), value)
-    while True:
-        if not pub.pump():
-            if pub.inflight == 0:
-                break
-            pub.kafka.poll(0.005)
-    pub.close()
-    docs = []
-    for vb in b.vbuckets():
-        for k, it in vb.ht.items():
-            docs.append((vb.id, DocVersion(bytes(k), it.cas, it.rev_seqno, it.flags, it.expiry, False,
-                                           it.datatype, bytes(it.value or b""))))
-    b.close(clean=False)
-    return topic, docs
+    topic, docs = fill_topic(conf, client, tmp, "xdcr", ((f"user::{i:010d}".encode(), value) for i in range(n)),
+                             num_vbuckets=NVB, inspect=versions)
+    return topic, docs or []
 
 
 def raw_writes(port: int, docs: list[Any]) -> float:
