@@ -155,6 +155,21 @@ _CACERT = typer.Option(None, "--cacert", envvar="DCPGW_CACERT", show_envvar=True
                             "running gateway serves, from its state file).")
 
 
+def _credentials(data_dir: Path, user: str | None, password: str | None) -> tuple[str, str | None, str]:
+    """(user, password, where they came from) for the HTTP API (docs/security.md "CLI"): --user/--password (or
+    DCPGW_USER / DCPGW_PASSWORD), else Administrator with DCPGW_ADMIN_PASSWORD, else DATA_DIR/admin-password."""
+    from engine.security import ADMIN_USER, read_admin_password
+
+    if password is None and user not in (None, ADMIN_USER):
+        _fail(f"--user {user} needs --password (or DCPGW_PASSWORD)")
+    if password is not None:
+        return user or ADMIN_USER, password, "--user/--password (or DCPGW_USER/DCPGW_PASSWORD)"
+    env = os.environ.get("DCPGW_ADMIN_PASSWORD") or None
+    if env is not None:
+        return ADMIN_USER, env, "DCPGW_ADMIN_PASSWORD"
+    return ADMIN_USER, read_admin_password(data_dir), f"{data_dir / 'admin-password'}"
+
+
 def _connect(url: str | None, data_dir: Path, user: str | None, password: str | None,
              cacert: Path | None) -> str:
     """The gateway's base URL; sets the credentials and TLS context of every request of this command
@@ -162,20 +177,10 @@ def _connect(url: str | None, data_dir: Path, user: str | None, password: str | 
     import base64
 
     from engine.exceptions import TlsConfigError
-    from engine.security import ADMIN_USER, client_context, read_admin_password
+    from engine.security import client_context
 
     base = _url(url, data_dir)
-    if password is None and user not in (None, ADMIN_USER):
-        _fail(f"--user {user} needs --password (or DCPGW_PASSWORD)")
-    source = "--user/--password (or DCPGW_USER/DCPGW_PASSWORD)"
-    if password is None:
-        user = ADMIN_USER
-        password = os.environ.get("DCPGW_ADMIN_PASSWORD") or None
-        source = "DCPGW_ADMIN_PASSWORD"
-        if password is None:
-            password = read_admin_password(data_dir)
-            source = f"{data_dir / 'admin-password'}"
-    user = user or ADMIN_USER
+    user, password, source = _credentials(data_dir, user, password)
     conn = _Connection(user=user, source=source if password is not None else "no credentials")
     if password is not None:
         conn.authorization = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
@@ -1107,14 +1112,8 @@ def index(
     if not bootstrap or not topic:
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
     source_url = source_url or st.get("http_url")
-    if source_url and password is None:
-        # the same fallback as every command that calls the HTTP API (docs/security.md "CLI"): the first admin
-        from engine.security import ADMIN_USER, read_admin_password
-
-        if user not in (None, ADMIN_USER):
-            _fail(f"--user {user} needs --password (or DCPGW_PASSWORD)")
-        user = ADMIN_USER
-        password = os.environ.get("DCPGW_ADMIN_PASSWORD") or read_admin_password(data_dir)
+    if source_url:
+        user, password, _source = _credentials(data_dir, user, password)  # as every command of the HTTP API
     try:  # a port in use fails here, before the index is opened
         socket.create_server((http_host, http_port)).close()
     except OSError as e:
