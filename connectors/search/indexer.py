@@ -66,6 +66,20 @@ def _k(key: bytes) -> str:
 
 
 @dataclass(slots=True)
+class _Commit:
+    """One generation handed to the backend: its operations and checkpoint; the outcome once applied."""
+
+    checkpoint: Checkpoint
+    ops: list[IndexOp]
+    #: the failover logs of the checkpoint's positions (the query side's token checks)
+    logs: dict[int, list[FailoverEntry]]
+    #: the ops were read back from the store (everything above the backend's generation)
+    recover: bool
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
 class IndexerStats:
     """Counters of /status and /metrics (docs/search.md "Status and metrics")."""
 
@@ -170,6 +184,9 @@ class SearchIndexer:
         self.backend_error: str | None = None
         self._stopping = threading.Event()
         self._sync_lock = threading.Lock()
+        #: the backend commit in progress (at most one), and whether commits may still start (not when closing)
+        self._inflight: _Commit | None = None
+        self._closing = False
         self._changed = threading.Condition()
         cp = self.backend.checkpoint()
         stored = store.load_all()
@@ -257,6 +274,14 @@ class SearchIndexer:
 
     # ------------------------------------------------------------------------------ the backend side
     def _after_flush(self, idle: bool) -> None:
+        if self._closing:
+            return
+        job = self._inflight
+        if job is not None:
+            if job.thread is not None and job.thread.is_alive():
+                return  # still committing: the changes since go into the next commit
+            if not self._try_sync("take_in"):
+                return
         if not self._pending and not self._recover:
             return
         now = self.clock()
@@ -264,14 +289,21 @@ class SearchIndexer:
             return
         if (idle or self._recover or len(self._pending) >= self.commit_docs
                 or now - self._first_pending >= self.commit_interval):
-            self._try_sync()
+            self._try_sync("background")
 
-    def _try_sync(self) -> bool:
-        """:meth:`sync`; when the backend fails (a search cluster unreachable, a full disk, ...) nothing is lost:
-        the store keeps every change and a later sync applies everything above the backend's committed
-        generation again, after a backoff (docs/search.md "Backend failures"). False when it failed."""
+    def _try_sync(self, how: str = "now") -> bool:
+        """``how``: "now" -- :meth:`sync`; "background" -- start the backend commit in a thread of its own (the
+        consumer goes on with the next generation meanwhile, docs/search.md "Performance"); "take_in" -- only
+        finish the commit in progress. When the backend fails (a search cluster unreachable, a full disk, ...)
+        nothing is lost: the store keeps every change and a later sync applies everything above the backend's
+        committed generation again, after a backoff (docs/search.md "Backend failures"). False when it failed."""
         try:
-            self.sync()
+            with self._sync_lock:
+                self._take_in()
+                if how == "now":
+                    self._sync_now()
+                elif how == "background" and (self._pending or self._recover):
+                    self._start_commit(background=True)
         except Exception as e:
             now = self.clock()
             self.stats.sync_failures += 1
@@ -290,50 +322,96 @@ class SearchIndexer:
         return self.store.load_all()
 
     def sync(self) -> bool:
-        """Apply what the store committed since the backend's generation and commit the backend (call only
-        between events: after the consumer's flush). Returns False when there was nothing to do."""
+        """Apply what the store committed since the backend's generation and commit the backend, after the
+        commit in progress if there is one (call only between events: after the consumer's flush). Returns False
+        when there was nothing to do."""
         with self._sync_lock:
-            if not self._pending and not self._recover:
-                return False
-            if self.conn.in_transaction:
-                self.store.flush()
-            gen = self.gen
-            if self._recover:
-                ops: list[IndexOp] = [
-                    Delete(k, vb, s) if v is None else Upsert(k, vb, s, bytes(v))
-                    for k, v, vb, s in self.conn.execute(
-                        "SELECT key, value, vbucket, seqno FROM search_docs WHERE gen > ? ORDER BY gen",
-                        (self.visible.generation,))]
-            else:
-                ops = list(self._pending.values())
-            store_pos = self.positions()
-            positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
-            cp = Checkpoint(gen, positions, self.mapping.id)
+            self._take_in()
+            return self._sync_now()
+
+    def _sync_now(self) -> bool:
+        if not self._pending and not self._recover:
+            return False
+        job = self._start_commit(background=False)
+        self._inflight = job
+        self._take_in()
+        return True
+
+    def _start_commit(self, background: bool) -> _Commit:
+        """Hand the generation's changes to the backend: apply + commit with the checkpoint of the store's
+        committed positions, in a thread of its own (``background``) or in this one. The store's rows of this
+        generation are committed first; rows written from now on belong to the next generation."""
+        if self.conn.in_transaction:
+            self.store.flush()
+        gen = self.gen
+        if self._recover:
+            ops: list[IndexOp] = [
+                Delete(k, vb, s) if v is None else Upsert(k, vb, s, bytes(v))
+                for k, v, vb, s in self.conn.execute(
+                    "SELECT key, value, vbucket, seqno FROM search_docs WHERE gen > ? ORDER BY gen",
+                    (self.visible.generation,))]
+        else:
+            ops = list(self._pending.values())
+        store_pos = self.positions()
+        positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
+        job = _Commit(Checkpoint(gen, positions, self.mapping.id), ops,
+                      {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover)
+        self._pending = {}
+        self._recover = False
+        self.gen = gen + 1
+        if background:
+            job.thread = threading.Thread(target=self._commit, args=(job,), name="dcpgw-index-commit", daemon=True)
+            self._inflight = job
+            job.thread.start()
+        else:
+            self._commit(job)
+        return job
+
+    def _commit(self, job: _Commit) -> None:
+        """Apply and commit one generation (the commit thread, or the consumer's); publishes the checkpoint to
+        searches when the backend took it. A failure is kept in the job, for :meth:`_take_in`."""
+        try:
             t0 = time.perf_counter()
-            self.stats.add(self.backend.apply(ops))
-            self.backend.commit(cp)
+            applied = self.backend.apply(job.ops)
+            self.backend.commit(job.checkpoint)
             dt = time.perf_counter() - t0
-            st = self.stats
-            st.commits += 1
-            st.commit_seconds_total += dt
-            st.commit_seconds_last = dt
-            st.commit_seconds_max = max(st.commit_seconds_max, dt)
-            self._pending = {}
-            recover, self._recover = self._recover, False
-            self._failures = 0
-            self._retry_at = 0.0
-            self.backend_error = None
-            self.gen = gen + 1
-            if recover:
-                self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
-            else:
-                self.conn.executemany("DELETE FROM search_docs WHERE key = ? AND value IS NULL AND gen <= ?",
-                                      [(op.key, gen) for op in ops if isinstance(op, Delete)])
-            self._logs = {vb: list(p.failover_log) for vb, p in store_pos.items()}
-            with self._changed:
-                self.visible = cp
-                self._changed.notify_all()
-            return True
+        except BaseException as e:
+            job.error = e
+            return
+        st = self.stats
+        st.add(applied)
+        st.commits += 1
+        st.commit_seconds_total += dt
+        st.commit_seconds_last = dt
+        st.commit_seconds_max = max(st.commit_seconds_max, dt)
+        self._logs = job.logs
+        with self._changed:
+            self.visible = job.checkpoint
+            self._changed.notify_all()
+
+    def _take_in(self) -> None:
+        """Wait for the commit in progress, if any, and finish it in the consumer's thread: raise its failure,
+        or purge the tombstones it synced (their deletion is in the index now)."""
+        job = self._inflight
+        if job is None:
+            return
+        if job.thread is not None:
+            job.thread.join()
+        self._inflight = None
+        if job.error is not None:
+            if not isinstance(job.error, Exception):
+                self._closing = True  # (the process is going down: no further commit is started)
+            raise job.error
+        self._failures = 0
+        self._retry_at = 0.0
+        self.backend_error = None
+        gen = job.checkpoint.generation
+        if job.recover:
+            self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
+        else:
+            dels = [(op.key, gen) for op in job.ops if isinstance(op, Delete)]
+            if dels:
+                self.conn.executemany("DELETE FROM search_docs WHERE key = ? AND value IS NULL AND gen <= ?", dels)
 
     def wait_visible(self, predicate: Callable[[Checkpoint], bool], timeout: float) -> Checkpoint:
         """Block until ``predicate(visible)`` or ``timeout`` seconds; returns the visible checkpoint then."""
@@ -389,7 +467,13 @@ class SearchIndexer:
                 **({"backend": self.backend.status()} if hasattr(self.backend, "status") else {})}
 
     def close(self) -> None:
+        self._closing = True
         try:
+            try:
+                with self._sync_lock:
+                    self._take_in()
+            except Exception as e:  # its changes are in the store: the next start indexes them
+                log.warning("search index: the last backend commit failed (%s: %s)", type(e).__name__, e)
             self.consumer.close()
         finally:
             if self._owns_backend:
