@@ -1062,7 +1062,7 @@ def index(
                                                "running gateway's)."),
     user: str | None = typer.Option(None, envvar="DCPGW_USER", help="HTTP Basic user for --source-url."),
     password: str | None = typer.Option(None, envvar="DCPGW_PASSWORD", help="HTTP Basic password."),
-    commit_interval: float = typer.Option(0.5, min=0.0, help="Seconds between index commits under load."),
+    commit_interval: float = typer.Option(1.0, min=0.0, help="Seconds between index commits under load."),
     commit_docs: int = typer.Option(20_000, min=1, help="Changed documents that trigger an index commit."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
     backend: str = typer.Option("tantivy", help="tantivy (an index in INDEX_DIR) or elasticsearch (--es-url)."),

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 #: backend commit after this many changed documents ...
 DEFAULT_COMMIT_DOCS: Final = 20_000
 #: ... or this many seconds after the first uncommitted change (and whenever the topic is idle)
-DEFAULT_COMMIT_INTERVAL: Final = 0.5
+DEFAULT_COMMIT_INTERVAL: Final = 1.0
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
