@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 DEFAULT_COMMIT_DOCS: Final = 20_000
 #: ... or this many seconds after the first uncommitted change (and whenever the topic is idle)
 DEFAULT_COMMIT_INTERVAL: Final = 1.0
+#: SQLite page cache of the document store, KiB (SQLite's default of 2 MiB holds a few hundred pages: a store of
+#: some 100 000 documents then reads most of the pages every snapshot writes -- its vbucket's rows, its mutation
+#: log -- back from the file)
+STORE_CACHE_KIB: Final = 64 * 1024
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
@@ -177,6 +181,7 @@ class SearchIndexer:
         assert isinstance(store, SqliteStateStore)
         self.store = store
         self.conn: sqlite3.Connection = store.conn
+        self.conn.execute(f"PRAGMA cache_size = -{STORE_CACHE_KIB}")
         for stmt in _SCHEMA:
             self.conn.execute(stmt)
         self._pending: dict[str, IndexOp] = {}
