@@ -4,6 +4,8 @@ docs/search.md "Exactness")."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,36 @@ def test_mapping_change_rebuilds_the_index_from_the_store(harness: Any, tmp_path
     with index(h, d, mapping=MAPPING) as ix:
         assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), MAPPING)
         assert [x.key for x in ix.backend.search("age:[1 TO 5]").hits] == ["user::1"]
+
+
+def test_backend_commits_run_beside_the_consumer(harness: Any, tmp_path: Path) -> None:
+    """A backend commit runs in a thread of its own while the consumer stores the next generation
+    (docs/search.md "How it stays exact"): slow commits, many generations, and the index still equals the source
+    once caught up, at the store's last generation."""
+    h = harness(nvb=4)
+    write(h.bucket, 200)  # every fifth key deleted again
+    h.settle()
+    threads: list[str] = []
+    generations: list[int] = []
+
+    class Slow(TantivyBackend):
+        def commit(self, checkpoint: Checkpoint) -> None:
+            threads.append(threading.current_thread().name)
+            generations.append(checkpoint.generation)
+            time.sleep(0.05)
+            super().commit(checkpoint)
+
+    d = tmp_path / "ix"
+    backend = Slow(d / "tantivy", DocumentMapping.dynamic_default())
+    try:
+        with SearchIndexer(h.broker.bootstrap_servers, h.topic, d, backend=backend, commit_docs=20,
+                           batch_size=50) as ix:
+            ix.catch_up()
+            assert "dcpgw-index-commit" in threads
+            assert generations == sorted(set(generations)) and len(generations) > 1
+            assert ix.visible.generation == generations[-1] == ix.gen - 1
+            assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+            # the synced tombstones were purged from the store
+            assert ix.conn.execute("SELECT count(*) FROM search_docs WHERE value IS NULL").fetchone()[0] == 0
+    finally:
+        backend.close()
