@@ -135,7 +135,7 @@ def index_name_for_topic(topic: str) -> str:
 
 @dataclass(frozen=True)
 class ElasticsearchSettings:
-    """How the backend talks to the cluster (docs/search.md "The Elasticsearch backend")."""
+    """How the backend talks to the cluster (docs/search.md "Elasticsearch / OpenSearch")."""
 
     url: str
     #: the cluster's client library: ``elasticsearch`` (8.x) or ``opensearch`` (``opensearch-py``)
