@@ -18,7 +18,7 @@ import pytest
 
 from connectors.search.elastic import ElasticsearchBackend, ElasticsearchSettings
 from connectors.search.indexer import SearchIndexer
-from tests.connectors.noida_es import FLAVOR_PARAMS, NoidaElasticsearch, free_port
+from tests.connectors.noida_es import FLAVOR_PARAMS, FaultyProxy, NoidaElasticsearch, free_port
 from tests.harness import Harness, write
 
 pytestmark = pytest.mark.kafka
@@ -197,3 +197,30 @@ def test_unreachable_cluster_retries_status_and_nothing_lost(
             holder[0].close()
         be.close()
         server.close()
+
+
+def test_bulks_refused_as_too_large_are_split_and_indexing_goes_on(
+        harness: Callable[..., Harness], flavor: str, es: NoidaElasticsearch, tmp_path: Path) -> None:
+    """A cluster (here a body-limiting proxy in front of noida-db) refusing bulks with 413: the indexer's
+    batches are split, the one document too large alone is rejected and counted, every other document is
+    indexed and the checkpoint reaches the source's high seqnos."""
+    h = harness(nvb=4, rollback_mitigation=False)
+    write(h.bucket, 60)
+    h.bucket.set("huge", json.dumps({"pad": "z" * 5000}).encode())
+    h.bucket.flush_all()
+    h.settle()
+    proxy = FaultyProxy(es.url, max_body_bytes=2000)
+    try:
+        settings = ElasticsearchSettings(proxy.url, flavor=flavor,  # type: ignore[arg-type]
+                                         index=f"t-{uuid.uuid4().hex[:8]}")
+        ix, be = run(h, tmp_path / "ix", settings)
+        want = expected(h)
+        del want["huge"]
+        assert be.docs() == want and proxy.too_large > 0 and be.status()["splits"] > 0
+        assert be.status()["rejected"] == 1 and [r["key"] for r in be.rejections.read()] == ["huge"], be.status()
+        assert be.status()["retries"] == 0, be.status()
+        cp = be.checkpoint()
+        assert cp is not None and all(cp.positions[vb].seqno == h.bucket.vbucket(vb).high_seqno for vb in range(4))
+        close(ix, be)
+    finally:
+        proxy.close()
