@@ -1065,9 +1065,10 @@ def index(
     commit_interval: float = typer.Option(1.0, min=0.0, help="Seconds between index commits under load."),
     commit_docs: int = typer.Option(20_000, min=1, help="Changed documents that trigger an index commit."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
-    backend: str = typer.Option("tantivy", help="tantivy (an index in INDEX_DIR) or elasticsearch (--es-url)."),
+    backend: str = typer.Option("tantivy", help="tantivy (an index in INDEX_DIR), elasticsearch or opensearch "
+                                                "(--es-url)."),
     es_url: str | None = typer.Option(None, envvar="DCPGW_ES_URL",
-                                      help="Elasticsearch / OpenSearch URL (--backend elasticsearch)."),
+                                      help="Elasticsearch / OpenSearch URL (--backend elasticsearch|opensearch)."),
     es_index: str | None = typer.Option(None, help="Index name (default: the topic's, docs/search.md)."),
     es_routing: str = typer.Option("key", help="key (by _id) or vbucket (routing=<vbucket>)."),
     es_batch_docs: int = typer.Option(1000, min=1, help="Operations per bulk request at most."),
@@ -1091,17 +1092,17 @@ def index(
         doc_mapping = DocumentMapping.load(mapping)
     except ConnectorError as e:
         _fail(str(e))
-    if backend not in ("tantivy", "elasticsearch"):
-        _fail(f"--backend {backend!r}: must be tantivy or elasticsearch")
+    if backend not in ("tantivy", "elasticsearch", "opensearch"):
+        _fail(f"--backend {backend!r}: must be tantivy, elasticsearch or opensearch")
     es_settings = None
-    if backend == "elasticsearch":
+    if backend in ("elasticsearch", "opensearch"):
         from connectors.search.elastic import ElasticsearchSettings
 
         if not es_url:
-            _fail("--backend elasticsearch needs --es-url URL (or DCPGW_ES_URL)")
+            _fail(f"--backend {backend} needs --es-url URL (or DCPGW_ES_URL)")
         try:
             es_settings = ElasticsearchSettings(
-                es_url, index=es_index, routing=es_routing,  # type: ignore[arg-type]
+                es_url, flavor=backend, index=es_index, routing=es_routing,  # type: ignore[arg-type]
                 batch_docs=es_batch_docs, batch_bytes=es_batch_bytes, batch_ms=es_batch_ms,
                 max_retries=es_max_retries)
         except ConnectorError as e:

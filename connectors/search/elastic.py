@@ -1,8 +1,9 @@
-"""The Elasticsearch / OpenSearch backend of the search indexer (docs/search.md "The Elasticsearch backend").
+"""The Elasticsearch / OpenSearch backend of the search indexer (docs/search.md "Elasticsearch / OpenSearch").
 
 An :class:`~connectors.search.backend.IndexBackend`: the indexer's document store stays the source of truth
 (rollback restores included, connectors/search/backend.py); this backend projects it into an index of a search
-cluster through the official ``elasticsearch`` client's ``_bulk`` API.
+cluster through the ``_bulk`` API of the official client of its flavor (``elasticsearch`` 8.x or
+``opensearch-py``: connectors/search/cluster_api.py, the only place where the two differ).
 
 * **Staging and limits.** :meth:`ElasticsearchBackend.apply` keeps at most one operation per document id (the
   last one wins) and sends a bulk request as soon as the staged operations reach ``batch_docs`` operations,
@@ -25,6 +26,9 @@ cluster through the official ``elasticsearch`` client's ``_bulk`` API.
 * **Rejections.** An item the cluster refuses with any other status (a mapping conflict, a document too large)
   is appended to the rejection log (``rejections.jsonl`` in the state directory: one JSON object per line) and
   counted; indexing goes on.
+* **Too large (413).** A bulk request refused whole with 413 Payload Too Large (Elasticsearch's
+  ``http.max_content_length``, a proxy's body limit) is split in halves, each sent on its own, down to one
+  operation; one operation refused with 413 goes to the rejection log and indexing goes on.
 * **Routing.** ``key`` (default): Elasticsearch's own routing by ``_id``. ``vbucket``: ``routing=<vbucket>``,
   every document of a vbucket on one shard (a read by id must then pass the same routing).
 """
@@ -54,6 +58,16 @@ from connectors.search.backend import (
     IndexOp,
     SearchError,
     SearchResult,
+)
+from connectors.search.cluster_api import (
+    FLAVORS,
+    ClusterApi,
+    ClusterRefused,
+    ClusterUnreachable,
+    ElasticsearchApi,
+    Flavor,
+    OpenSearchApi,
+    connect,
 )
 
 __all__ = [
@@ -121,9 +135,11 @@ def index_name_for_topic(topic: str) -> str:
 
 @dataclass(frozen=True)
 class ElasticsearchSettings:
-    """How the backend talks to the cluster (docs/search.md "The Elasticsearch backend")."""
+    """How the backend talks to the cluster (docs/search.md "Elasticsearch / OpenSearch")."""
 
     url: str
+    #: the cluster's client library: ``elasticsearch`` (8.x) or ``opensearch`` (``opensearch-py``)
+    flavor: Flavor = "elasticsearch"
     #: the index (None: :func:`index_name_for_topic` of the topic); checked by :func:`check_index_name`
     index: str | None = None
     #: ``key``: Elasticsearch's default routing (by ``_id``); ``vbucket``: ``routing=<vbucket>``
@@ -147,6 +163,8 @@ class ElasticsearchSettings:
     def __post_init__(self) -> None:
         if not re.match(r"^https?://[^/\s]", self.url):
             raise ElasticsearchConfigError(f"--es-url {self.url!r}: must be an http:// or https:// URL")
+        if self.flavor not in FLAVORS:
+            raise ElasticsearchConfigError(f"flavor {self.flavor!r}: must be 'elasticsearch' or 'opensearch'")
         if self.index is not None:
             check_index_name(self.index)
             if len((self.index + CHECKPOINT_SUFFIX).encode()) > _MAX_NAME_BYTES:
@@ -215,14 +233,18 @@ def _retryable(status: int) -> bool:
     return status == 429 or status >= 500
 
 
+#: a request the cluster (or a proxy in front of it) refuses as too large: split in halves, then rejected
+_TOO_LARGE = 413
+
+
 class BulkSender:
     """Sends operations as bulk requests within the limits, retrying 429 / 5xx / connection failures with
     exponential backoff, logging refused items; :attr:`status` says how the cluster answers."""
 
-    def __init__(self, client: Any, settings: ElasticsearchSettings, index: str, rejections: RejectionLog, *,
+    def __init__(self, api: ClusterApi, settings: ElasticsearchSettings, index: str, rejections: RejectionLog, *,
                  sleep: Callable[[float], Any] | None = None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.time, stop: threading.Event | None = None) -> None:
-        self.client = client
+        self.api = api
         self.settings = settings
         self.index = index
         self.rejections = rejections
@@ -233,6 +255,8 @@ class BulkSender:
         self.clock = clock
         self.requests = 0
         self.retries = 0
+        #: bulk requests refused as too large (413) and sent again as two halves
+        self.splits = 0
         self.indexed = 0
         self.deleted = 0
         self.consecutive_failures = 0
@@ -243,7 +267,7 @@ class BulkSender:
     def status(self) -> dict[str, Any]:
         return {"reachable": self.consecutive_failures == 0, "consecutive_failures": self.consecutive_failures,
                 "last_error": self.last_error, "last_success": self.last_success, "bulk_requests": self.requests,
-                "retries": self.retries, "indexed": self.indexed, "deleted": self.deleted,
+                "retries": self.retries, "splits": self.splits, "indexed": self.indexed, "deleted": self.deleted,
                 "rejected": self.rejections.count}
 
     def chunks(self, ops: Sequence[BulkOp]) -> Iterable[list[BulkOp]]:
@@ -284,17 +308,13 @@ class BulkSender:
             self._send_chunk(chunk)
 
     def _send_chunk(self, chunk: list[BulkOp]) -> None:
-        from elasticsearch import ApiError, TransportError
-
         pending = chunk
         attempt = 0
         while pending:
             retry: list[BulkOp] = []
             try:
                 self.requests += 1
-                resp = self.client.options(request_timeout=self.settings.request_timeout_s).bulk(
-                    operations=self._lines(pending))
-                body = resp.body if hasattr(resp, "body") else resp
+                body = self.api.bulk(self._lines(pending), self.settings.request_timeout_s)
                 rejected: list[tuple[BulkOp, int, Any]] = []
                 for op, item in zip(pending, body["items"], strict=True):
                     res = next(iter(item.values()))
@@ -314,33 +334,49 @@ class BulkSender:
                     self.consecutive_failures = 0
                     self.last_success = self.clock()
                     return
-            except ApiError as e:
-                if not _retryable(int(e.meta.status)):
+            except ClusterRefused as e:
+                if e.status == _TOO_LARGE:
+                    self._too_large(pending, e)
+                    return
+                if not _retryable(e.status):
                     raise ElasticsearchUnavailable(f"bulk request to {self.index!r} refused: {e}") from e
                 retry = pending
-                self.last_error = f"status {e.meta.status}: {e}"
-            except TransportError as e:  # no connection, timeout
+                self.last_error = f"status {e.status}: {e}"
+            except ClusterUnreachable as e:  # no connection, timeout
                 retry = pending
-                self.last_error = f"{type(e).__name__}: {e}"
+                self.last_error = str(e)
             self.consecutive_failures += 1
             if self.settings.max_retries is not None and attempt >= self.settings.max_retries:
                 raise ElasticsearchUnavailable(
                     f"bulk request to {self.index!r} not acknowledged after {attempt} retries: {self.last_error}")
             if self.stop.is_set():
                 raise ElasticsearchUnavailable(f"stopped while retrying a bulk request: {self.last_error}")
-            log.warning("elasticsearch: %d operations not acknowledged (%s); retry %d", len(retry),
+            log.warning("%s: %d operations not acknowledged (%s); retry %d", self.api.flavor, len(retry),
                         self.last_error, attempt + 1)
             self._backoff(attempt)
             attempt += 1
             self.retries += 1
             pending = retry
 
+    def _too_large(self, ops: list[BulkOp], e: ClusterRefused) -> None:
+        """A bulk request refused with 413: its halves are sent on their own (each split again while refused);
+        one operation refused so goes to the rejection log."""
+        self.consecutive_failures = 0  # the cluster answered
+        if len(ops) == 1:
+            log.warning("%s: one operation (%r) refused as too large (413): rejected", self.api.flavor,
+                        _printable(ops[0].key))
+            self.rejections.write(self.index, [(ops[0], _TOO_LARGE, _error_object(e))])
+            return
+        self.splits += 1
+        half = len(ops) // 2
+        log.info("%s: a bulk request of %d operations refused as too large (413): sent as two halves",
+                 self.api.flavor, len(ops))
+        self._send_chunk(ops[:half])
+        self._send_chunk(ops[half:])
 
     def call(self, what: str, fn: Callable[[], Any], max_retries: int | None = -1) -> Any:
         """``fn()`` (one request), retried like a bulk request on 429 / 5xx / no connection (``max_retries``:
         -1 = the settings'); another refusal raises :class:`ElasticsearchUnavailable`."""
-        from elasticsearch import ApiError, TransportError
-
         limit = self.settings.max_retries if max_retries == -1 else max_retries
         attempt = 0
         while True:
@@ -349,29 +385,30 @@ class BulkSender:
                 self.consecutive_failures = 0
                 self.last_success = self.clock()
                 return out
-            except ApiError as e:
-                if not _retryable(int(e.meta.status)):
+            except ClusterRefused as e:
+                if not _retryable(e.status):
                     raise ElasticsearchUnavailable(f"{what}: refused by the cluster: {e}") from e
-                self.last_error = f"{what}: status {e.meta.status}: {e}"
-            except TransportError as e:
-                self.last_error = f"{what}: {type(e).__name__}: {e}"
+                self.last_error = f"{what}: status {e.status}: {e}"
+            except ClusterUnreachable as e:
+                self.last_error = f"{what}: {e}"
             self.consecutive_failures += 1
             if limit is not None and attempt >= limit:
                 raise ElasticsearchUnavailable(f"{what}: not acknowledged after {attempt} retries: "
                                                f"{self.last_error}")
             if self.stop.is_set():
                 raise ElasticsearchUnavailable(f"stopped while retrying: {self.last_error}")
-            log.warning("elasticsearch: %s; retry %d", self.last_error, attempt + 1)
+            log.warning("%s: %s; retry %d", self.api.flavor, self.last_error, attempt + 1)
             self._backoff(attempt)
             attempt += 1
             self.retries += 1
 
 
 class ElasticsearchBackend:
-    """:class:`~connectors.search.backend.IndexBackend` on an index of an Elasticsearch (or API-compatible)
-    cluster; see the module docstring. ``state_dir`` holds the rejection log. ``client``: an
-    ``elasticsearch.Elasticsearch`` (default: one for ``settings.url``). ``clock`` (monotonic seconds),
-    ``sleep`` and ``rng`` are injected for the batch timer and the backoff."""
+    """:class:`~connectors.search.backend.IndexBackend` on an index of an Elasticsearch or OpenSearch cluster
+    (``settings.flavor``); see the module docstring. ``state_dir`` holds the rejection log. ``client``: the
+    flavor's official client object (default: one for ``settings.url``, built by
+    :func:`connectors.search.cluster_api.connect`). ``clock`` (monotonic seconds), ``sleep`` and ``rng`` are
+    injected for the batch timer and the backoff."""
 
     def __init__(self, settings: ElasticsearchSettings, state_dir: str | Path, *, topic: str = "dcp",
                  client: Any = None, clock: Callable[[], float] = time.monotonic,
@@ -380,16 +417,17 @@ class ElasticsearchBackend:
         self.index = settings.index or index_name_for_topic(topic)
         self.checkpoint_index = self.index + CHECKPOINT_SUFFIX
         if client is None:
-            from elasticsearch import Elasticsearch
-
-            # the transport's own retries (immediate, no backoff) are off: this backend retries with backoff
-            client = Elasticsearch(settings.url, request_timeout=settings.request_timeout_s, max_retries=0,
-                                   retry_on_status=(), retry_on_timeout=False)
-        self.client = client
+            self.api = connect(settings.flavor, settings.url, settings.request_timeout_s)
+        elif settings.flavor == "opensearch":
+            self.api = OpenSearchApi(client)
+        else:
+            self.api = ElasticsearchApi(client)
+        #: the official client object (reads the backend does not need: by id with routing, ...)
+        self.client = self.api.client
         self.clock = clock
         self.stop = threading.Event()
         self.rejections = RejectionLog(Path(state_dir) / "rejections.jsonl")
-        self.sender = BulkSender(client, settings, self.index, self.rejections, sleep=sleep, rng=rng,
+        self.sender = BulkSender(self.api, settings, self.index, self.rejections, sleep=sleep, rng=rng,
                                  stop=self.stop)
         self._staged: dict[str, BulkOp] = {}
         self._staged_bytes = 0
@@ -404,15 +442,13 @@ class ElasticsearchBackend:
     def _ensure_indexes(self) -> None:
         if self._ready:
             return
-        from elasticsearch import ApiError
-
         def create(name: str, body: Mapping[str, Any]) -> None:
-            if self.client.indices.exists(index=name):
+            if self.api.index_exists(name):
                 return
             try:
-                self.client.indices.create(index=name, **body)
-            except ApiError as e:
-                if e.meta.status != 400 or "resource_already_exists" not in str(e):
+                self.api.create_index(name, body)
+            except ClusterRefused as e:
+                if e.status != 400 or "resource_already_exists" not in str(e):
                     raise
 
         self.sender.call(f"create the index {self.index!r}", lambda: create(self.index, self.settings.index_body))
@@ -498,10 +534,9 @@ class ElasticsearchBackend:
             self.discard()
             raise
         self._unreported_rejections += self.rejections.count - before
-        self.sender.call("refresh", lambda: self.client.indices.refresh(index=self.index))
+        self.sender.call("refresh", lambda: self.api.refresh(self.index))
         body = {"checkpoint": json.dumps(checkpoint.to_json()), "index": self.index}
-        self.sender.call("write the checkpoint", lambda: self.client.index(
-            index=self.checkpoint_index, id=_CHECKPOINT_ID, document=body, refresh=True))
+        self.sender.call("write the checkpoint", lambda: self.api.put(self.checkpoint_index, _CHECKPOINT_ID, body))
         self.commits += 1
         self.commit_seconds += time.perf_counter() - t
 
@@ -514,14 +549,9 @@ class ElasticsearchBackend:
     def checkpoint(self, max_retries: int | None = None) -> Checkpoint | None:
         """The checkpoint document; read at start, so by default retried until the cluster answers (an
         indexer cannot start without it)."""
-        from elasticsearch import NotFoundError
-
         def read() -> Checkpoint | None:
-            try:
-                r = self.client.get(index=self.checkpoint_index, id=_CHECKPOINT_ID)
-            except NotFoundError:
-                return None
-            return Checkpoint.from_json(json.loads(r["_source"]["checkpoint"]))
+            src = self.api.get_source(self.checkpoint_index, _CHECKPOINT_ID)
+            return None if src is None else Checkpoint.from_json(json.loads(src["checkpoint"]))
 
         return self.sender.call("read the checkpoint", read, max_retries)  # type: ignore[no-any-return]
 
@@ -529,27 +559,21 @@ class ElasticsearchBackend:
         """Delete every document of the index and the checkpoint (the index itself, with its mappings, stays)."""
         self.discard()
         self._ensure_indexes()
-        self.sender.call("delete the documents", lambda: self.client.delete_by_query(
-            index=self.index, query={"match_all": {}}, refresh=True, conflicts="proceed"))
-        self.sender.call("delete the checkpoint", lambda: self.client.delete_by_query(
-            index=self.checkpoint_index, query={"match_all": {}}, refresh=True, conflicts="proceed"))
+        self.sender.call("delete the documents", lambda: self.api.delete_all(self.index))
+        self.sender.call("delete the checkpoint", lambda: self.api.delete_all(self.checkpoint_index))
 
     # ------------------------------------------------------------------------------------------ reading
     def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
         """The cluster's ``query_string`` syntax (Lucene's: ``field:value``, ``AND``/``OR``/``-``, phrases,
         ranges); an empty query matches everything. The checkpoint is read *before* the search: the answer
         reflects at least its positions."""
-        from elasticsearch import ApiError
-
         # a query waits for a few retries at most (not for the cluster to come back, as indexing does)
         cp = self.checkpoint(SEARCH_RETRIES)
-        kw: dict[str, Any] = {"q": query} if query.strip() else {"query": {"match_all": {}}}
         try:
-            r = self.sender.call("search", lambda: self.client.search(
-                index=self.index, size=limit, from_=offset, track_total_hits=True, **kw), SEARCH_RETRIES)
+            r = self.sender.call("search", lambda: self.api.search(self.index, query, limit, offset), SEARCH_RETRIES)
         except ElasticsearchUnavailable as e:
             cause = e.__cause__
-            if isinstance(cause, ApiError) and cause.meta.status == 400:
+            if isinstance(cause, ClusterRefused) and cause.status == 400:
                 raise SearchError(_reason(cause)) from e
             raise
         hits = [Hit(h["_id"], float(h.get("_score") or 0.0), dict(h.get("_source") or {}))
@@ -559,23 +583,26 @@ class ElasticsearchBackend:
 
     def docs(self) -> dict[str, dict[str, Any]]:
         """Every document of the index (refreshed first): key -> ``_source`` (tests, small indexes)."""
-        self.client.indices.refresh(index=self.index)
-        out: dict[str, dict[str, Any]] = {}
-        r = self.client.search(index=self.index, query={"match_all": {}}, size=1000, scroll="1m")
-        while r["hits"]["hits"]:
-            for h in r["hits"]["hits"]:
-                out[h["_id"]] = h["_source"]
-            r = self.client.scroll(scroll_id=r["_scroll_id"], scroll="1m")
-        return out
+        self.api.refresh(self.index)
+        return {h["_id"]: h["_source"] for h in self.api.scan(self.index)}
 
     def status(self) -> dict[str, Any]:
-        return {"backend": "elasticsearch", "url": self.settings.url, "index": self.index,
+        return {"backend": self.settings.flavor, "url": self.settings.url, "index": self.index,
                 "routing": self.settings.routing, "staged": len(self._staged), **self.sender.status,
                 "commits": self.commits, "rejection_log": str(self.rejections.path)}
 
     def close(self) -> None:
         self.stop.set()
-        self.client.close()
+        self.api.close()
+
+
+def _error_object(e: ClusterRefused) -> Any:
+    """The cluster's ``error`` object of an answer (a 413 of a proxy has none: a made-up one)."""
+    body = e.body
+    if isinstance(body, dict) and body.get("error"):
+        return body["error"]
+    return {"type": "request_too_large" if e.status == _TOO_LARGE else "http_error",
+            "reason": f"status {e.status}: {str(e)[:300]}"}
 
 
 def _reason(e: Any) -> str:

@@ -1,7 +1,7 @@
 """The search indexer as a Spark structured-streaming job (docs/search.md "The Spark job").
 
     python -m connectors.search.spark_job --topic dcp.default --index-dir ./search-index [--once]
-        [--bootstrap KAFKA] [--mapping FILE] [--backend tantivy|elasticsearch --es-url URL ...]
+        [--bootstrap KAFKA] [--mapping FILE] [--backend tantivy|elasticsearch|opensearch --es-url URL ...]
         [--checkpoint-location DIR] [--master local[2]]
 
 The ``dcp`` source (connectors/spark, docs/spark.md) hands each micro-batch as rows of complete snapshots and
@@ -226,14 +226,14 @@ def start_query(spark: Any, sink: BatchIndexer, *, bootstrap: str, topic: str, c
 
 
 def _backend(args: argparse.Namespace) -> tuple[IndexBackend, str]:
-    if args.backend == "elasticsearch":
+    if args.backend in ("elasticsearch", "opensearch"):
         from connectors.search.elastic import ElasticsearchBackend, ElasticsearchSettings
 
         if not args.es_url:
-            raise SystemExit("spark_job: --backend elasticsearch needs --es-url URL")
+            raise SystemExit(f"spark_job: --backend {args.backend} needs --es-url URL")
         # a Spark batch cannot keep consuming while the cluster is away: it waits for it (max_retries None)
-        settings = ElasticsearchSettings(args.es_url, index=args.es_index, routing=args.es_routing,
-                                         max_retries=None)
+        settings = ElasticsearchSettings(args.es_url, flavor=args.backend, index=args.es_index,
+                                         routing=args.es_routing, max_retries=None)
         return ElasticsearchBackend(settings, args.index_dir, topic=args.topic), ""
     from connectors.search.mapping import DocumentMapping
     from connectors.search.tantivy_backend import TantivyBackend
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--index-dir", required=True)
     ap.add_argument("--bootstrap", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "localhost:9092"))
     ap.add_argument("--mapping", help="the tantivy backend's mapping (JSON or TOML; default: dynamic)")
-    ap.add_argument("--backend", choices=["tantivy", "elasticsearch"], default="tantivy")
+    ap.add_argument("--backend", choices=["tantivy", "elasticsearch", "opensearch"], default="tantivy")
     ap.add_argument("--es-url")
     ap.add_argument("--es-index")
     ap.add_argument("--es-routing", choices=["key", "vbucket"], default="key")

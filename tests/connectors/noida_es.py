@@ -35,6 +35,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _flavor_param(flavor: str) -> object:
+    module = {"elasticsearch": "elasticsearch", "opensearch": "opensearchpy"}[flavor]
+    missing = importlib.util.find_spec(module) is None
+    return pytest.param(flavor, id=flavor, marks=pytest.mark.skipif(
+        missing, reason=f"{module} is not installed (pip install -e '.[dev]')"))
+
+
+#: ``@pytest.fixture(params=FLAVOR_PARAMS)``: a test once per client library of the cluster backend
+#: (connectors/search/cluster_api.py), both against noida-db
+FLAVOR_PARAMS = [_flavor_param("elasticsearch"), _flavor_param("opensearch")]
+
+
 class NoidaElasticsearch:
     """``start()`` / ``stop()`` a noida-db Elasticsearch service on ``port`` (its data in a temporary dir)."""
 
@@ -81,19 +93,36 @@ class NoidaElasticsearch:
 
 
 class FaultyProxy:
-    """An HTTP proxy in front of a server that answers the first ``faults`` bulk requests itself: each entry
-    is ``"429"`` / ``"503"`` (the whole request refused with that status) or ``"items-503"`` (a 200 answer whose
-    every item failed with 503); nothing of a refused request reaches the server. Everything else is forwarded.
-    The search cluster's overload answers, on a real server behind it."""
+    """An HTTP proxy in front of a server that answers some requests itself, in the order of ``faults``: an
+    entry ``"429"`` / ``"503"`` refuses the next bulk request with that status, ``"items-503"`` answers it 200
+    with every item failed with 503, ``"STATUS@PART"`` refuses the next request (any API) whose path contains
+    ``PART`` (``"502@_refresh"``); nothing of a refused request reaches the server. Everything else is
+    forwarded. The search cluster's overload answers, on a real server behind it.
 
-    def __init__(self, target: str, faults: list[str]) -> None:
+    ``max_body_bytes``: a request with a larger body is answered 413 with an empty body and not forwarded --
+    what Elasticsearch does above ``http.max_content_length`` (Netty's aggregator; 100 MB by default) and what a
+    reverse proxy's body limit does (nginx's ``client_max_body_size``); noida-db itself has no such limit.
+    ``too_large`` counts those answers, ``bodies`` the sizes of the bulk bodies forwarded."""
+
+    def __init__(self, target: str, faults: list[str] | None = None, max_body_bytes: int | None = None) -> None:
         import json
         import urllib.error
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        self.faults = list(faults)
+        self.faults = list(faults or [])
         self.refused: list[str] = []
+        self.max_body_bytes = max_body_bytes
+        self.too_large = 0
+        self.bodies: list[int] = []
         proxy = self
+
+        def take_fault(path: str) -> str | None:
+            for i, f in enumerate(proxy.faults):
+                status, _, part = f.partition("@")
+                if (part and part in path) or (not part and "_bulk" in path):
+                    proxy.refused.append(proxy.faults.pop(i))
+                    return status
+            return None
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a: object) -> None:
@@ -102,9 +131,12 @@ class FaultyProxy:
             def _forward(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else None
-                if "_bulk" in self.path and proxy.faults:
-                    fault = proxy.faults.pop(0)
-                    proxy.refused.append(fault)
+                if proxy.max_body_bytes is not None and n > proxy.max_body_bytes:
+                    proxy.too_large += 1
+                    self._answer(413, b"")
+                    return
+                fault = take_fault(self.path)
+                if fault is not None:
                     if fault == "items-503":
                         lines = [json.loads(x) for x in (body or b"").splitlines() if x.strip()]
                         items = [{next(iter(m)): {"status": 503, "error": {"type": "unavailable_shards_exception",
@@ -116,6 +148,8 @@ class FaultyProxy:
                                                                        "reason": "test"},
                                                              "status": int(fault)}).encode())
                     return
+                if "_bulk" in self.path:
+                    proxy.bodies.append(n)
                 req = urllib.request.Request(target + self.path, data=body, method=self.command,
                                              headers={k: v for k, v in self.headers.items()
                                                       if k.lower() not in ("host", "content-length")})

@@ -1,6 +1,6 @@
-"""``dcpgw index --backend elasticsearch`` as a process against noida-db (tests/connectors/noida_es.py): bad
-flags fail in one line; the cluster's index equals the source; a cluster outage while running shows in
-/status and /metrics, is retried, and loses nothing (docs/search.md "The Elasticsearch backend")."""
+"""``dcpgw index --backend elasticsearch|opensearch`` as a process against noida-db (tests/connectors/noida_es.py):
+bad flags fail in one line; the cluster's index equals the source; a cluster outage while running shows in
+/status and /metrics, is retried, and loses nothing (docs/search.md "Elasticsearch / OpenSearch")."""
 
 from __future__ import annotations
 
@@ -17,14 +17,17 @@ import orjson
 import pytest
 from elasticsearch import Elasticsearch
 
-from tests.connectors.noida_es import NoidaElasticsearch
+from tests.connectors.noida_es import FLAVOR_PARAMS, NoidaElasticsearch
 from tests.gateway.processes import CLEAN_ENV, call, dcpgw, dcpgw_background, request
 from tests.harness import Harness, write
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--backend", "solr"], "--backend 'solr': must be tantivy or elasticsearch"),
+    (["--backend", "solr"], "--backend 'solr': must be tantivy, elasticsearch or opensearch"),
     (["--backend", "elasticsearch"], "--backend elasticsearch needs --es-url URL"),
+    (["--backend", "opensearch"], "--backend opensearch needs --es-url URL"),
+    (["--backend", "opensearch", "--es-url", "localhost:9200"], "must be an http:// or https:// URL"),
+    (["--backend", "opensearch", "--es-url", "http://x:9200", "--es-index", "_x"], "must not start with"),
     (["--backend", "elasticsearch", "--es-url", "localhost:9200"], "must be an http:// or https:// URL"),
     (["--backend", "elasticsearch", "--es-url", "http://x:9200", "--es-index", "Docs"], "must be lowercase"),
     (["--backend", "elasticsearch", "--es-url", "http://x:9200", "--es-index", "a,b"], "must not contain ','"),
@@ -66,8 +69,9 @@ def es_docs(url: str, index: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.kafka
+@pytest.mark.parametrize("backend", FLAVOR_PARAMS)
 def test_cli_elasticsearch_backend_equal_to_source_across_a_cluster_outage(
-        harness: Any, es: NoidaElasticsearch, tmp_path: Path) -> None:
+        harness: Any, es: NoidaElasticsearch, backend: str, tmp_path: Path) -> None:
     h = harness(nvb=8, rollback_mitigation=False)
     write(h.bucket, 300)
     h.bucket.set("bin", bytes(range(256)))
@@ -76,7 +80,7 @@ def test_cli_elasticsearch_backend_equal_to_source_across_a_cluster_outage(
     d = tmp_path / "ix"
     index = f"cli-{uuid.uuid4().hex[:8]}"
     flags = ["--topic", h.topic, "--index-dir", str(d), "--http-port", "0", "--bootstrap",
-             h.broker.bootstrap_servers, "--backend", "elasticsearch", "--es-url", es.url, "--es-index", index]
+             h.broker.bootstrap_servers, "--backend", backend, "--es-url", es.url, "--es-index", index]
     proc = dcpgw("index", *flags, "--until-caught-up", env=CLEAN_ENV, timeout=180)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -103,7 +107,7 @@ def test_cli_elasticsearch_backend_equal_to_source_across_a_cluster_outage(
                 pass
             assert time.monotonic() < deadline, "the outage never showed in /status"
             time.sleep(0.1)
-        assert st["backend"]["last_error"]
+        assert st["backend"]["last_error"] and st["backend"]["backend"] == backend
         metrics = request(f"{url}/metrics").decode()
         assert "dcpgw_search_backend_reachable 0" in metrics
         with pytest.raises(urllib.error.HTTPError) as err:  # a query does not wait for the cluster

@@ -1,6 +1,7 @@
-"""``SearchIndexer`` with the Elasticsearch backend (docs/search.md "The Elasticsearch backend") against a topic
-of the in-process gateway and noida-db (tests/connectors/noida_es.py): the cluster's index equals the source,
-also after rollbacks, a crash between a bulk and its checkpoint, and while the cluster was unreachable."""
+"""``SearchIndexer`` with the Elasticsearch / OpenSearch backend (docs/search.md "Elasticsearch / OpenSearch")
+against a topic of the in-process gateway and noida-db (tests/connectors/noida_es.py), once per client library
+(``flavor``): the cluster's index equals the source, also after rollbacks, a crash between a bulk and its
+checkpoint, and while the cluster was unreachable."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from connectors.search.elastic import ElasticsearchBackend, ElasticsearchSettings
 from connectors.search.indexer import SearchIndexer
-from tests.connectors.noida_es import NoidaElasticsearch, free_port
+from tests.connectors.noida_es import FLAVOR_PARAMS, FaultyProxy, NoidaElasticsearch, free_port
 from tests.harness import Harness, write
 
 pytestmark = pytest.mark.kafka
@@ -28,6 +29,11 @@ def es() -> Iterator[NoidaElasticsearch]:
     server = NoidaElasticsearch().start()
     yield server
     server.close()
+
+
+@pytest.fixture(params=FLAVOR_PARAMS)
+def flavor(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 def expected(h: Harness) -> dict[str, dict[str, Any]]:
@@ -56,13 +62,14 @@ def close(ix: SearchIndexer, be: ElasticsearchBackend) -> None:
 
 
 def test_cluster_index_equals_source_and_is_exact_after_rollbacks(
-        harness: Callable[..., Harness], es: NoidaElasticsearch, tmp_path: Path) -> None:
+        harness: Callable[..., Harness], flavor: str, es: NoidaElasticsearch, tmp_path: Path) -> None:
     h = harness(nvb=4, rollback_mitigation=False)
     write(h.bucket, 120)
     h.bucket.set("bin", b"\x00\x01\xff")
     h.bucket.flush_all()
     h.settle()
-    settings = ElasticsearchSettings(es.url, index=f"e-{uuid.uuid4().hex[:8]}", routing="vbucket", batch_docs=16)
+    settings = ElasticsearchSettings(es.url, flavor=flavor,  # type: ignore[arg-type]
+                                     index=f"e-{uuid.uuid4().hex[:8]}", routing="vbucket", batch_docs=16)
     d = tmp_path / "ix"
     ix, be = run(h, d, settings)
     assert be.docs() == expected(h) and ix.stats.binary_skipped == 1
@@ -91,14 +98,14 @@ def test_cluster_index_equals_source_and_is_exact_after_rollbacks(
 
 
 def test_crash_between_bulk_and_checkpoint_resumes_exactly(
-        harness: Callable[..., Harness], es: NoidaElasticsearch, tmp_path: Path) -> None:
+        harness: Callable[..., Harness], flavor: str, es: NoidaElasticsearch, tmp_path: Path) -> None:
     """kill -9 after the cluster acknowledged a bulk but before the checkpoint was written: the restart applies
     the generations above the cluster's checkpoint again; a later rollback of those writes is still exact."""
     h = harness(nvb=4, rollback_mitigation=False)
     write(h.bucket, 60)
     h.bucket.flush_all()
     h.settle()
-    settings = ElasticsearchSettings(es.url, index=f"c-{uuid.uuid4().hex[:8]}")
+    settings = ElasticsearchSettings(es.url, flavor=flavor, index=f"c-{uuid.uuid4().hex[:8]}")  # type: ignore[arg-type]
     d = tmp_path / "ix"
     close(*run(h, d, settings))
     for i in range(30):
@@ -147,13 +154,14 @@ def ix_docs(ix: SearchIndexer) -> dict[str, Any]:
 
 
 def test_unreachable_cluster_retries_status_and_nothing_lost(
-        harness: Callable[..., Harness], tmp_path: Path) -> None:
+        harness: Callable[..., Harness], flavor: str, tmp_path: Path) -> None:
     h = harness(nvb=4, rollback_mitigation=False)
     write(h.bucket, 50)
     h.bucket.flush_all()
     h.settle()
     server = NoidaElasticsearch(free_port())  # started later
-    settings = ElasticsearchSettings(server.url, index="u-idx", backoff_initial_s=0.05, backoff_max_s=0.3)
+    settings = ElasticsearchSettings(server.url, flavor=flavor,  # type: ignore[arg-type]
+                                     index="u-idx", backoff_initial_s=0.05, backoff_max_s=0.3)
     be = ElasticsearchBackend(settings, tmp_path / "ix", topic=h.topic)
     errors: list[BaseException] = []
     holder: list[SearchIndexer] = []
@@ -189,3 +197,30 @@ def test_unreachable_cluster_retries_status_and_nothing_lost(
             holder[0].close()
         be.close()
         server.close()
+
+
+def test_bulks_refused_as_too_large_are_split_and_indexing_goes_on(
+        harness: Callable[..., Harness], flavor: str, es: NoidaElasticsearch, tmp_path: Path) -> None:
+    """A cluster (here a body-limiting proxy in front of noida-db) refusing bulks with 413: the indexer's
+    batches are split, the one document too large alone is rejected and counted, every other document is
+    indexed and the checkpoint reaches the source's high seqnos."""
+    h = harness(nvb=4, rollback_mitigation=False)
+    write(h.bucket, 60)
+    h.bucket.set("huge", json.dumps({"pad": "z" * 5000}).encode())
+    h.bucket.flush_all()
+    h.settle()
+    proxy = FaultyProxy(es.url, max_body_bytes=2000)
+    try:
+        settings = ElasticsearchSettings(proxy.url, flavor=flavor,  # type: ignore[arg-type]
+                                         index=f"t-{uuid.uuid4().hex[:8]}")
+        ix, be = run(h, tmp_path / "ix", settings)
+        want = expected(h)
+        del want["huge"]
+        assert be.docs() == want and proxy.too_large > 0 and be.status()["splits"] > 0
+        assert be.status()["rejected"] == 1 and [r["key"] for r in be.rejections.read()] == ["huge"], be.status()
+        assert be.status()["retries"] == 0, be.status()
+        cp = be.checkpoint()
+        assert cp is not None and all(cp.positions[vb].seqno == h.bucket.vbucket(vb).high_seqno for vb in range(4))
+        close(ix, be)
+    finally:
+        proxy.close()

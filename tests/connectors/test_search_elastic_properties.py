@@ -1,7 +1,7 @@
 """Property: over random histories -- JSON, binary and array documents, deletes, expiries, hard failovers that lose unpersisted writes
 (rollback records), gateway restarts, indexer runs and indexer deaths between a bulk the cluster acknowledged
-and its checkpoint -- the Elasticsearch index ends holding exactly the source's JSON-object documents (docs/search.md
-"The Elasticsearch backend"). Against noida-db."""
+and its checkpoint -- the cluster's index ends holding exactly the source's JSON-object documents (docs/search.md
+"Elasticsearch / OpenSearch"). Against noida-db, once per client library (``elasticsearch``, ``opensearch-py``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from connectors.search.elastic import ElasticsearchBackend, ElasticsearchSetting
 from connectors.search.indexer import SearchIndexer
 from engine.exceptions import KeyNotFound
 from gateway.broker import Broker
-from tests.connectors.noida_es import NoidaElasticsearch
+from tests.connectors.noida_es import FLAVOR_PARAMS, NoidaElasticsearch
 from tests.harness import Harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -79,15 +79,18 @@ def _index(h: Harness, d: Path, settings_: ElasticsearchSettings, kill: bool = F
         be.close()
 
 
+@pytest.mark.parametrize("flavor", FLAVOR_PARAMS)
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(rounds=ROUNDS)
 def test_cluster_index_equals_the_source_after_any_history(kafka_broker: Broker, es: NoidaElasticsearch,
-                                                           tmp_path_factory: Any, rounds: list[Any]) -> None:
+                                                           flavor: str, tmp_path_factory: Any,
+                                                           rounds: list[Any]) -> None:
     tmp = tmp_path_factory.mktemp("es")
     now = [time.time()]
     h = Harness(kafka_broker, tmp, nvb=4, clock=lambda: now[0], rollback_mitigation=False)
     d = tmp / "ix"
-    s = ElasticsearchSettings(es.url, index=f"p-{uuid.uuid4().hex[:10]}", batch_docs=3)
+    s = ElasticsearchSettings(es.url, flavor=flavor,  # type: ignore[arg-type]
+                              index=f"p-{uuid.uuid4().hex[:10]}", batch_docs=3)
     rollbacks = 0
     try:
         for mutations, persist, indexer, failure in rounds:
