@@ -32,13 +32,21 @@ import sqlite3
 import sys
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from connectors.xdcr.batch import write_batch
 from connectors.xdcr.connection import Credentials
 from connectors.xdcr.document import ConflictMode, DocVersion
-from connectors.xdcr.errors import ConflictModeMismatch, KvError, TargetError, XdcrError
+from connectors.xdcr.errors import (
+    ConflictModeMismatch,
+    KvError,
+    TargetAuthError,
+    TargetError,
+    TargetUnreachable,
+    XdcrError,
+)
 from connectors.xdcr.filters import Filters, settle_filter_change
 from connectors.xdcr.mcbp import SKIP_CONFLICT_RESOLUTION_FLAG
 from connectors.xdcr.metrics import Metrics
@@ -68,8 +76,8 @@ class XdcrBatchWriter:
     def __init__(self, target: str, checkpoint: str | Path, *, user: str | None = None,
                  password: str | None = None, conflict_resolution: ConflictMode = ConflictMode.SEQNO,
                  batch_docs: int = 500, batch_bytes: int = 2 << 20, optimistic_threshold: int = 256,
-                 filters: Filters | None = None, restream: bool | None = None,
-                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
+                 filters: Filters | None = None, restream: bool | None = None, give_up_after: float | None = None,
+                 retry_max_delay: float = 30.0, clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
         self.target_url = target
         self.spec = TargetSpec.parse(target)
         self.creds = Credentials(user, password)
@@ -81,6 +89,8 @@ class XdcrBatchWriter:
         self.threshold = optimistic_threshold
         self.filters = filters or Filters()
         self.restream = restream
+        self.give_up_after = give_up_after
+        self.retry_max_delay = retry_max_delay
         self.clock = clock
         self.sleep = sleep
         self.metrics = Metrics()
@@ -106,6 +116,33 @@ class XdcrBatchWriter:
                                            f"{self.mode.value}")
             self._target = t
         return self._target
+
+    def _with_retries(self, fn: Callable[[], Any]) -> Any:
+        """``fn`` until the target answers: an unreachable or refusing target is retried with exponential
+        backoff (0.1 s doubling up to ``retry_max_delay``) on a new connection, for ever or ``give_up_after``
+        seconds, as the standalone replicator does; each new error is logged once."""
+        delay = 0.1
+        t0 = time.monotonic()
+        last = ""
+        while True:
+            try:
+                out = fn()
+                self.metrics.target_state, self.metrics.target_error = "ok", ""
+                return out
+            except (TargetUnreachable, TargetAuthError) as e:
+                state = "auth_failed" if isinstance(e, TargetAuthError) else "unreachable"
+                if f"{state}: {e}" != last:
+                    log.error("xdcr spark job: target %s: %s (retrying with backoff)", state.replace("_", " "), e)
+                    last = f"{state}: {e}"
+                self.metrics.target_state, self.metrics.target_error = state, str(e)
+                self.metrics.retries += 1
+                if self._target is not None:
+                    self._target.close()
+                    self._target = None
+                if self.give_up_after is not None and time.monotonic() - t0 >= self.give_up_after:
+                    raise
+                self.sleep(delay)
+                delay = min(delay * 2, self.retry_max_delay)
 
     def _db(self) -> sqlite3.Connection:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +175,7 @@ class XdcrBatchWriter:
         """Before the query starts: settle the filters, connect (refusing another conflict-resolution mode),
         then send again what the target lost since the last run (its failover logs vs the recorded positions)."""
         self.settle_filters()
-        self.target()
+        self._with_retries(self.target)
         conn = self._db()
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -157,6 +194,11 @@ class XdcrBatchWriter:
 
     # -------------------------------------------------------------------------------------- batches
     def __call__(self, batch_df: Any, batch_id: int) -> None:
+        self.write_rows(batch_df.collect, batch_id)
+
+    def write_rows(self, rows: Callable[[], Iterable[Any]], batch_id: int) -> bool:
+        """Apply the rows ``rows()`` returns (read only when ``batch_id`` is new) as one batch, in one
+        transaction of the state file with the batch id; False when the batch id was applied already."""
         if not self._prepared:
             self.prepare()
         conn = self._db()
@@ -164,14 +206,15 @@ class XdcrBatchWriter:
             row = conn.execute("SELECT batch_id FROM xdcr_batches").fetchone()
             if row is not None and batch_id <= row[0]:
                 self.skipped_batches += 1
-                return
-            rows = sorted(batch_df.collect(), key=lambda r: (r["kafka_partition"], r["kafka_offset"]))
+                return False
+            ordered = sorted(rows(), key=lambda r: (r["kafka_partition"], r["kafka_offset"]))
             conn.execute("BEGIN IMMEDIATE")
             self._ledger = TargetLedger(conn)
-            self.apply(conn, rows)
+            self.apply(conn, ordered)
             self._resend_lost(conn)
             conn.execute("INSERT OR REPLACE INTO xdcr_batches VALUES (1, ?)", (batch_id,))
             conn.execute("COMMIT")
+            return True
         except XdcrError as e:
             self.failure = e
             raise
@@ -231,9 +274,15 @@ class XdcrBatchWriter:
 
     def _send(self, conn: sqlite3.Connection, ops: list[WriteOp]) -> None:
         for i in range(0, len(ops), self.batch_docs):
-            write_batch(self.target(), ops[i:i + self.batch_docs], threshold=self.threshold, mode=self.mode,
-                        metrics=self.metrics, dead_letter=self._dead_letter, on_written=self._written,
-                        sleep=self.sleep)
+            chunk = ops[i:i + self.batch_docs]
+            self._with_retries(partial(self._write_chunk, chunk))
+
+    def _write_chunk(self, ops: list[WriteOp]) -> None:
+        write_batch(self.target(), ops, threshold=self.threshold, mode=self.mode, metrics=self.metrics,
+                    dead_letter=self._dead_letter, on_written=self._written, sleep=self.sleep)
+
+    def _failover_log(self, tvb: int) -> list[tuple[int, int]]:
+        return self.target().failover_log(tvb)
 
     def _written(self, op: WriteOp, r: WriteResult) -> None:
         assert self._ledger is not None
@@ -250,7 +299,7 @@ class XdcrBatchWriter:
             check, self._check = sorted(self._check), set()
             for tvb in check:
                 try:
-                    flog = self.target().failover_log(tvb)
+                    flog = self._with_retries(partial(self._failover_log, tvb))
                 except KvError as e:
                     log.warning("xdcr spark job: the target gives no failover log (%s): positions not validated", e)
                     return
@@ -316,9 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="larger documents are checked with GET_META first (256)")
     ap.add_argument("--batch-docs", type=int, default=500, help="documents per write batch (500)")
     ap.add_argument("--batch-bytes", type=int, default=2 << 20, help="bytes per write batch (2 MiB)")
+    ap.add_argument("--give-up-after", type=float, default=None, metavar="SECONDS",
+                    help="stop retrying an unreachable or refusing target after this many seconds (exit 3)")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--available-now", action="store_true", help="process what is in the topic, then exit")
     a = ap.parse_args(argv)
+    if a.give_up_after is not None and a.give_up_after < 0:
+        ap.error("--give-up-after must be >= 0")
     for name in ("optimistic_threshold", "batch_docs", "batch_bytes"):
         if getattr(a, name) < (0 if name == "optimistic_threshold" else 1):
             ap.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'optimistic_threshold' else '>= 1'}")
@@ -329,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                                  conflict_resolution=ConflictMode(a.conflict_resolution), batch_docs=a.batch_docs,
                                  batch_bytes=a.batch_bytes, optimistic_threshold=a.optimistic_threshold,
                                  filters=Filters(a.filter_key, a.filter_skip_deletions, a.filter_skip_expirations,
-                                                 a.filter_skip_binary), restream=a.restream)
+                                                 a.filter_skip_binary), restream=a.restream,
+                                 give_up_after=a.give_up_after)
     except XdcrError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -345,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from pyspark.sql import SparkSession
 
-    spark = SparkSession.builder.master(a.master).appName("dcpgw-xdcr").getOrCreate()
+    spark = (SparkSession.builder.master(a.master).appName("dcpgw-xdcr").config("spark.ui.enabled", "false")
+             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
     try:
         run(spark, a.bootstrap, a.topic, writer, a.checkpoint, available_now=a.available_now)
     except Exception as e:  # pyspark's StreamingQueryException wraps the batch's error

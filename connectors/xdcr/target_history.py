@@ -44,7 +44,7 @@ class TargetLedger:
 
     def record(self, op: WriteOp, target_vbucket: int, token: tuple[int, int] | None) -> bool:
         """A write the target accepted; True when its vbuuid is new for the vbucket (a failover or restart of
-        the target since the last write: check its history)."""
+        the target since the last write: check its history with :meth:`take_lost`)."""
         u, s = token if token is not None else (0, 0)
         self.conn.execute("INSERT OR REPLACE INTO xdcr_target_docs VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (target_vbucket, op.version.key, op.vbucket, u, s, op.options, int(op.expiration),
@@ -52,10 +52,12 @@ class TargetLedger:
         if token is None:
             return False
         prev = self.position(target_vbucket)
-        if prev is None or prev[0] != u or s > prev[1]:
+        if prev is not None and prev[0] != u:
+            return True  # the position moves to the new branch once its history is checked (take_lost)
+        if prev is None or s > prev[1]:
             self.conn.execute("INSERT OR REPLACE INTO xdcr_target_position VALUES (?, ?, ?)",
                               (target_vbucket, u, s))
-        return prev is not None and prev[0] != u
+        return False
 
     def position(self, target_vbucket: int) -> tuple[int, int] | None:
         row = self.conn.execute("SELECT target_vbuuid, target_seqno FROM xdcr_target_position WHERE vbucket = ?",
@@ -68,22 +70,27 @@ class TargetLedger:
 
     def take_lost(self, target_vbucket: int, failover_log: Sequence[tuple[int, int]]) -> list[WriteOp]:
         """The writes to ``target_vbucket`` whose position its ``failover_log`` (newest first) no longer holds,
-        to send again (none when the vbucket's newest position is held: everything below it is). Their rows
-        and the vbucket's position move to the current branch's start; the resends that succeed record their
-        own tokens, those the target refuses (it holds an equal or newer version) stay there."""
+        to send again (none when the vbucket's recorded position is held: everything below it is). Their rows
+        move to the current branch's start (the resends that succeed record their own tokens; those the target
+        refuses -- it holds an equal or newer version -- stay there), and the vbucket's position to the newest
+        write recorded on the current branch."""
         pos = self.position(target_vbucket)
-        if pos is None or not failover_log or history_holds(failover_log, *pos):
+        if pos is None or not failover_log:
             return []
-        out = []
-        for key, svb, u, s, opts, exp, ver in self.conn.execute(
-                "SELECT key, source_vbucket, target_vbuuid, target_seqno, options, expiration, version FROM "
-                "xdcr_target_docs WHERE target_vbucket = ?", (target_vbucket,)).fetchall():
-            if not history_holds(failover_log, int(u), int(s)):
-                out.append(WriteOp(int(svb), DocVersion.unpack(bytes(key), bytes(ver)), int(opts),
-                                   expiration=bool(exp)))
         branch = failover_log[0]
-        self.conn.executemany("UPDATE xdcr_target_docs SET target_vbuuid = ?, target_seqno = ? WHERE "
-                              "target_vbucket = ? AND key = ?",
-                              [(*branch, target_vbucket, o.version.key) for o in out])
-        self.conn.execute("INSERT OR REPLACE INTO xdcr_target_position VALUES (?, ?, ?)", (target_vbucket, *branch))
+        out = []
+        if not history_holds(failover_log, *pos):
+            for key, svb, u, s, opts, exp, ver in self.conn.execute(
+                    "SELECT key, source_vbucket, target_vbuuid, target_seqno, options, expiration, version FROM "
+                    "xdcr_target_docs WHERE target_vbucket = ?", (target_vbucket,)).fetchall():
+                if not history_holds(failover_log, int(u), int(s)):
+                    out.append(WriteOp(int(svb), DocVersion.unpack(bytes(key), bytes(ver)), int(opts),
+                                       expiration=bool(exp)))
+            self.conn.executemany("UPDATE xdcr_target_docs SET target_vbuuid = ?, target_seqno = ? WHERE "
+                                  "target_vbucket = ? AND key = ?",
+                                  [(*branch, target_vbucket, o.version.key) for o in out])
+        (top,) = self.conn.execute("SELECT max(target_seqno) FROM xdcr_target_docs WHERE target_vbucket = ? AND "
+                                   "target_vbuuid = ?", (target_vbucket, branch[0])).fetchone()
+        self.conn.execute("INSERT OR REPLACE INTO xdcr_target_position VALUES (?, ?, ?)",
+                          (target_vbucket, branch[0], max(branch[1], int(top or 0))))
         return out
