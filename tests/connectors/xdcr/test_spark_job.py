@@ -126,7 +126,7 @@ def test_spark_job_filters_precheck_too_big_and_a_target_that_lost_writes(kafka_
             s.bind(("127.0.0.1", 0))
             dead_port = s.getsockname()[1]
         p = run_job(h, dead_port, tmp_path / "other", "--give-up-after", "0")
-        assert p.returncode == 3 and p.stderr.startswith("error: target "), p.stderr[-2000:]
+        assert p.returncode == 3 and p.stderr.strip().splitlines()[-1].startswith("error: target "), p.stderr[-2000:]
     finally:
         node.kill()
         h.close()
