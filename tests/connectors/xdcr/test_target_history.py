@@ -36,12 +36,16 @@ class Vbucket:
         self.items.append((s, key, version))
         return self.log[0][0], s
 
+    def create_entry(self, high: int) -> None:
+        """kv_engine ``FailoverTable::createEntry``: branches above ``high`` were diverged from and go."""
+        self.log = [(next(self.uuids), high), *((u, s) for u, s in self.log if s <= high)]
+
     def crash(self) -> None:
         self.items = [i for i in self.items if i[0] <= self.persisted]
-        self.log.insert(0, (next(self.uuids), self.persisted))
+        self.create_entry(self.persisted)
 
     def new_branch(self) -> None:
-        self.log.insert(0, (next(self.uuids), self.high))
+        self.create_entry(self.high)
 
     def holds(self) -> dict[bytes, int]:
         return {k: v for _s, k, v in self.items}
@@ -51,7 +55,7 @@ def _op(key: bytes, version: int) -> WriteOp:
     return WriteOp(0, DocVersion(key, version, version, 0, 0, False, 1, b"{}"))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.tuples(st.just("write"), st.integers(0, 7)), st.just(("persist", 0)),
                           st.just(("crash", 0)), st.just(("new_branch", 0)), st.just(("restart_job", 0))),
                 max_size=60))
