@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 
 from connectors.client.replay import Change
-from connectors.xdcr.errors import XdcrError
+from connectors.xdcr.errors import FilterChanged, XdcrError
 from schemas.records import RecordType
 
-__all__ = ["Filters"]
+__all__ = ["Filters", "settle_filter_change"]
 
 #: datatype bit JSON (kv_engine): a document without it is binary
 _JSON = 0x01
@@ -40,14 +40,34 @@ class Filters:
                           sort_keys=True)
 
     def passes(self, ch: Change) -> bool:
-        t = ch.type
-        if t is RecordType.DELETION and self.skip_deletions:
+        return self.passes_change(ch.key, ch.type, ch.datatype)
+
+    def passes_change(self, key: bytes, t: RecordType | str, datatype: int) -> bool:
+        """A change of type ``t`` (mutation / deletion / expiration) of ``key`` with ``datatype``: replicated?"""
+        if t == RecordType.DELETION and self.skip_deletions:
             return False
-        if t is RecordType.EXPIRATION and self.skip_expirations:
+        if t == RecordType.EXPIRATION and self.skip_expirations:
             return False
-        if self.skip_binary and t is RecordType.MUTATION and not ch.datatype & _JSON:
+        if self.skip_binary and t == RecordType.MUTATION and not datatype & _JSON:
             return False
-        return self.passes_key(ch.key)
+        return self.passes_key(key)
 
     def passes_key(self, key: bytes) -> bool:
         return self._rx is None or self._rx.search(key.decode("utf-8", "surrogateescape")) is not None
+
+
+def settle_filter_change(previous: str | None, current: Filters, has_state: bool, restream: bool | None,
+                         where: str) -> bool:
+    """Started with ``current`` filters where ``previous`` (a fingerprint, None: never recorded) replicated
+    ``where``: True when everything must be replicated again (``restream``), False to go on from the current
+    positions; :class:`FilterChanged` when the filters changed over existing positions and ``restream`` is None
+    (goxdcr asks the same question when a replication's filter is edited)."""
+    fp = current.fingerprint()
+    if previous is None or previous == fp or not has_state:
+        return False
+    if restream is None:
+        raise FilterChanged(
+            f"the filters changed since {where} was replicated ({previous} -> {fp}): pass --restream "
+            "to replicate everything again under the new filters, or --no-restream to apply them from the "
+            "current positions on")
+    return restream

@@ -44,21 +44,21 @@ from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, MutationLog, Pri
 from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
 from connectors.client.state import SqliteStateStore
 from connectors.exceptions import DecodeError
+from connectors.xdcr.batch import write_batch
 from connectors.xdcr.checkpoints import CheckpointStore, history_holds
 from connectors.xdcr.connection import Credentials
-from connectors.xdcr.document import ConflictMode, DocVersion, compare
+from connectors.xdcr.document import ConflictMode, DocVersion
 from connectors.xdcr.errors import (
     ConflictModeMismatch,
-    FilterChanged,
     KvError,
     TargetAuthError,
     TargetUnreachable,
     XdcrError,
 )
-from connectors.xdcr.filters import Filters
-from connectors.xdcr.mcbp import RETRYABLE, SKIP_CONFLICT_RESOLUTION_FLAG, Status
+from connectors.xdcr.filters import Filters, settle_filter_change
+from connectors.xdcr.mcbp import SKIP_CONFLICT_RESOLUTION_FLAG
 from connectors.xdcr.metrics import Metrics, VBucketStatus
-from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
+from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp, WriteResult
 from schemas.records import RecordType
 from schemas.topics import partition_for
 
@@ -232,19 +232,14 @@ class XdcrReplicator:
         fp = self.settings.filters.fingerprint()
         prev = self._meta("filters")
         has_state = self.conn.execute("SELECT 1 FROM dcp_consumer_state LIMIT 1").fetchone() is not None
-        if prev is not None and prev != fp and has_state:
-            if self.settings.restream is None:
-                raise FilterChanged(
-                    f"the filters changed since {self.state_dir} was replicated ({prev} -> {fp}): pass --restream "
-                    "to replicate everything again under the new filters, or --no-restream to apply them from the "
-                    "current positions on")
-            if self.settings.restream:
-                log.warning("xdcr: filters changed: restreaming every vbucket from zero")
-                self._begin()
-                for (vb,) in self.conn.execute("SELECT vbucket FROM dcp_consumer_state").fetchall():
-                    self._reset_vbucket(int(vb), None)
-                self.conn.execute("DELETE FROM dcp_consumer_offsets")
-                self._commit()
+        s = self.settings
+        if settle_filter_change(prev, s.filters, has_state, s.restream, str(self.state_dir)):
+            log.warning("xdcr: filters changed: restreaming every vbucket from zero")
+            self._begin()
+            for (vb,) in self.conn.execute("SELECT vbucket FROM dcp_consumer_state").fetchall():
+                self._reset_vbucket(int(vb), None)
+            self.conn.execute("DELETE FROM dcp_consumer_offsets")
+            self._commit()
         self._save_meta("filters", fp)
 
     def _validate_positions(self) -> None:
@@ -437,67 +432,16 @@ class XdcrReplicator:
             self._inflight.popleft().result()
 
     def _write_batch(self, ops: list[WriteOp]) -> None:
-        t0 = time.monotonic()
         s = self.settings
-        m = self.metrics
-        check = [o for o in ops if not o.options & SKIP_CONFLICT_RESOLUTION_FLAG
-                 and len(o.version.value or b"") > s.optimistic_threshold]
-        skip: set[int] = set()
-        if check:
-            m.get_meta += len(check)
-            metas = self.target.get_meta([(o.vbucket, o.version.key) for o in check])
-            for o, meta in zip(check, metas, strict=True):
-                why = compare(o.version, meta, s.conflict_resolution)
-                if why is not None:
-                    m.reject(f"rejected_{why}")
-                    skip.add(id(o))
-                else:
-                    o.add = meta is None
-        send = [o for o in ops if id(o) not in skip]
-        for attempt in range(20):
-            if not send:
-                break
-            results = self.target.write(send)
-            again: list[WriteOp] = []
-            for o, r in zip(send, results, strict=True):
-                st = r.status
-                if st == Status.SUCCESS:
-                    m.written += 1
-                    self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
-                    if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
-                        prev = self._target_pos.get(o.vbucket)
-                        if prev is None or prev[0] != r.token[0] or r.token[1] > prev[1]:
-                            self._target_pos[o.vbucket] = r.token
-                elif st == Status.KEY_EEXISTS and o.add:
-                    o.add = False  # created meanwhile: conflict resolution decides
-                    again.append(o)
-                elif st == Status.KEY_EEXISTS:
-                    # the target's conflict resolution kept its version (reason from its error context)
-                    m.reject(r.reason or "rejected_conflict")
-                elif st in RETRYABLE or st == Status.NOT_MY_VBUCKET:
-                    again.append(o)
-                elif st in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED, Status.EACCESS):
-                    why = ("the user may not write with meta (it needs the replication_target role)"
-                           if st == Status.EACCESS else "the target does not support writes with meta")
-                    raise XdcrError(f"{why}: {_status_name(st)} for {o.version.key!r}")
-                elif st == Status.E2BIG:
-                    m.reject("too_big")
-                    self._dead_letter({"reason": "too_big", "vbucket": o.vbucket,
-                                       "key": o.version.key.decode("utf-8", "replace"),
-                                       "size": len(o.version.value or b"")})
-                else:
-                    name = _status_name(st)
-                    m.reject(f"target_{name}")
-                    self._dead_letter({"reason": f"target_{name}", "vbucket": o.vbucket,
-                                       "key": o.version.key.decode("utf-8", "replace")})
-            send = again
-            if send:
-                m.retries += 1
-                self.sleep(min(0.01 * 2 ** attempt, 2.0))
-        if send:
-            raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
-        m.not_my_vbucket = self.target.not_my_vbucket
-        m.batch(time.monotonic() - t0)
+        write_batch(self.target, ops, threshold=s.optimistic_threshold, mode=s.conflict_resolution,
+                    metrics=self.metrics, dead_letter=self._dead_letter, on_written=self._written, sleep=self.sleep)
+
+    def _written(self, o: WriteOp, r: WriteResult) -> None:
+        self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
+        if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
+            prev = self._target_pos.get(o.vbucket)
+            if prev is None or prev[0] != r.token[0] or r.token[1] > prev[1]:
+                self._target_pos[o.vbucket] = r.token
 
     def _before_commit(self) -> None:
         """Runs before every commit of the consumer's transaction: what the positions cover reaches the
@@ -575,13 +519,6 @@ class XdcrReplicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _status_name(st: int) -> str:
-    try:
-        return Status(st).name.lower()
-    except ValueError:
-        return f"0x{st:02x}"
 
 
 def _vb_dict(v: VBucketStatus, now: float) -> dict[str, Any]:
