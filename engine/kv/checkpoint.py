@@ -9,7 +9,9 @@ kv_engine (``checkpoint_manager.cc``) rules implemented here:
 * A new checkpoint is opened when the open one reaches its item-count or byte limit (closed checkpoints
   never de-duplicate, so a consumer reading a closed checkpoint to its end sees a consistent snapshot).
 * **Cursors**: one for persistence, one per DCP stream. A closed checkpoint is freed once every cursor has
-  moved past it. DCP cursors may be **dropped** under memory pressure; their streams go back to backfilling
+  moved past it; the items at the front of the oldest checkpoint that every cursor has read are **expelled**
+  (kv_engine ``CheckpointManager::expelUnreferencedCheckpointItems``), so a persisted and streamed item is
+  referenced by the hash table alone (docs/engine.md "Item layout and memory"). DCP cursors may be **dropped** under memory pressure; their streams go back to backfilling
   from disk (kv_engine cursor dropping; docs/engine.md "Memory quota").
 * A cursor always reads a checkpoint *to its current end* in one go: cutting a checkpoint in the middle could
   split a de-duplicated key from its newer version and expose an inconsistent state (docs/engine.md "Snapshots, de-duplication and consistency").
@@ -39,7 +41,7 @@ class MemoryCounter:
 class Checkpoint:
     """One checkpoint: items in seqno order (``None`` = de-duplicated hole) and their seqnos."""
 
-    __slots__ = ("id", "index", "is_open", "items", "live", "mem", "seqnos", "start_seqno")
+    __slots__ = ("expelled", "id", "index", "is_open", "items", "live", "mem", "seqnos", "start_seqno")
 
     def __init__(self, ckpt_id: int, start_seqno: int) -> None:
         self.id = ckpt_id
@@ -50,6 +52,7 @@ class Checkpoint:
         self.is_open = True
         self.live = 0
         self.mem = 0
+        self.expelled = False  # items were expelled from its front: position 0 is no checkpoint boundary
 
     @property
     def high_seqno(self) -> int:
@@ -147,7 +150,7 @@ class CheckpointManager:
         if old_pos is not None:
             old = ck.items[old_pos]
             assert old is not None
-            if item.op >= 3 or old.op >= 3 or item.prepared or old.prepared:
+            if item.op >= 3 or old.op >= 3 or item.sync or old.sync:
                 # kv_engine: prepares, commits and aborts never de-duplicate (a prepare replaced in the open
                 # checkpoint would hide it from replicas): a new checkpoint instead (docs/durability.md "DCP").
                 self.create_checkpoint()
@@ -243,7 +246,7 @@ class CheckpointManager:
             n = len(items)
             if pos < n:
                 chunk = [it for it in items[pos:] if it is not None]
-                segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, pos == 0))
+                segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, pos == 0 and not ck.expelled))
                 count += len(chunk)
                 pos = n
                 cursor.last_read = ck.seqnos[-1]
@@ -281,7 +284,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ freeing memory
     def remove_unreferenced(self) -> int:
-        """Free closed checkpoints that every cursor has passed. Returns bytes freed."""
+        """Free closed checkpoints that every cursor has passed, then expel the items every cursor has read
+        from the front of the oldest checkpoint left (:meth:`expel`). Returns bytes freed."""
         for cur in self.cursors.values():
             ck = cur.ckpt
             while not ck.is_open and cur.pos >= len(ck.items):
@@ -296,6 +300,52 @@ class CheckpointManager:
         while len(cks) > 1 and not cks[0].is_open and cks[0].id < lowest:
             ck = cks.popleft()
             freed += ck.mem
+        self.counter.used -= freed
+        return freed + self.expel()
+
+    def expel(self) -> int:
+        """Drop the items at the front of the oldest checkpoint that every cursor has read (kv_engine item
+        expelling). Cursor positions move down with them; the checkpoint then starts at its first item left, so
+        a reader wanting an expelled seqno backfills it from disk (the persistence cursor read it: it is
+        flushed). Expels only when at least half the checkpoint goes, so the index rebuild of an open
+        checkpoint costs no more than what it frees. Returns bytes freed."""
+        ck = self.checkpoints[0]
+        items = ck.items
+        n = len(items)
+        if not n:
+            return 0
+        k = n
+        for cur in self.cursors.values():
+            if cur.ckpt is ck and cur.pos < k:
+                k = cur.pos
+        if k == 0 or 2 * k < n:
+            return 0
+        if k == n:  # the common case (every cursor caught up): everything goes, no per-item work
+            freed = ck.mem
+            ck.live = 0
+        else:
+            freed = 0
+            for it in items[:k]:
+                if it is not None:
+                    v = it.value
+                    freed += ITEM_OVERHEAD + len(it.key) + (len(v) if v is not None else 0)
+                    ck.live -= 1
+        high = ck.seqnos[-1]
+        if k == n:
+            ck.items = []
+            ck.seqnos = []
+            ck.start_seqno = high + 1
+        else:
+            del items[:k]
+            del ck.seqnos[:k]
+            ck.start_seqno = ck.seqnos[0]
+        if ck.is_open:
+            ck.index = {it.key: i for i, it in enumerate(ck.items) if it is not None}
+        ck.expelled = True
+        for cur in self.cursors.values():
+            if cur.ckpt is ck:
+                cur.pos -= k
+        ck.mem -= freed
         self.counter.used -= freed
         return freed
 

@@ -50,13 +50,13 @@ class Flusher:
             first = None
             for seg in segments:
                 for it in seg.items:
-                    v = it.value
-                    rows.append((vbid, it.seqno, it.key, v, it.flags, it.expiry, it.cas, it.rev_seqno,
-                                 it.datatype, it.op.value | it.level << 4))
+                    sync = it.sync  # prepared << 2 | level (engine/kv/item.py)
+                    rows.append((vbid, it.seqno, it.key, it.value, it.flags, it.expiry, it.cas, it.rev_seqno,
+                                 it.datatype, it.op.value | (sync & 3) << 4))
                     if it.prev_seqno:
                         superseded.append((it.seqno, vbid, it.prev_seqno))
-                    if it.prepared:  # a commit / abort supersedes its prepare on disk (docs/durability.md)
-                        superseded.append((it.seqno, vbid, it.prepared))
+                    if sync > 3:  # a commit / abort supersedes its prepare on disk (docs/durability.md)
+                        superseded.append((it.seqno, vbid, sync >> 2))
                 if first is None and seg.items:
                     first = seg.start
             if first is None:

@@ -69,18 +69,19 @@ class Item:
     time, as in kv_engine's ``delete_time``.
     """
 
+    #: twelve slots, no ``__dict__``: 128 bytes an item (docs/engine.md "Item layout and memory"). A thirteenth
+    #: slot would cost 16 more (CPython's allocator rounds to 16 bytes), so the two sync-write fields share one.
     __slots__ = (
         "cas",
         "datatype",
         "expiry",
         "flags",
         "key",
-        "level",
         "op",
-        "prepared",
         "prev_seqno",
         "rev_seqno",
         "seqno",
+        "sync",
         "value",
         "vbucket",
     )
@@ -96,8 +97,7 @@ class Item:
     datatype: int
     op: Op
     prev_seqno: int
-    level: int
-    prepared: int
+    sync: int
 
     def __init__(
         self,
@@ -126,10 +126,19 @@ class Item:
         self.datatype = datatype
         self.op = op
         self.prev_seqno = prev_seqno
-        #: durability level of a prepare (engine.kv.durability.Level), 0 otherwise
-        self.level = level
-        #: for a commit (a MUTATION / DELETION) or an ABORT: the seqno of the prepare it completes, else 0
-        self.prepared = prepared
+        #: ``prepared << 2 | level``: 0 for every item outside synchronous replication (see :attr:`level`,
+        #: :attr:`prepared`)
+        self.sync = prepared << 2 | level if prepared or level else 0
+
+    @property
+    def level(self) -> int:
+        """Durability level of a prepare (engine.kv.durability.Level), 0 otherwise."""
+        return self.sync & 3
+
+    @property
+    def prepared(self) -> int:
+        """For a commit (a MUTATION / DELETION) or an ABORT: the seqno of the prepare it completes, else 0."""
+        return self.sync >> 2
 
     @property
     def deleted(self) -> bool:
@@ -174,8 +183,7 @@ class Item:
             and self.expiry == other.expiry
             and self.datatype == other.datatype
             and self.op == other.op
-            and self.level == other.level
-            and self.prepared == other.prepared
+            and self.sync == other.sync
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -138,6 +138,11 @@ class VBucketRecord:
         )
 
 
+#: SQLite's page cache of a storage connection, KiB: a fixed amount per bucket, not per item (docs/performance.md
+#: "Engine"); :meth:`Storage.release_cache` hands it back
+PAGE_CACHE_KIB: Final = 65536
+
+
 class Storage:
     """The bucket's SQLite store. Single-threaded: owned by the bucket."""
 
@@ -150,7 +155,7 @@ class Storage:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-            self._db.execute("PRAGMA cache_size=-65536")
+            self._db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
             _migrate(self._db, path)
             self._db.executescript(_SCHEMA)
         except StorageError:
@@ -158,6 +163,13 @@ class Storage:
             raise
         except (sqlite3.Error, OSError) as e:
             raise StorageError(f"cannot open storage at {path}: {e}") from e
+
+    def release_cache(self) -> None:
+        """Free what SQLite's page cache holds (``PRAGMA shrink_memory``); it refills as reads need it."""
+        try:
+            self._db.execute("PRAGMA shrink_memory")
+        except sqlite3.Error as e:
+            raise StorageError(f"cannot release the page cache: {e}") from e
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str) -> str | None:

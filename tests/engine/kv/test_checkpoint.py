@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from engine.kv.checkpoint import PERSISTENCE_CURSOR, CheckpointManager, MemoryCounter
-from engine.kv.item import Item
+from engine.kv.item import ITEM_OVERHEAD, Item
 
 
 def _item(key: str, seqno: int) -> Item:
@@ -112,3 +115,102 @@ def test_drop_cursor_frees_memory_persistence_cursor_undroppable() -> None:
     assert m.drop_cursor("dcp")
     assert m.remove_unreferenced() > 0
     assert "dcp" not in m.cursors
+
+
+def test_items_every_cursor_read_are_expelled() -> None:
+    """kv_engine item expelling (docs/engine.md "Item layout and memory"): once the persistence cursor and every
+    DCP cursor read the front of the open checkpoint, it no longer references those items."""
+    counter = MemoryCounter()
+    m = CheckpointManager(0, 0, counter)
+    for i in range(1, 7):
+        m.queue(_item(f"k{i}", i))
+    dcp = m.register_cursor("dcp", 0)
+    assert dcp is not None
+    pc = m.cursors[PERSISTENCE_CURSOR]
+    m.read(pc)
+    assert m.remove_unreferenced() == 0  # the DCP cursor has read nothing yet
+    assert m.first_seqno == 1
+    m.read(dcp)
+    before = counter.used
+    assert m.remove_unreferenced() == before
+    assert counter.used == 0 and m.mem == 0
+    assert m.open.items == [] and m.open.index == {}
+    assert m.first_seqno == 7 and m.high_seqno == 6
+    assert m.register_cursor("late", 3) is None  # expelled: a late reader backfills from disk
+    # Writes go on: a key written again after its older version was expelled is not de-duplicated against it.
+    a = _item("k2", 7)
+    assert m.queue(a) is None
+    segs = m.read(dcp)
+    assert [(s.start, s.end, s.new_checkpoint) for s in segs] == [(7, 7, False)]
+    assert [it.seqno for it in segs[0].items] == [7]
+    late = m.register_cursor("late", 6)
+    assert late is not None and [it.seqno for s in m.read(late) for it in s.items] == [7]
+
+
+def test_expel_waits_for_half_and_keeps_positions() -> None:
+    m = _mgr()
+    for i in range(1, 11):
+        m.queue(_item(f"k{i}", i))
+    pc = m.cursors[PERSISTENCE_CURSOR]
+    m.read(pc)
+    slow = m.register_cursor("slow", 3)  # positioned after seqno 3: 3 of 10 read
+    assert slow is not None
+    assert m.expel() == 0  # under half: kept
+    fast = m.register_cursor("slow", 6)  # replaced: 6 of 10 read by every cursor
+    assert fast is not None
+    assert m.expel() > 0
+    assert m.first_seqno == 7 and m.open.seqnos == [7, 8, 9, 10]
+    # De-duplication still finds the entries left (the index was rebuilt with the new positions).
+    old = m.queue(_item("k9", 11))
+    assert old is not None and old.seqno == 9
+    assert [it.seqno for s in m.read(fast) for it in s.items] == [7, 8, 10, 11]
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(0, 5)),
+        st.tuples(st.just("read"), st.sampled_from([PERSISTENCE_CURSOR, "a", "b"])),
+        st.tuples(st.just("read"), st.sampled_from([PERSISTENCE_CURSOR, "a", "b"])),
+        st.tuples(st.just("free"), st.just(0)),
+        st.tuples(st.just("close"), st.just(0)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_OPS, st.integers(2, 10))
+def test_expelling_changes_nothing_a_cursor_reads(ops: list[tuple[str, object]], max_items: int) -> None:
+    """Over random histories, a manager that frees and expels reads every cursor the same items (seqnos and the
+    prev_seqno the flusher uses) as one that never frees, and its memory counter matches what it still holds."""
+    counter = MemoryCounter()
+    m = CheckpointManager(0, 0, counter, max_items=max_items)
+    ref = CheckpointManager(0, 0, MemoryCounter(), max_items=max_items)
+    for mgr in (m, ref):
+        mgr.register_cursor("a", 0)
+        mgr.register_cursor("b", 0)
+    seqno = 0
+    last: dict[bytes, int] = {}
+    for op, arg in ops:
+        if op == "write":
+            seqno += 1
+            key = b"k%d" % arg
+            for mgr in (m, ref):
+                it = Item(key, b"v" * seqno, 0, seqno, 1, seqno)
+                it.prev_seqno = last.get(key, 0)
+                mgr.queue(it)
+            last[key] = seqno
+        elif op == "read":
+            got = [[(it.seqno, it.prev_seqno) for s in mgr.read(mgr.cursors[str(arg)]) for it in s.items]
+                   for mgr in (m, ref)]
+            assert got[0] == got[1]
+            m.remove_unreferenced()  # as the flusher does after each flush
+        elif op == "free":
+            m.remove_unreferenced()
+        else:
+            m.create_checkpoint()
+            ref.create_checkpoint()
+        held = sum(ITEM_OVERHEAD + len(it.key) + len(it.value or b"")
+                   for ck in m.checkpoints for it in ck.items if it is not None)
+        assert counter.used == m.mem == held
+        assert m.first_seqno <= m.cursors[PERSISTENCE_CURSOR].last_read + 1

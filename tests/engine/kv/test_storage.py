@@ -164,3 +164,14 @@ def test_num_vbuckets_mismatch_is_rejected(make_bucket) -> None:
     b.close()
     with pytest.raises(InvalidArgument):
         make_bucket(num_vbuckets=4)
+
+
+def test_release_cache_keeps_data_and_a_closed_store_says_so(tmp_path) -> None:
+    """Storage.release_cache (docs/performance.md "Engine": the page cache is not counted per item)."""
+    st = Storage(tmp_path / "s.sqlite3")
+    st.flush([(0, 1, b"k", b"v", 0, 0, 1, 1, 0, 0)], [], [])
+    st.release_cache()
+    assert [r[2] for r in st.current(0)] == [b"k"]
+    st.close()
+    with pytest.raises(StorageError, match="page cache"):
+        st.release_cache()
