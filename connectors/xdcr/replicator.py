@@ -142,6 +142,8 @@ class XdcrReplicator:
         self._target_pos: dict[int, tuple[int, int]] = {}
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
+        #: the target map refreshes already checked against the target positions (_check_target_history)
+        self._map_seen = 0
         self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
         self.consumer: ChangeStreamConsumer | None = None
         self.store = _HookedStore(self.state_dir / STATE_FILE, topic)
@@ -174,6 +176,7 @@ class XdcrReplicator:
         filters, validate the positions against the target's history, then open the consumer."""
         s = self.settings
         self._with_retries(self.target.connect, "connect")
+        self._map_seen = self.target.map_refreshes
         mode = self.target.conflict_mode()
         if mode is not None and mode is not s.conflict_resolution:
             raise ConflictModeMismatch(
@@ -271,6 +274,8 @@ class XdcrReplicator:
                     if ck.source.seqno <= st.seqno and self._with_retries(
                             partial(self.target.holds, vb, ck.target_vbuuid, ck.target_seqno), "history check"):
                         back = ck.source
+                        # the position the target holds; a write from its new branch is then no news
+                        self.checkpoints.set_target_position(vb, ck.target_vbuuid, ck.target_seqno)
                         break
                 self.metrics.target_history_lost += 1
                 log.warning("xdcr: the target lost the history of vbucket %d (target position %s no longer held): "
@@ -475,6 +480,9 @@ class XdcrReplicator:
             if not send:
                 break
             results = self.target.write(send)
+            if self.target.map_refreshes != self._map_seen:
+                self._map_seen = self.target.map_refreshes
+                self._check_target_history()
             again: list[WriteOp] = []
             for o, r in zip(send, results, strict=True):
                 st = r.status
@@ -521,6 +529,16 @@ class XdcrReplicator:
             raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
         m.not_my_vbucket = self.target.not_my_vbucket
         m.batch(time.monotonic() - t0)
+
+    def _check_target_history(self) -> None:
+        """The target's map changed (a failover or rebalance on the target): does it still hold every target
+        position written? (A vbucket the replicator does not write again would otherwise only be checked at the
+        next start.)"""
+        known = {vb: (v.target_vbuuid, v.target_seqno) for vb, v in list(self.vbs.items()) if v.target_vbuuid}
+        known.update(self._target_pos)
+        for vb, pos in sorted(known.items()):
+            if self.target.holds(vb, *pos) is False:
+                raise TargetHistoryLost(vb, pos)
 
     def _committed_target_pos(self, vb: int) -> tuple[int, int] | None:
         v = self.vbs.get(vb)
