@@ -267,3 +267,18 @@ class TargetClusterNodes:
         asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def cluster_docs(cluster: Any) -> dict[bytes, Doc]:
+    """Every document and tombstone of an in-process cluster, each vbucket read on its active node."""
+    vbmap = cluster.vbucket_map()
+    out: dict[bytes, Doc] = {}
+    for vb, chain in enumerate(vbmap.chains):
+        if not chain or chain[0] is None:
+            continue
+        bucket = cluster.node(chain[0]).require_bucket()
+        for k, it in bucket.vbucket(vb).ht.items():
+            deleted = it.op is not Op.MUTATION
+            out[bytes(k)] = (None if deleted else bytes(it.value or b""), it.cas, it.rev_seqno, it.flags,
+                             it.expiry, deleted)
+    return out
