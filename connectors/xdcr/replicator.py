@@ -579,6 +579,7 @@ class XdcrReplicator:
                 self._abandon_transaction()
                 self.consumer.close()
                 self.consumer = None
+                self.vbs.clear()  # start() reloads what the state holds after the validation
 
     def _abandon_transaction(self) -> None:
         """Drop what is pending or in flight and roll the consumer's transaction back: no position commits

@@ -239,15 +239,40 @@ def test_hard_failover_of_the_target_after_a_checkpoint_resends_what_it_lost(kaf
 
 def test_hard_failover_of_the_target_during_a_run_is_detected_by_the_run(kafka_broker: Broker,
                                                                          tmp_path: Path) -> None:
+    """Every key written twice (two snapshots per vbucket in the topic), the target's replication stopped; the
+    replicator commits after every snapshot, and after its first commit the node holding the vbucket just
+    written is failed over hard (those writes lost, their position committed). The same run then writes that
+    vbucket's second snapshot -- NOT_MY_VBUCKET, the new map, its check of the target positions
+    (OBSERVE_SEQNO) find the lost history, and the run restarts from what the target holds."""
     target = TargetClusterNodes(tmp_path / "target", nodes=3, replicas=1, num_vbuckets=NVB)
     run = TopologyRun(kafka_broker, tmp_path, target)
     try:
-        for i in range(KEYS):
-            run.apply(("set", i, 100, 1, False))
-        run.apply(("replicate",))
-        target.settle()
-        run.failover_mid_run(0, 0)
-        assert run.history_lost > 0  # noticed by the run itself, not by the next start
+        for size in (100, 600):
+            for i in range(KEYS):
+                run.apply(("set", i, size, 1, False))
+            run.publish()
+        target.replicating = False
+        r = XdcrReplicator(run.h.client, run.h.topic, target.url, run.state, user=TargetClusterNodes.USER,
+                           password=TargetClusterNodes.PASSWORD,
+                           settings=XdcrSettings(batch_docs=5, checkpoint_interval=0, group_commit=1))
+        try:
+            r.start()
+            inner = r._before_commit
+            victims: list[str] = []
+
+            def hook() -> None:
+                inner()
+                written = [vb for vb, v in r.vbs.items() if v.written]
+                if not victims and written:
+                    victims.append(target.call(lambda: target.cluster.vbucket_map().chains[written[0]][0]))
+                    target.failover(victims[0])
+                    target.replicating = True
+
+            r.store.hook = hook
+            r.run(until_caught_up=True)
+            assert victims and r.metrics.target_history_lost > 0  # noticed by the running replicator
+        finally:
+            r.close()
         run.converge()
     finally:
         run.close()
