@@ -402,6 +402,10 @@ class XdcrReplicator:
                                       (u.key, vb, u.prior_seqno, u.prior_value))
                 restored += 1
         self.metrics.restored += restored
+        # a checkpoint of the lost branch cannot be resumed from (the undo just removed its mutation-log
+        # entries): were the target to lose these restores, an older checkpoint replays the branch and this
+        # rollback record again
+        self.checkpoints.drop_after(vb, 0 if rb.rebuild_from_zero else rb.to_seqno)
         log.info("xdcr: vbucket %d rolled back to seqno %d: %d target document(s) restored%s", vb, rb.to_seqno,
                  restored, " (rebuilt from zero)" if rb.rebuild_from_zero else "")
         st = rb.rollback.state

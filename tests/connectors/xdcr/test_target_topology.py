@@ -159,7 +159,7 @@ class TopologyRun(Run):
         self.h.settle()
         self.replicate()
         src = source_docs(self.h.bucket)
-        tgt = self.target.docs([self.key(i).encode() for i in range(KEYS)])
+        tgt = self.target.docs(sorted({self.key(i).encode() for i in range(KEYS)} | set(src)))
         bad = diverging(src, tgt)
         assert not bad, sorted(bad.items())[:4]
 
@@ -274,6 +274,48 @@ def test_hard_failover_of_the_target_during_a_run_is_detected_by_the_run(kafka_b
         finally:
             r.close()
         run.converge()
+    finally:
+        run.close()
+        target.close()
+
+
+def test_target_losing_the_restores_of_a_source_rollback_gets_them_again(kafka_broker: Broker,
+                                                                         tmp_path: Path) -> None:
+    """The source rolls back a branch that created a key; the target holds it (on its replicas too). The
+    replicator restores the target (a dominated tombstone, forced) while the target's replication is stopped,
+    and the target node holding it is failed over hard: the restore is lost. The source's new branch went past
+    the lost one's seqnos in that vbucket (other keys), so the replicator's position is beyond them. The next run
+    must not resume from a checkpoint of the lost branch (the rollback dropped those: their mutation-log entries
+    are gone): it replays from before the branch, crosses the rollback record again and restores again."""
+    from engine import vbucket_of
+
+    target = TargetClusterNodes(tmp_path / "target", nodes=3, replicas=1, num_vbuckets=NVB)
+    run = TopologyRun(kafka_broker, tmp_path, target)
+    b = run.h.bucket
+    try:
+        lost_key = run.key(KEYS - 1)
+        vb = vbucket_of(lost_key.encode(), NVB)
+        others = [k for k in (f"{run.prefix}x{j}" for j in range(400)) if vbucket_of(k.encode(), NVB) == vb][:3]
+        for k in others:
+            b.set(k, b'{"v": 0}')
+        run.apply(("replicate",))
+        b.set(lost_key, b'{"lost": true}', flags=7)  # created on a branch the source then loses
+        run.h.publish_unpersisted()
+        run.replicate()
+        run.h.crash_engine()
+        target.settle()
+        b = run.h.bucket  # the engine after its crash
+        for j in range(3):  # the new branch goes past the lost one's seqnos in the vbucket
+            for k in others:
+                b.set(k, b'{"v": %d}' % (j + 1))
+        target.replicating = False
+        run.apply(("replicate",))  # crosses the rollback: the restore reaches the target's active only
+        assert run.restored > 0
+        victim = target.call(lambda: target.cluster.vbucket_map().chains[vb][0])
+        target.failover(victim)
+        run._refill()
+        run.converge()
+        assert run.history_lost > 0
     finally:
         run.close()
         target.close()
