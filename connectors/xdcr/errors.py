@@ -33,9 +33,10 @@ class KvError(TargetError):
 
 
 class TargetHistoryLost(TargetError):
-    """A write answered from a new branch of a target vbucket, or a new target map (a failover on the target),
-    and the target no longer holds the position written before: it lost writes the replicator had sent. The replicator
-    restarts from the newest checkpoint the target still holds (docs/xdcr.md "Checkpoints")."""
+    """A write answered from a new branch of a target vbucket, or a new target map (a failover on the
+    target), and the target no longer holds the position written before: it lost writes the replicator had
+    sent. The replicator restarts from the newest checkpoint the target still holds (docs/xdcr.md
+    "Checkpoints")."""
 
     def __init__(self, vbucket: int, position: tuple[int, int], token: tuple[int, int] | None = None) -> None:
         super().__init__(f"the target lost the history of vbucket {vbucket}: position {position} is not held by "

@@ -93,7 +93,8 @@ class Metrics:
     def from_dict(cls, d: dict[str, Any]) -> Metrics:
         m = cls()
         for k in ("written", "filtered", "batches", "restored", "rollbacks", "rollbacks_from_zero",
-                  "dead_letters", "corrupt_records", "get_meta", "retries", "not_my_vbucket", "target_history_lost"):
+                  "dead_letters", "corrupt_records", "get_meta", "retries", "not_my_vbucket",
+                  "target_history_lost"):
             setattr(m, k, int(d.get(k, 0)))
         m.rejected = {str(k): int(v) for k, v in d.get("rejected", {}).items()}
         lat = d.get("batch_latency", {})
