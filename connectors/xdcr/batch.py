@@ -59,8 +59,10 @@ def precheck(target: TargetCluster, ops: Sequence[WriteOp], threshold: int, mode
 def write_batch(target: TargetCluster, ops: Sequence[WriteOp], *, threshold: int, mode: ConflictMode,
                 metrics: Metrics, dead_letter: Callable[[dict[str, Any]], None],
                 on_written: Callable[[WriteOp, WriteResult], None],
-                sleep: Callable[[float], None] = time.sleep) -> None:
-    """Pre-check, send and account one batch (see the module docstring)."""
+                sleep: Callable[[float], None] = time.sleep,
+                after_write: Callable[[], None] | None = None) -> None:
+    """Pre-check, send and account one batch (see the module docstring). ``after_write`` runs after every
+    round of writes, before their answers are accounted (the replicator's check of a changed target map)."""
     t0 = time.monotonic()
     m = metrics
     send = precheck(target, ops, threshold, mode, m)
@@ -68,7 +70,10 @@ def write_batch(target: TargetCluster, ops: Sequence[WriteOp], *, threshold: int
         if not send:
             break
         again: list[WriteOp] = []
-        for o, r in zip(send, target.write(send), strict=True):
+        results = target.write(send)
+        if after_write is not None:
+            after_write()
+        for o, r in zip(send, results, strict=True):
             st = r.status
             if st == Status.SUCCESS:
                 m.written += 1

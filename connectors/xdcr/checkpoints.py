@@ -78,6 +78,14 @@ class CheckpointStore:
         return [Checkpoint(vbucket, c, ConsumerPosition.from_dict(json.loads(s)), int(u), int(q))
                 for c, s, u, q in rows]
 
+    def drop_after(self, vbucket: int, seqno: int) -> int:
+        """Forget the vbucket's checkpoints above ``seqno`` (the source rolled back to it: they name a lost
+        branch, and the mirror and mutation log no longer describe it). Returns how many."""
+        gone = [ck.created for ck in self.list(vbucket) if ck.source.seqno > seqno]
+        self.conn.executemany("DELETE FROM xdcr_checkpoints WHERE vbucket = ? AND created = ?",
+                              [(vbucket, c) for c in gone])
+        return len(gone)
+
     def drop(self, vbucket: int) -> None:
         self.conn.execute("DELETE FROM xdcr_checkpoints WHERE vbucket = ?", (vbucket,))
         self.conn.execute("DELETE FROM xdcr_target_position WHERE vbucket = ?", (vbucket,))

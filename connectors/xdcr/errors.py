@@ -32,6 +32,18 @@ class KvError(TargetError):
         self.status = status
 
 
+class TargetHistoryLost(TargetError):
+    """A write answered from a new branch of a target vbucket, or a new target map (a failover on the
+    target), and the target no longer holds the position written before: it lost writes the replicator had
+    sent. The replicator restarts from the newest checkpoint the target still holds (docs/xdcr.md
+    "Checkpoints")."""
+
+    def __init__(self, vbucket: int, position: tuple[int, int], token: tuple[int, int] | None = None) -> None:
+        super().__init__(f"the target lost the history of vbucket {vbucket}: position {position} is not held by "
+                         f"its new branch{f' {token}' if token else ''}")
+        self.vbucket = vbucket
+
+
 class ConflictModeMismatch(XdcrError):
     """The target bucket's conflict-resolution mode differs from the source's (Couchbase refuses such a
     replication at creation)."""

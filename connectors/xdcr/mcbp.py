@@ -38,6 +38,7 @@ class Op(IntEnum):
     SASL_AUTH = 0x21
     SASL_STEP = 0x22
     DCP_GET_FAILOVER_LOG = 0x54
+    OBSERVE_SEQNO = 0x91
     SELECT_BUCKET = 0x89
     GET_META = 0xA0
     SET_WITH_META = 0xA2
@@ -112,6 +113,11 @@ GET_META_EXTRAS: Final = struct.Struct(">IIIQ")
 #: mutation token extras of a write answer (HELLO MutationSeqno): vbuuid, seqno
 TOKEN_EXTRAS: Final = struct.Struct(">QQ")
 PAIR: Final = struct.Struct(">QQ")
+#: OBSERVE_SEQNO answer, format 0 (the vbuuid asked is the current one): format, vbucket, vbuuid, persisted
+#: seqno, current seqno; format 1 (an older or unknown vbuuid) adds the old vbuuid and the last seqno of its
+#: branch the vbucket still holds (0: unknown)
+OBSERVE_SEQNO_0: Final = struct.Struct(">BHQQQ")
+OBSERVE_SEQNO_1: Final = struct.Struct(">BHQQQQQ")
 
 #: with-meta options (kv_engine protocol_binary.h)
 FORCE_ACCEPT_WITH_META_OPS: Final = 0x02

@@ -56,6 +56,9 @@ class Metrics:
     get_meta: int = 0
     retries: int = 0
     not_my_vbucket: int = 0
+    #: vbuckets resumed from an older checkpoint or zero because the target lost their history (a failover on
+    #: the target, docs/xdcr.md "Checkpoints")
+    target_history_lost: int = 0
     latency_sum: float = 0.0
     latency_max: float = 0.0
     latency_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
@@ -79,6 +82,7 @@ class Metrics:
                 "rollbacks": self.rollbacks, "rollbacks_from_zero": self.rollbacks_from_zero,
                 "dead_letters": self.dead_letters, "corrupt_records": self.corrupt_records,
                 "get_meta": self.get_meta, "retries": self.retries, "not_my_vbucket": self.not_my_vbucket,
+                "target_history_lost": self.target_history_lost,
                 "batch_latency": {"count": self.batches, "sum": round(self.latency_sum, 6),
                                   "max": round(self.latency_max, 6),
                                   "buckets": dict(zip(map(str, LATENCY_BUCKETS), self.latency_buckets,
@@ -89,7 +93,8 @@ class Metrics:
     def from_dict(cls, d: dict[str, Any]) -> Metrics:
         m = cls()
         for k in ("written", "filtered", "batches", "restored", "rollbacks", "rollbacks_from_zero",
-                  "dead_letters", "corrupt_records", "get_meta", "retries", "not_my_vbucket"):
+                  "dead_letters", "corrupt_records", "get_meta", "retries", "not_my_vbucket",
+                  "target_history_lost"):
             setattr(m, k, int(d.get(k, 0)))
         m.rejected = {str(k): int(v) for k, v in d.get("rejected", {}).items()}
         lat = d.get("batch_latency", {})

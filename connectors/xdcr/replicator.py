@@ -40,18 +40,18 @@ from pathlib import Path
 from typing import Any
 
 from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
-from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, MutationLog, Prior
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior
 from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
 from connectors.client.state import SqliteStateStore
 from connectors.exceptions import DecodeError
 from connectors.xdcr.batch import write_batch
-from connectors.xdcr.checkpoints import CheckpointStore, history_holds
+from connectors.xdcr.checkpoints import CheckpointStore
 from connectors.xdcr.connection import Credentials
 from connectors.xdcr.document import ConflictMode, DocVersion
 from connectors.xdcr.errors import (
     ConflictModeMismatch,
-    KvError,
     TargetAuthError,
+    TargetHistoryLost,
     TargetUnreachable,
     XdcrError,
 )
@@ -142,6 +142,8 @@ class XdcrReplicator:
         self._target_pos: dict[int, tuple[int, int]] = {}
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
+        #: the target map refreshes already checked against the target positions (_check_target_history)
+        self._map_seen = 0
         self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
         self.consumer: ChangeStreamConsumer | None = None
         self.store = _HookedStore(self.state_dir / STATE_FILE, topic)
@@ -174,6 +176,7 @@ class XdcrReplicator:
         filters, validate the positions against the target's history, then open the consumer."""
         s = self.settings
         self._with_retries(self.target.connect, "connect")
+        self._map_seen = self.target.map_refreshes
         mode = self.target.conflict_mode()
         if mode is not None and mode is not s.conflict_resolution:
             raise ConflictModeMismatch(
@@ -254,27 +257,46 @@ class XdcrReplicator:
                 tp = positions.get(vb)
                 if tp is None or tp[0] == 0:
                     continue
-                try:
-                    flog = self._with_retries(partial(self.target.failover_log, vb), "failover log")
-                except KvError as e:
-                    log.warning("xdcr: the target gives no failover log (%s): positions not validated", e)
+                held = self._with_retries(partial(self.target.holds, vb, *tp), "history check")
+                if held is None:
+                    log.warning("xdcr: the target tells neither OBSERVE_SEQNO nor its failover log: positions "
+                                "not validated")
                     break
-                if history_holds(flog, *tp):
+                if held:
                     continue
                 back: ConsumerPosition | None = None
                 for ck in self.checkpoints.list(vb):
-                    if history_holds(flog, ck.target_vbuuid, ck.target_seqno) and ck.source.seqno <= st.seqno:
+                    if ck.source.seqno <= st.seqno and self._with_retries(
+                            partial(self.target.holds, vb, ck.target_vbuuid, ck.target_seqno), "history check"):
                         back = ck.source
+                        # the position the target holds; a write from its new branch is then no news
+                        self.checkpoints.set_target_position(vb, ck.target_vbuuid, ck.target_seqno)
                         break
-                log.warning("xdcr: the target lost the history of vbucket %d (target position %s not in its "
-                            "failover log %s): resuming from %s", vb, tp, flog,
+                self.metrics.target_history_lost += 1
+                log.warning("xdcr: the target lost the history of vbucket %d (target position %s no longer held): "
+                            "resuming from %s", vb, tp,
                             f"the checkpoint at seqno {back.seqno}" if back else "zero")
                 self._reset_vbucket(vb, back, nparts)
         finally:
             self._commit()
 
     def _reset_vbucket(self, vb: int, back: ConsumerPosition | None, nparts: int = 0) -> None:
+        if back is not None:
+            # the mirror goes back with the position: every key changed above the checkpoint gets its version
+            # at the checkpoint again (the mutation log's undo), so the replay records true prior versions
+            try:
+                undo = MutationLog(self.conn).undo_to(vb, back.seqno)
+            except LogTooShort:
+                back = None
+            else:
+                for u in undo:
+                    if u.prior_value is None:
+                        self.conn.execute("DELETE FROM xdcr_docs WHERE key = ?", (u.key,))
+                    else:
+                        self.conn.execute("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)",
+                                          (u.key, vb, u.prior_seqno, u.prior_value))
         if back is None:
+            self.conn.execute("DELETE FROM xdcr_docs WHERE vbucket = ?", (vb,))
             self.conn.execute("DELETE FROM dcp_consumer_state WHERE topic = ? AND vbucket = ?", (self.topic, vb))
             MutationLog(self.conn).clear(vb)
             self.checkpoints.drop(vb)
@@ -375,6 +397,10 @@ class XdcrReplicator:
                                       (u.key, vb, u.prior_seqno, u.prior_value))
                 restored += 1
         self.metrics.restored += restored
+        # a checkpoint of the lost branch cannot be resumed from (the undo just removed its mutation-log
+        # entries): were the target to lose these restores, an older checkpoint replays the branch and this
+        # rollback record again
+        self.checkpoints.drop_after(vb, 0 if rb.rebuild_from_zero else rb.to_seqno)
         log.info("xdcr: vbucket %d rolled back to seqno %d: %d target document(s) restored%s", vb, rb.to_seqno,
                  restored, " (rebuilt from zero)" if rb.rebuild_from_zero else "")
         st = rb.rollback.state
@@ -434,14 +460,39 @@ class XdcrReplicator:
     def _write_batch(self, ops: list[WriteOp]) -> None:
         s = self.settings
         write_batch(self.target, ops, threshold=s.optimistic_threshold, mode=s.conflict_resolution,
-                    metrics=self.metrics, dead_letter=self._dead_letter, on_written=self._written, sleep=self.sleep)
+                    metrics=self.metrics, dead_letter=self._dead_letter, on_written=self._written, sleep=self.sleep,
+                    after_write=self._after_target_write)
+
+    def _after_target_write(self) -> None:
+        if self.target.map_refreshes != self._map_seen:
+            self._map_seen = self.target.map_refreshes
+            self._check_target_history()
 
     def _written(self, o: WriteOp, r: WriteResult) -> None:
         self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
         if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
             prev = self._target_pos.get(o.vbucket)
+            known = prev or self._committed_target_pos(o.vbucket)
+            if known is not None and known[0] != r.token[0] and self.target.holds(o.vbucket, *known) is False:
+                # a failover on the target lost writes sent before: start again from the newest checkpoint
+                # it still holds (run() restarts, start() validates)
+                raise TargetHistoryLost(o.vbucket, known, r.token)
             if prev is None or prev[0] != r.token[0] or r.token[1] > prev[1]:
                 self._target_pos[o.vbucket] = r.token
+
+    def _check_target_history(self) -> None:
+        """The target's map changed (a failover or rebalance on the target): does it still hold every target
+        position written? (A vbucket the replicator does not write again would otherwise only be checked at the
+        next start.)"""
+        known = {vb: (v.target_vbuuid, v.target_seqno) for vb, v in list(self.vbs.items()) if v.target_vbuuid}
+        known.update(self._target_pos)
+        for vb, pos in sorted(known.items()):
+            if self.target.holds(vb, *pos) is False:
+                raise TargetHistoryLost(vb, pos)
+
+    def _committed_target_pos(self, vb: int) -> tuple[int, int] | None:
+        v = self.vbs.get(vb)
+        return None if v is None or not v.target_vbuuid else (v.target_vbuuid, v.target_seqno)
 
     def _before_commit(self) -> None:
         """Runs before every commit of the consumer's transaction: what the positions cover reaches the
@@ -463,11 +514,36 @@ class XdcrReplicator:
 
     # ------------------------------------------------------------------------------------------- running
     def run(self, until_caught_up: bool = False) -> None:
-        if self.consumer is None:
-            self.start()
-        assert self.consumer is not None
-        self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
-                          on_error=self.on_corrupt, on_oversize=self.on_oversize)
+        while True:
+            if self.consumer is None:
+                self.start()
+            assert self.consumer is not None
+            try:
+                self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
+                                  on_error=self.on_corrupt, on_oversize=self.on_oversize)
+                return
+            except TargetHistoryLost as e:
+                # goxdcr restarts its pipeline when the target's topology changes; here the uncommitted
+                # transaction is dropped and start() resumes every vbucket from a position the target holds
+                log.warning("xdcr: %s: restarting from the target's history", e)
+                self._abandon_transaction()
+                self.consumer.close()
+                self.consumer = None
+                self.vbs.clear()  # start() reloads what the state holds after the validation
+
+    def _abandon_transaction(self) -> None:
+        """Drop what is pending or in flight and roll the consumer's transaction back: no position commits
+        beyond what reached the target."""
+        self.store.hook = None
+        self._pending.clear()
+        self._pending_bytes = 0
+        with contextlib.suppress(Exception):
+            self._join_inflight()
+        self.store.rollback()
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+        self._target_pos.clear()
+        self._dirty.clear()
 
     def stop(self) -> None:
         """Signal- and thread-safe: run() returns after the current event; retries give up."""
@@ -494,13 +570,7 @@ class XdcrReplicator:
         if self.consumer is not None:
             if self._pending or self._inflight:
                 # positions must not commit beyond what reached the target
-                self.store.hook = None
-                self._pending.clear()
-                with contextlib.suppress(Exception):
-                    self._join_inflight()
-                self.store.rollback()
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
+                self._abandon_transaction()
             self.consumer.close()
         self.store.hook = None
         if self._writer is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from connectors.xdcr.checkpoints import history_holds
 from connectors.xdcr.connection import Credentials, KvConnection
 from connectors.xdcr.document import ConflictMode, DocVersion
 from connectors.xdcr.errors import KvError, TargetError, TargetUnreachable, XdcrError
@@ -28,6 +29,8 @@ from connectors.xdcr.mcbp import (
     GET_META_ITEM_DELETED_FLAG,
     GET_META_VERSION_2,
     IS_EXPIRATION,
+    OBSERVE_SEQNO_0,
+    OBSERVE_SEQNO_1,
     PAIR,
     TOKEN_EXTRAS,
     WITH_META_EXTRAS,
@@ -280,6 +283,27 @@ class TargetCluster:
         if not r.ok or len(r.value) % PAIR.size:
             raise KvError(f"DCP_GET_FAILOVER_LOG of vbucket {vbucket}: {r.status_name()}", r.status)
         return [(u, s) for u, s in PAIR.iter_unpack(r.value)]
+
+    def holds(self, vbucket: int, vbuuid: int, seqno: int) -> bool | None:
+        """Does the target's active copy of ``vbucket`` still hold the history up to ``seqno`` written on branch
+        ``vbuuid`` (a target position answered by an earlier write)? OBSERVE_SEQNO with that vbuuid (kv_engine:
+        format 0 when it is the current branch, format 1 with the last seqno of an older one, 0 when unknown),
+        else the failover log (``checkpoints.history_holds``); None when the target tells neither."""
+        if vbuuid == 0:
+            return True  # the target gave no position (no MutationSeqno): nothing to check
+        req = (Op.OBSERVE_SEQNO, {"vbucket": vbucket, "value": vbuuid.to_bytes(8, "big")})
+        r = self._routed([(vbucket, req)])[0]
+        if r.ok and len(r.value) >= OBSERVE_SEQNO_0.size:
+            if r.value[0] == 0:
+                current = int(OBSERVE_SEQNO_0.unpack_from(r.value)[4])
+                return seqno <= current
+            if r.value[0] == 1 and len(r.value) >= OBSERVE_SEQNO_1.size:
+                _f, _vb, _u, _p, _c, old, last = OBSERVE_SEQNO_1.unpack_from(r.value)
+                return bool(old == vbuuid and seqno <= last)
+        try:
+            return history_holds(self.failover_log(vbucket), vbuuid, seqno)
+        except KvError:
+            return None
 
     def stats(self, group: str = "") -> dict[str, str]:
         """STAT ``group`` of the bootstrap node (its answers until the empty terminator)."""
