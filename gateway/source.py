@@ -32,7 +32,7 @@ from engine.network.process_cluster import ProcessCluster
 from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode, connect
 
 #: items per SQLite transaction when the publisher flushes the bucket before a DCP step (rollback mitigation)
-MITIGATION_FLUSH_ITEMS = 65_536
+MITIGATION_FLUSH_ITEMS = 16_384
 
 __all__ = ["AttachedNodesSource", "BucketSource", "ClusterSource", "DcpConnection", "DcpSource", "ProcessClusterSource", "cluster_summary", "make_source"]
 
