@@ -880,8 +880,11 @@ class Publisher:
             if offset is not None and part is not None and offset > last.get(part, -1):
                 last[part] = offset
                 self.records_acked += 1
-                if entry.dcp_bytes and entry.producer is not None:
-                    self._add_buffer_ack(entry.producer, entry.dcp_bytes)
+                p = entry.producer
+                if p is self._ack_to and p is not None:
+                    self._ack_bytes += entry.dcp_bytes
+                elif entry.dcp_bytes and p is not None:
+                    self._add_buffer_ack(p, entry.dcp_bytes)
                 pos = entry.pos
                 if pos is not None and not entry.filtered:
                     vb = entry.vbucket
