@@ -237,6 +237,9 @@ class Publisher:
         #: DCP is not stepped while any wait (docs/reliability.md "Stalled broker and health")
         self._backlog: deque[tuple[int, _Inflight, KafkaRecord | None]] = deque()
         self._dirty_acked: set[int] = set()
+        #: delivered DCP bytes not yet buffer-acknowledged, and the connection they go to (_add_buffer_ack)
+        self._ack_to: DcpConnection | None = None
+        self._ack_bytes = 0
         #: partitions waiting for a large record (delivered alone): what to produce after it, in order
         self._blocked: dict[int, deque[tuple[_Inflight, KafkaRecord | None]]] = {}
         #: large records Kafka refused in their delivery report (handled after the poll that served it)
@@ -475,6 +478,7 @@ class Publisher:
         if self.error is not None:
             raise PublishError(f"publishing stopped: {self.error}") from self.error
         self.kafka.poll(0)
+        self._send_buffer_acks()  # also those of delivery reports a caller's own poll served
         self._raise_lost()  # a delivery report just served says the topic lost its log
         if self._refusals or self._blocked:
             self._after_poll()
@@ -592,6 +596,19 @@ class Publisher:
         failed = self.failed_vbuckets
         if self._released:
             failed = {**failed, **dict.fromkeys(self._released, "removed")}
+        # The hot path (docs/gateway.md "Publishing path"): a data record that is not large, with nothing
+        # waiting for room and its partition not held by a large record, goes straight to produce() and its
+        # FIFO -- what _produce -> _send -> _try_produce would do, without their calls and per-record
+        # item/snapshot references. Anything else (the queue full, a refusal, a large record) takes that path.
+        produce = self.kafka.produce
+        topic = self.topic
+        nparts = self.num_partitions
+        inflight = self._inflight
+        owner = self._owner
+        backlog = self._backlog
+        blocked = self._blocked
+        large_bytes = self.large_record_bytes
+        now = time.monotonic()  # one hand-over time per batch (oldest_unacked_age)
         for m in msgs:
             if failed and m.vbucket in failed:
                 # the vbucket's stream was stopped (oversize_policy=fail): the tail it had already sent
@@ -610,9 +627,30 @@ class Publisher:
                     self._produce(vb, None, size, pos.copy() if done else None)
                     continue
                 rec = enc.data(m, pos.vbuuid, pos.snap_start, pos.snap_end)
-                meta = (pos.vbuuid, pos.snap_start, pos.snap_end)
-                pos.on_data(m.seqno)
-                self._produce(vb, rec, size, pos.copy() if m.seqno >= pos.snap_end else None, m, meta)
+                seqno = m.seqno
+                if seqno >= pos.snap_end:
+                    pos.on_data(seqno)
+                    after = pos.copy()
+                else:
+                    pos.seqno = seqno  # on_data inside a snapshot: only the seqno moves (gateway/resume.py)
+                    after = None
+                value = rec.value
+                part = vb % nparts
+                if not backlog and not (blocked and part in blocked) and (
+                        value is None or len(value) <= large_bytes):
+                    try:
+                        produce(topic, value, rec.key, partition=part, headers=rec.headers)
+                    except (BufferError, KafkaException):
+                        pass  # the general path produces it again and handles the refusal / full queue
+                    else:
+                        self.records_sent += 1
+                        self.bytes_sent += len(value or b"") + len(rec.key or b"")
+                        q = inflight.get(part)
+                        if q is None:
+                            q = inflight[part] = deque()
+                        q.append(_Inflight(vb, size, after, False, owner[vb], None, None, 0, now))
+                        continue
+                self._produce(vb, rec, size, after, m, (pos.vbuuid, pos.snap_start, pos.snap_end))
             elif type(m) is SnapshotMarker:
                 vb = m.vbucket
                 pos = sent[vb]
@@ -835,6 +873,27 @@ class Publisher:
             log.error("delivery report for partition %s with nothing in flight", part)
             return
         entry = q.popleft()
+        if err is None:
+            # the common case, kept short: one delivered record (the general _ack below does the same)
+            offset = msg.offset()
+            last = self._last_offset
+            if offset is not None and part is not None and offset > last.get(part, -1):
+                last[part] = offset
+                self.records_acked += 1
+                p = entry.producer
+                if p is self._ack_to and p is not None:
+                    self._ack_bytes += entry.dcp_bytes
+                elif entry.dcp_bytes and p is not None:
+                    self._add_buffer_ack(p, entry.dcp_bytes)
+                pos = entry.pos
+                if pos is not None and not entry.filtered:
+                    vb = entry.vbucket
+                    pos.offset = offset
+                    self.acked[vb] = pos
+                    self._dirty_acked.add(vb)
+                while q and q[0].filtered:
+                    self._ack(q.popleft(), offset)
+                return
         if err is not None and err.code() in _TOO_LARGE:
             reason = f"{err.name()}: {err.str()}"
             if entry.large and part is not None:
@@ -871,12 +930,29 @@ class Publisher:
         while q and q[0].filtered:
             self._ack(q.popleft(), offset)
 
+    def _add_buffer_ack(self, p: DcpConnection, nbytes: int) -> None:
+        """Count ``nbytes`` of delivered records for a DCP buffer-ack to ``p``. Acknowledged per batch, not per
+        record (:meth:`_send_buffer_acks`, after every poll and before every DCP step): the flow-control
+        budget a step sees is the same, with one call per poll instead of one per delivery report."""
+        if p is self._ack_to:
+            self._ack_bytes += nbytes
+            return
+        self._send_buffer_acks()
+        self._ack_to = p
+        self._ack_bytes = nbytes
+
+    def _send_buffer_acks(self) -> None:
+        """Send the DCP buffer-ack counted by :meth:`_add_buffer_ack`."""
+        p = self._ack_to
+        if p is not None:
+            n = self._ack_bytes
+            self._ack_to = None
+            self._ack_bytes = 0
+            self._buffer_ack(p, n)
+
     def _ack(self, entry: _Inflight, offset: int) -> None:
         if entry.dcp_bytes and entry.producer is not None:
-            try:  # noqa: SIM105 -- the hot path: no context manager per delivered record
-                entry.producer.buffer_acknowledge(entry.dcp_bytes)
-            except TemporaryFailure:
-                pass  # the connection died meanwhile (a node process killed): nothing to acknowledge to
+            self._add_buffer_ack(entry.producer, entry.dcp_bytes)
         vb = entry.vbucket
         if entry.filtered:
             # a filtered item's "offset" is that of the last record before it on the partition; the
@@ -936,8 +1012,10 @@ class Publisher:
         while self.inflight and time.monotonic() < deadline:
             self._drain()
             self.kafka.poll(0.05)
+            self._send_buffer_acks()
             if self._refusals or self._blocked:
                 self._after_poll()
+        self._send_buffer_acks()
         return self.inflight
 
     def status(self, vb: int) -> dict[str, int | bool]:

@@ -31,6 +31,9 @@ from engine.kv.vbucket import VBucketState
 from engine.network.process_cluster import ProcessCluster
 from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode, connect
 
+#: items per SQLite transaction when the publisher flushes the bucket before a DCP step (rollback mitigation)
+MITIGATION_FLUSH_ITEMS = 16_384
+
 __all__ = ["AttachedNodesSource", "BucketSource", "ClusterSource", "DcpConnection", "DcpSource", "ProcessClusterSource", "cluster_summary", "make_source"]
 
 #: a DCP connection: in process, or to a node process over TCP (duck-typing DcpProducer)
@@ -99,10 +102,11 @@ class BucketSource:
     def before_step(self, mitigation: bool) -> None:
         b = self.bucket
         if mitigation and b.dirty_vbuckets:
-            # Persisted-only publishing (docs/gateway.md): everything the next step returns is on disk.
-            b.flush()
-            if b.dirty_vbuckets:
-                b.flush_all()
+            # Persisted-only publishing (docs/gateway.md): everything the next step returns is on disk. In
+            # transactions of at most MITIGATION_FLUSH_ITEMS: the flusher builds a row per item, so a backlog
+            # of a million items flushed at once is the peak of the process's memory (docs/performance.md).
+            while b.dirty_vbuckets:
+                b.flush(MITIGATION_FLUSH_ITEMS)
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
         return self.bucket.vbucket(vb).persisted_seqno

@@ -251,6 +251,10 @@ def parsed_schema(name: str) -> dict[str, Any]:
 
 
 _CHANGE_PREFIX: Final = SINGLE_OBJECT_MARKER + CHANGE_EVENT_FINGERPRINT
+#: a ControlEvent of type SNAPSHOT up to its vbucket: single-object header + the enum index 0
+_SNAPSHOT_PREFIX: Final = SINGLE_OBJECT_MARKER + CONTROL_EVENT_FINGERPRINT + b"\x00"
+#: a snapshot ControlEvent after its flags: empty failover_log array, null rollback_seqno and stream_end_reason
+_SNAPSHOT_TAIL: Final = b"\x00\x00\x00"
 _HEADER_LEN: Final = 10
 
 
@@ -401,6 +405,8 @@ def _dec(n: int, field: str) -> bytes:
 
 
 _OP_AVRO: Final = (b"\x00", b"\x02", b"\x04")  # ChangeOp enum index, by Op
+#: Op.MUTATION as a plain int (compared per record: no enum attribute lookup)
+_MUTATION: Final = int(Op.MUTATION)
 _NULL_BRANCH: Final = b"\x00"
 _BYTES_BRANCH: Final = b"\x02"
 _FORMAT_HEADER: Final = {f: (H_FORMAT, f.value.encode("ascii")) for f in ValueFormat}
@@ -421,7 +427,7 @@ class RecordEncoder:
     Not thread-safe (it caches encoded pieces per vbucket / snapshot); use one per publishing thread.
     """
 
-    __slots__ = ("_format_header", "_snap_cache", "_vb_cache", "raw", "value_format")
+    __slots__ = ("_format_header", "_last", "_snap_cache", "_vb_cache", "raw", "value_format")
 
     def __init__(self, value_format: ValueFormat = ValueFormat.AVRO) -> None:
         self.value_format = ValueFormat(value_format)
@@ -431,6 +437,9 @@ class RecordEncoder:
         self._vb_cache: dict[tuple[int, int], tuple[bytes, tuple[str, bytes], tuple[str, bytes]]] = {}
         #: (snap_start, snap_end) -> (Avro snap_start+snap_end, dcp.snap.start header, dcp.snap.end header)
         self._snap_cache: dict[tuple[int, int], tuple[bytes, tuple[str, bytes], tuple[str, bytes]]] = {}
+        #: the last data record's (vbucket, vbuuid, snap_start, snap_end, vbucket piece, snapshot piece)
+        self._last: tuple[int, int, int, int, tuple[bytes, tuple[str, bytes], tuple[str, bytes]],
+                          tuple[bytes, tuple[str, bytes], tuple[str, bytes]]] | None = None
 
     def __repr__(self) -> str:
         return f"RecordEncoder({self.value_format.value})"
@@ -470,8 +479,17 @@ class RecordEncoder:
     def data(self, item: ChangeItem, vbuuid: int, snap_start: int, snap_end: int) -> KafkaRecord:
         """The record of a mutation / deletion / expiration ``item`` of snapshot [snap_start, snap_end] on
         branch ``vbuuid``. Key = the document key; value = Avro ChangeEvent, or the body as is (raw)."""
-        vbc = self._vb_cache.get((item.vbucket, vbuuid)) or self._vb_entry(item.vbucket, vbuuid)
-        sc = self._snap_cache.get((snap_start, snap_end)) or self._snap_entry(snap_start, snap_end)
+        # the items of one snapshot come one after the other: its pieces are remembered, not looked up each time
+        vb = item.vbucket
+        last = self._last
+        if last is not None and last[0] == vb and last[1] == vbuuid and last[2] == snap_start \
+                and last[3] == snap_end:
+            vbc = last[4]
+            sc = last[5]
+        else:
+            vbc = self._vb_cache.get((vb, vbuuid)) or self._vb_entry(vb, vbuuid)
+            sc = self._snap_cache.get((snap_start, snap_end)) or self._snap_entry(snap_start, snap_end)
+            self._last = (vb, vbuuid, snap_start, snap_end, vbc, sc)
         op = item.op
         if op > 2:  # a prepare / abort (docs/durability.md "DCP") never reaches a client without sync writes
             raise InvalidArgument(f"not a data item: {item!r}")
@@ -487,16 +505,16 @@ class RecordEncoder:
             self._format_header,
             vbc[1],
             vbc[2],
-            (H_SEQNO, _dec(seqno, "seqno")),
+            (H_SEQNO, b"%d" % seqno if 0 <= seqno <= _U64_MAX else _dec(seqno, "seqno")),
             sc[1],
             sc[2],
             _REV_HEADER[rev] if 0 <= rev < 4096 else (H_REV, _dec(rev, "rev_seqno")),
-            (H_CAS, _dec(cas, "cas")),
+            (H_CAS, b"%d" % cas if 0 <= cas <= _U64_MAX else _dec(cas, "cas")),
             _FLAGS_HEADER[flags] if 0 <= flags < 256 else (H_FLAGS, _dec(flags, "flags")),
             _EXPIRY_HEADER0 if expiry == 0 else (H_EXPIRY, _dec(expiry, "expiry")),
             _DATATYPE_HEADER[datatype] if 0 <= datatype < 256 else (H_DATATYPE, _dec(datatype, "datatype")),
         ]
-        value = item.value if op == Op.MUTATION else None
+        value = item.value if op == _MUTATION else None
         if self.raw:
             return KafkaRecord(key, value, headers)
         if value is None:
@@ -506,6 +524,7 @@ class RecordEncoder:
         else:
             branch = _BYTES_BRANCH
             vlen = _varint(len(value) << 1)
+        # small non-negative longs (flags, expiry, rev, datatype are usually tiny) straight from the table
         body = b"".join(
             (
                 _CHANGE_PREFIX,
@@ -517,11 +536,11 @@ class RecordEncoder:
                 value,
                 vbc[0],
                 _long(seqno, "seqno"),
-                _long(rev, "rev_seqno"),
+                _VARINT[rev << 1] if 0 <= rev < 0x2000 else _long(rev, "rev_seqno"),
                 _long(cas, "cas"),
-                _long(flags, "flags"),
-                _long(expiry, "expiry"),
-                _int(datatype, "datatype"),
+                _VARINT[flags << 1] if 0 <= flags < 0x2000 else _long(flags, "flags"),
+                _VARINT[expiry << 1] if 0 <= expiry < 0x2000 else _long(expiry, "expiry"),
+                _VARINT[datatype << 1] if 0 <= datatype < 0x2000 else _int(datatype, "datatype"),
                 sc[0],
             )
         )
@@ -590,6 +609,27 @@ class RecordEncoder:
         flags = int(marker.flags)
         if not 0 <= flags <= _I32_MAX:
             raise RecordFormatError(f"snapshot flags must be in [0, 2**31), got {flags}")
+        if not self.raw:
+            # One per snapshot, so as hot as data records when snapshots are small: the ControlEvent is built
+            # from the cached vbucket / snapshot pieces, byte for byte what _control's fastavro path writes
+            # (tests/schemas/test_codec.py compares the two).
+            vb = marker.vbucket
+            start = marker.start
+            end = marker.end
+            vbc = self._vb_cache.get((vb, vbuuid)) or self._vb_entry(vb, vbuuid)
+            sc = self._snap_cache.get((start, end)) or self._snap_entry(start, end)
+            headers: Headers = [
+                _TYPE_HEADER[RecordType.SNAPSHOT],
+                self._format_header,
+                vbc[1],
+                vbc[2],
+                (H_SEQNO, _dec(start, "seqno")),
+                sc[1],
+                sc[2],
+            ]
+            body = b"".join((_SNAPSHOT_PREFIX, vbc[0], _long(start, "seqno"), sc[0], _varint(flags << 1),
+                             _SNAPSHOT_TAIL))
+            return KafkaRecord(None, body, headers)
         return self._control(
             RecordType.SNAPSHOT, marker.vbucket, vbuuid, marker.start, marker.start, marker.end,
             snapshot_flags=flags,

@@ -55,9 +55,13 @@ OP_OF_TYPE: Final = {RecordType.MUTATION: Op.MUTATION, RecordType.DELETION: Op.D
                      RecordType.EXPIRATION: Op.EXPIRATION}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KafkaRecord:
-    """One record for ``Producer.produce(topic, value=..., key=..., partition=..., headers=...)``."""
+    """One record for ``Producer.produce(topic, value=..., key=..., partition=..., headers=...)``.
+
+    Immutable by convention (not ``frozen``: a frozen dataclass's ``__init__`` costs ~1.5 µs more per record,
+    and one is built per published record; its headers list makes it unhashable either way).
+    """
 
     key: bytes | None
     value: bytes | None

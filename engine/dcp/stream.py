@@ -344,12 +344,19 @@ class ActiveStream:
                 self.last_sent = last_item.seqno
                 self.items_sent += n
             return 0
+        pop = ready.popleft
+        append = out.append
+        last_item = None
+        items = 0
         while ready and n < max_messages and taken < byte_budget:
-            m = ready.popleft()
-            out.append(m)
+            m = pop()
+            append(m)
             taken += m.dcp_size
             n += 1
             if type(m) is Item:
-                self.last_sent = m.seqno
-                self.items_sent += 1
+                last_item = m
+                items += 1
+        if last_item is not None:  # once per batch, not per item (the gateway's hot path)
+            self.last_sent = last_item.seqno
+            self.items_sent += items
         return taken
