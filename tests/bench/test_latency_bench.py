@@ -1,0 +1,59 @@
+"""``python -m bench.latency`` and ``python -m bench.report`` smoke runs: the figure names of issue 17's latency
+ask, and the three charts written as PNG files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.kafka
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ["figure", "value", "unit", "baseline", "ratio", "target", "better"]
+
+
+def run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_latency_prints_the_lag_percentiles_against_the_raw_producer() -> None:
+    proc = run("bench.latency", "--docs", "400", "--vbuckets", "16", "--cluster-docs", "100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.strip().splitlines()]
+    figs = {x["figure"]: x for x in lines if "figure" in x}
+    assert list(figs) == ["gateway.max_ingest", "gateway.lag_p50_ms", "gateway.lag_p99_ms",
+                          "gateway.lag_unpersisted_p50_ms", "gateway.lag_unpersisted_p99_ms",
+                          "gateway.cluster_lag_p50_ms", "gateway.cluster_lag_p99_ms"]
+    assert all(list(f) == KEYS for f in figs.values())
+    assert figs["gateway.lag_p99_ms"]["target"] == 100.0
+    assert all(f["target"] is None for n, f in figs.items() if n != "gateway.lag_p99_ms")
+    assert all(f["value"] > 0 for f in figs.values())
+    assert figs["gateway.lag_p50_ms"]["value"] <= figs["gateway.lag_p99_ms"]["value"]
+    info = next(x for x in lines if x.get("info") == "latency")
+    # two rounds per mode at half the measured maximum rate
+    assert info["writes_per_mode"] == 800
+    assert info["steady_rate"] == pytest.approx(figs["gateway.max_ingest"]["value"] / 2, rel=0.01)
+
+
+def test_report_renders_the_three_charts(tmp_path: Path) -> None:
+    proc = run("bench.report", "--docs", "300", "--lag-docs", "200", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = [Path(json.loads(x)["path"]) for x in proc.stdout.strip().splitlines()]
+    assert sorted(p.name for p in paths) == ["gateway-lag.png", "gateway-rss.png", "gateway-throughput.png"]
+    for p in paths:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize(("module", "bad"), [("bench.latency", ["--docs", "10"]),
+                                             ("bench.latency", ["--cluster-rate", "0"]),
+                                             ("bench.report", ["--docs", "1"])])
+def test_bad_arguments_exit_2_with_one_line(module: str, bad: list[str]) -> None:
+    proc = run(module, *bad)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("usage:") is False
+    assert "error:" in proc.stderr.strip().splitlines()[-1]
