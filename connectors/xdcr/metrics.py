@@ -125,6 +125,9 @@ def prometheus_text(status: dict[str, Any]) -> str:
     metric("rollbacks_total", "counter", "Source rollbacks crossed.", [("", c["rollbacks"])])
     metric("dead_letters_total", "counter", "Records and writes sent to the dead letter.",
            [("", c["dead_letters"])])
+    metric("target_history_lost_total", "counter",
+           "Times the target was found to have lost writes already sent (a failover on the target): resent.",
+           [("", c.get("target_history_lost", 0))])
     lat = c["batch_latency"]
     lines.append("# HELP dcpgw_xdcr_batch_latency_seconds Time to write one batch to the target.")
     lines.append("# TYPE dcpgw_xdcr_batch_latency_seconds histogram")

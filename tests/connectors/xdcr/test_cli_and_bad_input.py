@@ -183,6 +183,7 @@ def test_status_and_prometheus_over_http(harness: Harness, target: Any, tmp_path
             assert f"dcpgw_xdcr_docs_written_total {r.metrics.written}" in text
             assert 'dcpgw_xdcr_vbucket_lag_seqnos{vbucket="0"} 0' in text
             assert "dcpgw_xdcr_batch_latency_seconds_count" in text
+            assert "dcpgw_xdcr_target_history_lost_total 0" in text
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(base + "/nope", timeout=10)
             assert e.value.code == 404 and json.loads(e.value.read())["error"] == "not_found"

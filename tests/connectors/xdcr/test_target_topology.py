@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from connectors.xdcr.metrics import prometheus_text
 from connectors.xdcr.replicator import XdcrReplicator, XdcrSettings
 from gateway.broker import Broker
 from tests.connectors.xdcr.harness import TargetClusterNodes, diverging, source_docs
@@ -271,6 +272,8 @@ def test_hard_failover_of_the_target_during_a_run_is_detected_by_the_run(kafka_b
             r.store.hook = hook
             r.run(until_caught_up=True)
             assert victims and r.metrics.target_history_lost > 0  # noticed by the running replicator
+            lost = r.metrics.target_history_lost
+            assert f"dcpgw_xdcr_target_history_lost_total {lost}" in prometheus_text(r.status())
         finally:
             r.close()
         run.converge()
