@@ -63,6 +63,8 @@ class GroupMember:
         self.released = 0
         #: why this member stopped publishing at once (docs/scale-out.md "Fencing"); None: it was not fenced
         self.fenced: str | None = None
+        #: loop rounds that published nothing because the lease was not confirmed yet
+        self.waits_for_lease = 0
         self._next_cp = 0.0
 
     # ------------------------------------------------------------------ the membership thread
@@ -117,12 +119,15 @@ class GroupMember:
         self.serve()
         pub = self.publisher
         # docs/scale-out.md "Fencing": never hand Kafka a record once the generation is unconfirmed past the
-        # lease (paused past the session timeout, expelled): the group may have given the vbuckets away
+        # lease (paused, cut off from the coordinator): the group may have given the vbuckets away. Wait for
+        # the membership thread to confirm it again; if the group refused it (or the assignment was lost),
+        # stop for good.
+        if m.fenced is not None:
+            self.fenced = m.fenced
+            raise MemberFenced(f"fenced, publishing nothing more: {m.fenced}")
         if pub.assigned and m.lease_expired():
-            why = m.fenced or (f"group {m.group}: this member's generation was not confirmed for "
-                               f"{m.lease_s:.1f} s (paused or cut off from the coordinator)")
-            self.fenced = why
-            raise MemberFenced(f"fenced, publishing nothing more: {why}")
+            self.waits_for_lease += 1
+            return True
         pub.pump()
         now = self.clock()
         if now >= self._next_cp:

@@ -348,9 +348,13 @@ class Membership:
                         on_lost=self._on_lost)
             while not self._stop.is_set():
                 c.poll(0.1)  # the coordination topic holds no records: this serves the group protocol
-                if self.fail_stop and self.owned and self.fenced is None and self.clock() >= self._next_check:
-                    self._next_check = self.clock() + self.check_interval_s
-                    self._confirm(c)
+                if self.fail_stop and self.owned and self.fenced is None:
+                    now = self.clock()
+                    # every tenth of the session timeout, and at once when the loop waits for the lease (e.g. after
+                    # a long hand-over that kept this thread in a callback)
+                    if now >= self._next_check or now >= self.lease_until:
+                        self._next_check = now + self.check_interval_s
+                        self._confirm(c)
         except BaseException as e:  # reported through self.error
             self.error = e
             log.exception("group %s: membership failed", self.group)
