@@ -684,6 +684,17 @@ class NodeServer:
             # every vbucket's state in one answer (a gateway attached to running nodes learns the actives:
             # docs/scale-out.md)
             stats = {str(v.id): v.state.value for v in b.vbuckets()}
+        elif group == "vbucket-persisted":
+            # what OBSERVE_SEQNO answers (_observe: latest vbuuid, persisted seqno -- a replica's end of its last
+            # complete snapshot persisted) for every active and replica vbucket in one answer, "<vbuuid> <seqno>":
+            # a gateway attached to running nodes polls persistence for rollback mitigation with it
+            # (docs/scale-out.md "Why 2 gateways are not 2x")
+            stats = {}
+            for v in b.vbuckets():
+                if v.state is VBucketState.ACTIVE:
+                    stats[str(v.id)] = f"{v.failover.entries[0].vbuuid} {v.persisted_seqno}"
+                elif v.state is VBucketState.REPLICA:
+                    stats[str(v.id)] = f"{v.failover.entries[0].vbuuid} {v.snapshot_persisted}"
         elif group == "replication":
             stats = {}
             for src, link in sorted(self.links.items()):

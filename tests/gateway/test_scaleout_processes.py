@@ -347,3 +347,36 @@ def test_up_killed_leaves_no_gateway_child_behind(kafka_broker: Broker, tmp_path
         wait_for(gone, "the child member exits after its parent was killed", 60)
     finally:
         gw.close()
+
+
+def test_persistence_polling_of_attached_nodes_agrees_with_observe_by_seqno(tmp_path: Path) -> None:
+    """``stats vbucket-persisted`` (one answer per node) gives rollback mitigation the same persisted seqnos as
+    OBSERVE_SEQNO per vbucket on the active and every replica; a stale vbuuid gives 0 (failed over)."""
+    from gateway.source import AttachedNodesSource
+
+    c = ProcessCluster.start(tmp_path / "engine", nodes=2, replicas=1, num_vbuckets=NVB)
+    try:
+        for i in range(200):
+            c.write(f"k{i}", b'{"v": 1}')
+        c.stop_persistence("n0")
+        for i in range(200, 260):
+            c.write(f"k{i}", b'{"v": 2}')
+        src = AttachedNodesSource([f"{n.host}:{n.port}" for n in c.nodes.values()], "t", 1 << 20,
+                                  persistence_poll_interval=0.0)
+        src.open()
+        try:
+            for vb in range(NVB):
+                name = src.active_node(vb)
+                assert name is not None
+                uuid = src.failover_log(vb)[0].vbuuid
+                obs = src.nodes[name].observe_seqno(vb, uuid)
+                want = min([obs.persisted_seqno] + [src.nodes[r].observe_seqno(vb, uuid).persisted_seqno
+                                                    for r in src._replicas[vb]])
+                assert src.persisted_everywhere(vb, uuid) == want, vb
+                assert src.persisted_everywhere(vb, uuid + 1) == 0
+            raw = next(iter(src.nodes.values())).stats("vbucket-persisted")
+            assert raw and all(len(v.split()) == 2 for v in raw.values())
+        finally:
+            src.close()
+    finally:
+        c.close(clean=False)
