@@ -389,7 +389,7 @@ class AttachedNodesSource:
 
     def __init__(self, addresses: list[str], connection_name: str, buffer_size: int, *,
                  poll_timeout: float = 0.002, refresh_interval: float = 0.5, timeout: float = 10.0,
-                 persistence_poll_interval: float = 0.01, clock: Callable[[], float] = time.monotonic) -> None:
+                 persistence_poll_interval: float = 0.02, clock: Callable[[], float] = time.monotonic) -> None:
         if not addresses:
             raise InvalidArgument("no node address given")
         self.addresses = list(addresses)
@@ -559,9 +559,9 @@ class AttachedNodesSource:
             self._persisted[name] = (now, None)
             return None
         table: dict[int, tuple[int, int]] = {}
-        for k, v in raw.items():
-            uuid, _sp, seqno = v.partition(" ")
-            table[int(k)] = (int(uuid), int(seqno))
+        for entry in raw.get("vbuckets", "").split():
+            vb, uuid, seqno = entry.split(":")
+            table[int(vb)] = (int(uuid), int(seqno))
         self._persisted[name] = (now, table)
         return table
 
