@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -141,6 +142,21 @@ def median_round(rounds: list[tuple[Result, Result]]) -> tuple[Result, Result]:
     return rounds[ratios.index(m)]
 
 
+def scaleout_cpu(one: Result, many: Result, cores: int) -> dict[str, Any]:
+    """CPU seconds of the gateways and of the engine node process in the timed part of the one-gateway and
+    the K-gateway run, and the best K-over-one ratio those costs allow on ``cores`` cores (docs/scale-out.md
+    "Why 2 gateways are not 2x on 2 cores"): a run takes at least its busiest process's CPU time (one gateway
+    is one thread; the engine serves every member on one event loop) and at least the total over the cores."""
+    g, e, k = float(one["cpu_s"]), float(one["engine_cpu_s"]), int(many["gateways"])
+
+    def floor(members: int) -> float:
+        return max(g / members, e, (g + e) / cores)
+
+    return {"one": {"gateways": round(g, 2), "engine": round(e, 2)},
+            "many": {"gateways": round(many["cpu_s"], 2), "engine": round(many["engine_cpu_s"], 2)},
+            "cores": cores, "cpu_bound_ratio": round(floor(1) / floor(k), 2) if g > 0 else None}
+
+
 def run_one(args: argparse.Namespace) -> None:
     """A child process: one timed run, its result as the last stdout line."""
     kafka = json.loads(args.kafka)
@@ -207,6 +223,8 @@ def main() -> None:
         if scale:
             gm, g1 = median_round(scale)
             figure("gateway.scaleout", gm["rate"], "docs/s", g1["rate"], 1.6, "higher")
+            print(json.dumps({"info": "gateway.scaleout.cpu_s", **scaleout_cpu(g1, gm, os.cpu_count() or 1)}),
+                  flush=True)
             for name, mib in sorted(gm.get("rss_mib_per_process", {}).items()):
                 print(json.dumps({"info": "gateway.rss_mib.process", "process": name, "value": round(mib, 1)}),
                       flush=True)

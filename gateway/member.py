@@ -26,8 +26,10 @@ from gateway.config import GatewaySettings
 from gateway.exceptions import GatewayError
 from gateway.kafka.membership import (
     DEFAULT_SESSION_TIMEOUT_MS,
+    MemberFenced,
     Membership,
     VBucketHandoff,
+    fenced_producer_config,
 )
 from gateway.publisher import Publisher
 from gateway.resume import CheckpointWriter, PublishPosition, load_checkpoints, replay_tail
@@ -55,10 +57,14 @@ class GroupMember:
         self.handoff = VBucketHandoff()
         self.membership = Membership(client_config, topic, group, num_vbuckets, self.handoff, self._recover,
                                      partitions=member_partitions, session_timeout_ms=session_timeout_ms,
-                                     member_name=member_name)
+                                     member_name=member_name, fail_stop=True, clock=clock)
         #: vbuckets taken over / released so far (events, for status and tests)
         self.taken = 0
         self.released = 0
+        #: why this member stopped publishing at once (docs/scale-out.md "Fencing"); None: it was not fenced
+        self.fenced: str | None = None
+        #: loop rounds that published nothing because the lease was not confirmed yet
+        self.waits_for_lease = 0
         self._next_cp = 0.0
 
     # ------------------------------------------------------------------ the membership thread
@@ -112,6 +118,16 @@ class GroupMember:
             return False
         self.serve()
         pub = self.publisher
+        # docs/scale-out.md "Fencing": never hand Kafka a record once the generation is unconfirmed past the
+        # lease (paused, cut off from the coordinator): the group may have given the vbuckets away. Wait for
+        # the membership thread to confirm it again; if the group refused it (or the assignment was lost),
+        # stop for good.
+        if m.fenced is not None:
+            self.fenced = m.fenced
+            raise MemberFenced(f"fenced, publishing nothing more: {m.fenced}")
+        if pub.assigned and m.lease_expired():
+            self.waits_for_lease += 1
+            return True
         pub.pump()
         now = self.clock()
         if now >= self._next_cp:
@@ -120,10 +136,17 @@ class GroupMember:
         return True
 
     def finish(self) -> None:
-        """Close: the publisher waits (bounded) for its deliveries, the checkpoints are flushed."""
+        """Close: the publisher waits (bounded) for its deliveries, the checkpoints are flushed. A fenced member
+        first drops what its producer still queues or has in flight (never delivered late) and writes no
+        checkpoint."""
         self.handoff.close()
         self.membership.stop()
         pub = self.publisher
+        if self.fenced is not None:
+            pub.purge()
+            pub.close(0)
+            self.membership.join(5.0)
+            return
         pub.close()
         self.checkpoints.write(pub.take_checkpoints())
         self.checkpoints.flush()
@@ -188,6 +211,9 @@ def run_attached_member(settings: GatewaySettings, bootstrap_servers: str, addre
                                needed)
     limit = topic_record_limit(client, topic, needed)
     large = max(1, DEFAULT_LARGE_RECORD_BYTES if limit is None else min(limit, needed) - 1024)
+
+    # a member's records never wait in its producer past its lease (docs/scale-out.md "Fencing")
+    producer_conf = fenced_producer_config(producer_conf, s.group_session_timeout_ms)
 
     def make(vbs: list[int]) -> Publisher:
         return Publisher(source, producer_conf, topic, partitions, RecordEncoder(ValueFormat(s.value_format)), {},

@@ -393,7 +393,7 @@ class AttachedNodesSource:
 
     def __init__(self, addresses: list[str], connection_name: str, buffer_size: int, *,
                  poll_timeout: float = 0.002, refresh_interval: float = 0.5, timeout: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 persistence_poll_interval: float = 0.02, clock: Callable[[], float] = time.monotonic) -> None:
         if not addresses:
             raise InvalidArgument("no node address given")
         self.addresses = list(addresses)
@@ -413,6 +413,12 @@ class AttachedNodesSource:
         self._revision = 0
         self._next_refresh = 0.0
         self._dropped: dict[str, int] = {}
+        #: rollback mitigation's persistence polling: every vbucket's (vbuuid, persisted seqno) per node, read in
+        #: one ``stats vbucket-persisted`` at most every ``persistence_poll_interval`` s (java-dcp-client polls
+        #: every 100 ms) instead of one OBSERVE_SEQNO round trip per vbucket and pump; None for a node that
+        #: does not know the stat group (it is observed per vbucket)
+        self.persistence_poll_interval = persistence_poll_interval
+        self._persisted: dict[str, tuple[float, dict[int, tuple[int, int]] | None]] = {}
 
     @property
     def num_vbuckets(self) -> int:
@@ -544,8 +550,46 @@ class AttachedNodesSource:
     def before_step(self, mitigation: bool) -> None:
         """Nothing: the nodes flush on their own, and mitigation checks persistence itself."""
 
+    def _persisted_table(self, name: str) -> dict[int, tuple[int, int]] | None:
+        """The node's (vbuuid, persisted seqno) per vbucket, at most ``persistence_poll_interval`` old; None
+        when the node does not answer ``stats vbucket-persisted`` (an older node: observe per vbucket)."""
+        now = self.clock()
+        have = self._persisted.get(name)
+        if have is not None and (have[1] is None or now - have[0] < self.persistence_poll_interval):
+            return have[1]
+        try:
+            raw = self.nodes[name].stats("vbucket-persisted")
+        except InvalidArgument:
+            self._persisted[name] = (now, None)
+            return None
+        table: dict[int, tuple[int, int]] = {}
+        for entry in raw.get("vbuckets", "").split():
+            vb, uuid, seqno = entry.split(":")
+            table[int(vb)] = (int(uuid), int(seqno))
+        self._persisted[name] = (now, table)
+        return table
+
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
-        """Observe-by-seqno on the active and on every node holding a replica copy (0 when unknown)."""
+        """What observe-by-seqno says is persisted on the active and on every node holding a replica copy (0
+        when unknown or the vbucket failed over from ``vbuuid``), from the nodes' polled persistence tables."""
+        try:
+            name = self._active[vb]
+            if name is None:
+                return 0
+            table = self._persisted_table(name)
+            if table is not None:
+                uuid, safe = table.get(vb, (0, 0))
+                if uuid != vbuuid:
+                    return 0  # not active there any more, or failed over: as observe's format 1
+                for rep in self._replicas[vb]:
+                    rt = self._persisted_table(rep)
+                    if rt is None:
+                        safe = min(safe, self.nodes[rep].observe_seqno(vb, vbuuid).persisted_seqno)
+                    else:
+                        safe = min(safe, rt.get(vb, (0, 0))[1])
+                return safe
+        except (TemporaryFailure, OSError):
+            return 0
         try:
             r = self._client(vb).observe_seqno(vb, vbuuid)
             if r.failed_over:

@@ -684,6 +684,16 @@ class NodeServer:
             # every vbucket's state in one answer (a gateway attached to running nodes learns the actives:
             # docs/scale-out.md)
             stats = {str(v.id): v.state.value for v in b.vbuckets()}
+        elif group == "vbucket-persisted":
+            # what OBSERVE_SEQNO answers (_observe: latest vbuuid, persisted seqno -- a replica's end of its last
+            # complete snapshot persisted) for every active and replica vbucket, in one stat "vbuckets" whose
+            # value is "<vb>:<vbuuid>:<seqno>" separated by spaces (one frame, not one per vbucket): a gateway
+            # attached to running nodes polls persistence for rollback mitigation with it (docs/scale-out.md)
+            active, replica = VBucketState.ACTIVE, VBucketState.REPLICA
+            stats = {"vbuckets": " ".join(
+                f"{v.id}:{v.failover.entries[0].vbuuid}:"
+                f"{v.persisted_seqno if v.state is active else v.snapshot_persisted}"
+                for v in b.vbuckets() if v.state is active or v.state is replica)}
         elif group == "replication":
             stats = {}
             for src, link in sorted(self.links.items()):

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from gateway.exceptions import BrokerError, GatewayError
@@ -41,6 +41,31 @@ DEFAULT_MEMBER_PARTITIONS: Final = 64
 #: how long a member may stay silent before the group expels it (Kafka's default is 45 s; a gateway wants its
 #: vbuckets moved sooner)
 DEFAULT_SESSION_TIMEOUT_MS: Final = 10_000
+#: fencing (docs/scale-out.md "Fencing"): a confirmed generation is a lease of this fraction of the session
+#: timeout, and a member's records may wait at most as long in its producer (``message.timeout.ms``)
+LEASE_FRACTION: Final = 1 / 3
+#: a fail-stop member's producer queue is kept short, so that records rarely wait long in it
+FENCED_QUEUE_MAX_KBYTES: Final = 16 * 1024
+#: OffsetCommit answers that say this member is no longer in the group's current generation
+_EXPELLED: Final = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION,
+                              KafkaError.FENCED_INSTANCE_ID})
+
+
+class MemberFenced(GatewayError):
+    """This member may no longer own its vbuckets (its generation is stale or unconfirmed for too long: it was
+    paused or cut off past its session timeout); it must publish nothing more (docs/scale-out.md "Fencing")."""
+
+
+def fenced_producer_config(producer_config: dict[str, Any], session_timeout_ms: int) -> dict[str, Any]:
+    """A fail-stop member's producer settings: a record not delivered within the lease
+    (``LEASE_FRACTION`` of the session timeout) fails locally instead of being sent late, after another member
+    may have taken its vbucket over (librdkafka ``message.timeout.ms``), and a shorter local queue."""
+    conf = dict(producer_config)
+    lease_ms = max(1, int(session_timeout_ms * LEASE_FRACTION))
+    conf["message.timeout.ms"] = min(int(conf.get("message.timeout.ms", lease_ms)), lease_ms)
+    conf["queue.buffering.max.kbytes"] = min(int(conf.get("queue.buffering.max.kbytes", FENCED_QUEUE_MAX_KBYTES)),
+                                             FENCED_QUEUE_MAX_KBYTES)
+    return conf
 
 
 def members_topic_name(topic: str) -> str:
@@ -181,7 +206,8 @@ class Membership:
     def __init__(self, client_config: dict[str, Any], topic: str, group: str, num_vbuckets: int,
                  handoff: VBucketHandoff, recover: Callable[[list[int]], Any], *,
                  partitions: int | None = None, session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
-                 member_name: str = "dcpgw", change_timeout: float | None = 120.0) -> None:
+                 member_name: str = "dcpgw", change_timeout: float | None = 120.0, fail_stop: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not group:
             raise GatewayError("the group name must not be empty")
         self.client_config = client_config
@@ -202,6 +228,18 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: Consumer | None = None
+        #: fencing (docs/scale-out.md "Fencing"): a fail-stop member confirms its generation every tenth of the
+        #: session timeout (a synchronous offset commit of its coordination partitions, which the coordinator
+        #: refuses from an expelled member) and may publish only until ``lease_until`` (``clock`` time); losing
+        #: the assignment (``on_lost``) or a refused commit sets ``fenced`` instead of releasing cleanly
+        self.fail_stop = fail_stop
+        self.clock = clock
+        self.lease_s = session_timeout_ms / 1000 * LEASE_FRACTION
+        self.check_interval_s = max(0.1, session_timeout_ms / 10_000)
+        self.lease_until = 0.0
+        self.fenced: str | None = None
+        self._assigned: list[int] = []
+        self._next_check = 0.0
 
     def start(self) -> None:
         self.partitions = ensure_members_topic(self.client_config, self.topic, self.partitions)
@@ -215,10 +253,17 @@ class Membership:
     def _on_assign(self, c: Consumer, parts: list[TopicPartition]) -> None:
         vbs = self._vbuckets(parts)
         self.generations += 1
+        # the SyncGroup answer that carried this assignment confirms the generation
+        self.lease_until = self.clock() + self.lease_s
+        self._assigned = [p.partition for p in parts if p.partition is not None]
         log.info("group %s: assigned %d coordination partitions, %d vbuckets", self.group, len(parts), len(vbs))
         if vbs:
             try:
                 payload = self.recover(vbs)
+                if self.fail_stop:
+                    self._confirm(c)  # recovery may have taken a while: renew the lease before publishing
+                    if self.fenced is not None:
+                        return
                 self.handoff.assign(vbs, payload, self.change_timeout)
             except BaseException as e:
                 self.error = e
@@ -239,12 +284,53 @@ class Membership:
                 log.exception("group %s: could not release vbuckets", self.group)
                 self._stop.set()
         self.owned = []
+        self._assigned = []
 
     def _on_lost(self, c: Consumer, parts: list[TopicPartition]) -> None:
         # The group expelled this member (it was silent longer than the session timeout): others may already
         # stream these vbuckets. Stop at once (docs/scale-out.md "Fencing").
         log.warning("group %s: this member lost its assignment (session timeout)", self.group)
+        if self.fail_stop:
+            self._fence("the group expelled this member (session timeout): its assignment is lost")
+            return
         self._on_revoke(c, parts)
+
+    def _fence(self, why: str) -> None:
+        if self.fenced is None:
+            self.fenced = why
+            log.error("group %s: fenced: %s", self.group, why)
+        self.lease_until = 0.0
+        self.owned = []
+
+    def _confirm(self, c: Consumer) -> bool:
+        """Generation check: commit offset 0 of this member's coordination partitions synchronously. The
+        coordinator accepts it only from a member of the current generation (Kafka and Tansu answer
+        ``UNKNOWN_MEMBER_ID`` / ``ILLEGAL_GENERATION`` to an expelled one; ``REBALANCE_IN_PROGRESS`` still
+        means a known member, whose eager revoke will follow), so an accepted commit renews the lease from
+        the moment it was sent. True when renewed."""
+        if not self._assigned:
+            return False
+        t0 = self.clock()
+        name = members_topic_name(self.topic)
+        try:
+            done = c.commit(offsets=[TopicPartition(name, p, 0) for p in self._assigned], asynchronous=False)
+            codes = [tp.error.code() for tp in done or [] if tp.error is not None]
+        except KafkaException as e:
+            err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+            codes = [err.code() if err is not None else KafkaError._FAIL]
+        expelled = [code for code in codes if code in _EXPELLED]
+        if expelled:
+            self._fence(f"the group refused this member's generation ({KafkaError(expelled[0]).name()})")
+            return False
+        if any(code != KafkaError.REBALANCE_IN_PROGRESS for code in codes):
+            log.debug("group %s: generation check failed (%s); the lease is not renewed", self.group, codes)
+            return False
+        self.lease_until = t0 + self.lease_s
+        return True
+
+    def lease_expired(self) -> bool:
+        """A fail-stop member must stop publishing: fenced, or its generation unconfirmed past the lease."""
+        return self.fenced is not None or self.clock() >= self.lease_until
 
     def _run(self) -> None:
         try:
@@ -262,6 +348,13 @@ class Membership:
                         on_lost=self._on_lost)
             while not self._stop.is_set():
                 c.poll(0.1)  # the coordination topic holds no records: this serves the group protocol
+                if self.fail_stop and self.owned and self.fenced is None:
+                    now = self.clock()
+                    # every tenth of the session timeout, and at once when the loop waits for the lease (e.g. after
+                    # a long hand-over that kept this thread in a callback)
+                    if now >= self._next_check or now >= self.lease_until:
+                        self._next_check = now + self.check_interval_s
+                        self._confirm(c)
         except BaseException as e:  # reported through self.error
             self.error = e
             log.exception("group %s: membership failed", self.group)

@@ -23,9 +23,11 @@ from gateway.broker import Broker
 from gateway.exceptions import GatewayError
 from gateway.invariants import data_positions
 from gateway.kafka.membership import (
+    LEASE_FRACTION,
     Membership,
     VBucketHandoff,
     ensure_members_topic,
+    fenced_producer_config,
     members_topic_name,
     vbuckets_of,
 )
@@ -55,6 +57,39 @@ def test_any_assignment_gives_every_vbucket_to_exactly_one_member(nvb: int, t: i
     owned = [vbuckets_of([p for p in range(t) if owner[p] == m], t, nvb) for m in range(members)]
     flat = [vb for vbs in owned for vb in vbs]
     assert sorted(flat) == list(range(nvb))  # no vbucket twice, none missing
+
+
+@given(session_ms=st.integers(1000, 300_000), given_ms=st.one_of(st.none(), st.integers(1, 600_000)),
+       queue_kb=st.one_of(st.none(), st.integers(1, 1 << 21)))
+def test_fenced_producer_never_keeps_a_record_past_the_lease(session_ms: int, given_ms: int | None,
+                                                            queue_kb: int | None) -> None:
+    conf: dict[str, Any] = {"bootstrap.servers": "x"}
+    if given_ms is not None:
+        conf["message.timeout.ms"] = given_ms
+    if queue_kb is not None:
+        conf["queue.buffering.max.kbytes"] = queue_kb
+    out = fenced_producer_config(conf, session_ms)
+    lease_ms = int(session_ms * LEASE_FRACTION)
+    assert out["message.timeout.ms"] <= lease_ms  # docs/scale-out.md "Fencing"
+    assert out["message.timeout.ms"] == (lease_ms if given_ms is None else min(given_ms, lease_ms))
+    assert out["queue.buffering.max.kbytes"] <= 16 * 1024
+    assert out["bootstrap.servers"] == "x" and conf.get("message.timeout.ms") == given_ms  # input untouched
+
+
+def test_lease_expires_on_the_injected_clock_and_when_fenced() -> None:
+    now = [100.0]
+    m = Membership({"bootstrap.servers": "127.0.0.1:1"}, "t", "g", 16, VBucketHandoff(), lambda vbs: {},
+                   session_timeout_ms=9000, fail_stop=True, clock=lambda: now[0])
+    assert m.lease_expired()  # nothing confirmed yet
+    m.lease_until = now[0] + m.lease_s
+    assert m.lease_s == pytest.approx(3.0) and not m.lease_expired()
+    now[0] += 2.9
+    assert not m.lease_expired()
+    now[0] += 0.2
+    assert m.lease_expired()  # paused (or cut off) past the lease: publish nothing more
+    m.lease_until = now[0] + m.lease_s
+    m._fence("expelled")
+    assert m.lease_expired() and m.fenced == "expelled" and m.owned == []
 
 
 def test_members_topic_name() -> None:

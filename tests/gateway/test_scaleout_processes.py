@@ -147,6 +147,77 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
     assert codes == [0, 0], [m.log.read_text()[-2000:] for m in members]
 
 
+@pytest.mark.slow
+def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
+        kafka_broker: Broker, tmp_path: Path) -> None:
+    """docs/scale-out.md "Fencing": SIGSTOP one of two members right after a burst of writes (records in its
+    producer's queue), past its session timeout; the other takes its vbuckets over and keeps publishing;
+    SIGCONT: the resumed member publishes nothing more (it exits, one ``error:`` line, status 2), and the topic
+    still passes the invariants checker with no duplicate, and replays to the engine."""
+    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB, checkpoint_max_items=5)
+    prefix = f"so{uuid.uuid4().hex[:8]}"
+    topic = f"{prefix}.default"
+    env = member_env(kafka_broker, prefix)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    written = [0]
+
+    def load(n: int = 3) -> None:
+        for _ in range(n):
+            i = written[0]
+            key = f"k{i % 150}"
+            c.write(key, f'{{"n": {i}}}'.encode())
+            if i % 7 == 0:
+                c.delete(key)
+            written[0] += 1
+
+    source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
+    a = Member(env, source, group, tmp_path / "a.log")
+    b = Member(env, source, group, tmp_path / "b.log")
+    members = [a, b]
+    paused = False
+    try:
+        wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
+                 and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
+                 "the two members split the vbuckets", 90, load, members)
+        t_end = time.monotonic() + 2
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        n_assign = len(a.assignments())
+        load(400)  # a burst: b has records queued or in flight when it is paused
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        paused = True
+        wait_for(lambda: len(a.assignments()) > n_assign and a.assignments()[-1] == NVB,
+                 "a takes over the paused member's vbuckets", 90, load, members)
+        t_end = time.monotonic() + 2
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        os.kill(b.proc.pid, signal.SIGCONT)
+        paused = False
+        wait_for(lambda: b.proc.poll() is not None, "the resumed member stops", 60, load, members)
+        assert b.proc.returncode == 2, b.log.read_text()[-3000:]
+        assert "fenced" in b.log.read_text()
+        t_end = time.monotonic() + 2
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        want = actives_state(c)
+
+        def caught_up() -> bool:
+            replica = TopicReplica()
+            replica.apply_all(read_topic(kafka_broker.bootstrap_servers, topic))
+            return replica.state() == want
+
+        wait_for(caught_up, "the topic's replay equals the engine", 90, None, members)
+        recs = read_topic(kafka_broker.bootstrap_servers, topic)
+        for part in range(8):
+            mine = [(o, r) for p, o, r in recs if p == part]
+            check_partition(mine)
+            dup = [k for k, n in data_positions(mine).items() if n > 1]
+            assert not dup, dup[:5]
+    finally:
+        if paused:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        codes = [m.stop() for m in members]
+        c.close(clean=False)
+    assert codes[0] == 0, a.log.read_text()[-2000:]
+
+
 def test_gateway_command_refuses_bad_sources_in_one_line() -> None:
     env = {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
     for bad in ("nohost", "h:0", "h:x", ":11210", ","):
@@ -276,3 +347,36 @@ def test_up_killed_leaves_no_gateway_child_behind(kafka_broker: Broker, tmp_path
         wait_for(gone, "the child member exits after its parent was killed", 60)
     finally:
         gw.close()
+
+
+def test_persistence_polling_of_attached_nodes_agrees_with_observe_by_seqno(tmp_path: Path) -> None:
+    """``stats vbucket-persisted`` (one answer per node) gives rollback mitigation the same persisted seqnos as
+    OBSERVE_SEQNO per vbucket on the active and every replica; a stale vbuuid gives 0 (failed over)."""
+    from gateway.source import AttachedNodesSource
+
+    c = ProcessCluster.start(tmp_path / "engine", nodes=2, replicas=1, num_vbuckets=NVB)
+    try:
+        for i in range(200):
+            c.write(f"k{i}", b'{"v": 1}')
+        c.stop_persistence("n0")
+        for i in range(200, 260):
+            c.write(f"k{i}", b'{"v": 2}')
+        src = AttachedNodesSource([f"{n.host}:{n.port}" for n in c.nodes.values()], "t", 1 << 20,
+                                  persistence_poll_interval=0.0)
+        src.open()
+        try:
+            for vb in range(NVB):
+                name = src.active_node(vb)
+                assert name is not None
+                uuid = src.failover_log(vb)[0].vbuuid
+                obs = src.nodes[name].observe_seqno(vb, uuid)
+                want = min([obs.persisted_seqno] + [src.nodes[r].observe_seqno(vb, uuid).persisted_seqno
+                                                    for r in src._replicas[vb]])
+                assert src.persisted_everywhere(vb, uuid) == want, vb
+                assert src.persisted_everywhere(vb, uuid + 1) == 0
+            raw = next(iter(src.nodes.values())).stats("vbucket-persisted")
+            assert list(raw) == ["vbuckets"] and all(len(e.split(":")) == 3 for e in raw["vbuckets"].split())
+        finally:
+            src.close()
+    finally:
+        c.close(clean=False)
