@@ -9,9 +9,10 @@ seqno, flags, expiry, deletion) through SET/ADD/DEL_WITH_META, so the target run
   cover (the state store's commit calls :meth:`XdcrReplicator._before_commit`): a crash re-sends, never skips.
 * **Optimistic replication** (goxdcr ``optimisticReplicationThreshold``, 256 bytes): a document up to the
   threshold is sent straight away; a larger one only after GET_META showed the target would not reject it.
-* **Source rollbacks -- beyond Couchbase.** The replicator keeps the source's version of every replicated key
-  (``xdcr_docs``, with its metadata) and the client's mutation log of prior versions. A rollback instruction
-  restores each key the lost branch changed to its version at the rollback point, written with
+* **Source rollbacks -- beyond Couchbase.** The replicator keeps the source's history as applied, an
+  append-only changelog per vbucket in seqno order (``connectors.xdcr.changelog``, one row per snapshot), which
+  plays the client's mutation log. A rollback instruction restores each key the lost branch changed to its
+  version at the rollback point (looked up in the changelog then, never on the hot path), written with
   ``SKIP_CONFLICT_RESOLUTION`` (a key that did not exist gets a dominated tombstone: CAS 1, rev seqno 1), so
   the target converges to exactly the source. Couchbase's XDCR leaves the lost branch's writes on the target.
 * **Checkpoints** per vbucket (``connectors.xdcr.checkpoints``), validated against the target's failover log
@@ -39,11 +40,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
-from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, MutationLog, Prior
+from connectors.client.consumer import ChangeStreamConsumer, ClientEvent, RollbackInstruction
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
 from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
 from connectors.client.state import SqliteStateStore
 from connectors.exceptions import DecodeError
+from connectors.xdcr.changelog import Changelog, pack_entry
 from connectors.xdcr.checkpoints import CheckpointStore, history_holds
 from connectors.xdcr.connection import Credentials
 from connectors.xdcr.document import ConflictMode, DocVersion, compare
@@ -59,6 +61,7 @@ from connectors.xdcr.filters import Filters
 from connectors.xdcr.mcbp import RETRYABLE, SKIP_CONFLICT_RESOLUTION_FLAG, Status
 from connectors.xdcr.metrics import Metrics, VBucketStatus
 from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
+from connectors.xdcr.writer_process import WriterProcess
 from schemas.records import RecordType
 from schemas.topics import partition_for
 
@@ -69,14 +72,15 @@ log = logging.getLogger(__name__)
 STATE_FILE = "xdcr.sqlite"
 #: batches queued for the writer thread before the replication thread waits
 INFLIGHT_BATCHES = 4
+#: while the writer thread is still writing, the consumer's commits are deferred (its transaction goes on) for
+#: at most this long since the last commit: the replication thread waits for the target once per interval, not
+#: at every commit, and keeps decoding meanwhile (docs/xdcr.md "How a change travels"); a stream gone idle
+#: (nothing within the client's poll timeout) commits at once
+COMMIT_DEFER_SECONDS = 1.0
 DEAD_LETTER_FILE = "dead-letter.jsonl"
 
-#: part of the state file (tables of the consumer, mutation log and checkpoints besides). ``xdcr_docs`` is a rowid
-#: table (its key an index): rows of ~300 bytes inserted in random key order cost a third of a WITHOUT ROWID
-#: table's B-tree page splits
+#: part of the state file (tables of the consumer, changelog and checkpoints besides)
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS xdcr_docs (key BLOB PRIMARY KEY, vbucket INTEGER NOT NULL, seqno INTEGER NOT NULL,
-                                      version BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS xdcr_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)
 """
 
@@ -99,18 +103,37 @@ class XdcrSettings:
     mutation_log_max: int = DEFAULT_MAX_ENTRIES
     group_commit: int = 64
     dead_letter_topic: str | None = "{topic}.dlq"
+    #: encode the writes and parse the target's answers in a process of its own (connectors.xdcr.writer_process)
+    writer_process: bool = True
 
 
 class _HookedStore(SqliteStateStore):
     """The client's SQLite store; every commit first runs the replicator's hook (send the pending batch,
-    record target positions and checkpoints in the same transaction)."""
+    record target positions and checkpoints in the same transaction) -- unless ``defer`` leaves it to a later
+    commit (the transaction goes on)."""
 
     hook: Callable[[], None] | None = None
+    defer: Callable[[], bool] | None = None
 
     def flush(self) -> None:
         if self.hook is not None and not self._in_event:
+            if self.defer is not None and self.defer():
+                return
             self.hook()
         super().flush()
+
+
+class _Consumer(ChangeStreamConsumer):
+    """The client; ``on_idle`` is called whenever nothing arrived within its poll timeout (between events:
+    a deferred commit is made then)."""
+
+    on_idle: Callable[[], None] | None = None
+
+    def _next_event(self, timeout: float) -> ClientEvent | None:
+        ev = super()._next_event(timeout)
+        if ev is None and self.on_idle is not None:
+            self.on_idle()
+        return ev
 
 
 def _tombstone(key: bytes) -> DocVersion:
@@ -135,6 +158,9 @@ class XdcrReplicator:
         self.metrics = Metrics()
         self.vbs: dict[int, VBucketStatus] = {}
         self.target = TargetCluster(TargetSpec.parse(target), Credentials(user, password), sleep=self.sleep)
+        self._creds = Credentials(user, password)
+        #: where the writer thread's requests go: the writer process, else ``target`` itself
+        self._sink: TargetCluster | WriterProcess = self.target
         self._pending: dict[bytes, WriteOp] = {}
         self._pending_bytes = 0
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -143,16 +169,18 @@ class XdcrReplicator:
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
         self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
-        self.consumer: ChangeStreamConsumer | None = None
+        self._committed_at = time.monotonic()
+        self._deferred = False
+        self._force_commit = False
+        self.consumer: _Consumer | None = None
         self.store = _HookedStore(self.state_dir / STATE_FILE, topic)
         try:
             self.conn = self.store.conn
-            # the source mirror is written with every change and read for every rollback: a page cache that
-            # holds it (64 MiB; SQLite's default is 2 MiB) keeps its random-key B-tree inserts off the file
-            self.conn.execute("PRAGMA cache_size=-65536")
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     self.conn.execute(stmt)
+            self.changelog = Changelog(self.conn, s.mutation_log_max)
+            self._migrate_mirror()
             self.checkpoints = CheckpointStore(self.conn, s.checkpoints_per_vbucket, clock)
             prev = self._meta("metrics")
             if prev:
@@ -182,14 +210,21 @@ class XdcrReplicator:
         if mode is None:
             log.warning("xdcr: the target does not report its conflict-resolution mode; assuming %s",
                         s.conflict_resolution.value)
+        if s.writer_process and self._sink is self.target:
+            self._sink = WriterProcess(self.target_url, self._creds, self.target.timeout)
         self._settle_filters()
         self._validate_positions()
-        self.consumer = ChangeStreamConsumer(
-            self._kafka, self.topic, state_store=self.store, prior_lookup=self._priors,
+        self.consumer = _Consumer(
+            self._kafka, self.topic, state_store=self.store, prior_lookup=_no_priors,
             mutation_log_max=s.mutation_log_max, group_commit=s.group_commit,
             dead_letter=None if s.dead_letter_topic is None else s.dead_letter_topic.format(topic=self.topic))
+        # the changelog plays the client's mutation log: it answers the undo lists from the versions the
+        # replicator appended (the client's per-change prior look-ups and copies are not needed)
+        self.consumer.mutation_log = self.changelog
         self._save_meta("partitions", str(len(self.consumer.assignment)))
         self.store.hook = self._before_commit
+        self.store.defer = self._defer_commit
+        self.consumer.on_idle = self._commit_deferred
         for vb, st in self.store.load_all().items():
             self.vbs[vb] = VBucketStatus(st.vbuuid, st.seqno, st.snap_start, st.snap_end, seen_seqno=st.seqno)
         for vb, (u, q) in self.checkpoints.target_positions().items():
@@ -281,12 +316,14 @@ class XdcrReplicator:
     def _reset_vbucket(self, vb: int, back: ConsumerPosition | None, nparts: int = 0) -> None:
         if back is None:
             self.conn.execute("DELETE FROM dcp_consumer_state WHERE topic = ? AND vbucket = ?", (self.topic, vb))
-            MutationLog(self.conn).clear(vb)
+            self.changelog.clear(vb)
+            self.changelog.cleared.pop(vb, None)
             self.checkpoints.drop(vb)
             new_offset = 0
         else:
             self.conn.execute("INSERT OR REPLACE INTO dcp_consumer_state VALUES (?, ?, ?)",
                               (self.topic, vb, back.to_json().decode()))
+            self.changelog.truncate_above(vb, back.seqno)  # read again from there
             new_offset = back.offset + 1
         if nparts:
             p = partition_for(vb, nparts)
@@ -316,33 +353,53 @@ class XdcrReplicator:
             log.warning("xdcr: cannot save the counters: %s", e)
 
     # ------------------------------------------------------------------------------ the client's events
-    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
-        out: dict[bytes, Prior] = {}
-        for i in range(0, len(keys), 500):
-            chunk = keys[i:i + 500]
-            q = f"SELECT key, version, seqno FROM xdcr_docs WHERE key IN ({','.join('?' * len(chunk))})"
-            for k, v, sq in self.conn.execute(q, chunk):
-                out[bytes(k)] = (bytes(v), int(sq))
-        return out
+    def _migrate_mirror(self) -> None:
+        """A state file of the earlier layout (the source mirror ``xdcr_docs``: every key's newest version):
+        each vbucket's changelog starts from it, its floor at the vbucket's position (a rollback below it
+        rebuilds the vbucket from zero)."""
+        if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'xdcr_docs'").fetchone() is None:
+            return
+        self._begin()
+        try:
+            states = self.store.load_all()
+            by_vb: dict[int, list[tuple[int, bytes, bytes]]] = {}
+            for k, vb, sq, v in self.conn.execute("SELECT key, vbucket, seqno, version FROM xdcr_docs"):
+                by_vb.setdefault(int(vb), []).append((int(sq), bytes(k), bytes(v)))
+            for vb, rows in by_vb.items():
+                st = states.get(vb)
+                self.changelog.adopt(vb, max([r[0] for r in rows] + [st.seqno if st else 0]), rows)
+            self.conn.execute("DROP TABLE xdcr_docs")
+            for t in ("dcp_mutation_log", "dcp_mutation_log_floor"):  # the prior versions it no longer needs
+                if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (t,)).fetchone() is not None:
+                    self.conn.execute(f"DELETE FROM {t}")
+        finally:
+            self._commit()
 
     def on_snapshot(self, snap: Snapshot) -> None:
         f = self.settings.filters
-        rows = []
+        rx = f.key_regex is not None
+        filters = f.skip_deletions or f.skip_expirations or f.skip_binary or rx
+        entries: list[bytes] = []
         vb = snap.vbucket
+        queue = self._queue
+        expiration = RecordType.EXPIRATION
+        mutation = RecordType.MUTATION
         for ch in snap.changes:
-            if f.key_regex is not None and not f.passes_key(ch.key):
+            key = ch.key
+            if rx and not f.passes_key(key):
                 self.metrics.filtered += 1
                 continue
-            deleted = ch.deleted
-            v = DocVersion(ch.key, ch.cas, ch.rev_seqno, ch.flags, ch.expiry, deleted, ch.datatype,
+            t = ch.type
+            deleted = t is not mutation
+            v = DocVersion(key, ch.cas, ch.rev_seqno, ch.flags, ch.expiry, deleted, ch.datatype,
                            None if deleted else ch.value)
-            rows.append((ch.key, vb, ch.seqno, v.pack()))
-            if not f.passes(ch):
+            entries.append(pack_entry(ch.seqno, key, v.pack()))
+            if filters and not f.passes(ch):
                 self.metrics.filtered += 1
                 continue
-            self._queue(WriteOp(vb, v, expiration=ch.type is RecordType.EXPIRATION))
-        if rows:
-            self.conn.executemany("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)", rows)
+            queue(WriteOp(vb, v, expiration=t is expiration))
+        if entries:
+            self.changelog.append(vb, snap.changes[0].seqno, snap.changes[-1].seqno, entries)
         self._applied(vb, snap.state)
 
     def _applied(self, vb: int, state: ConsumerPosition | None) -> None:
@@ -362,22 +419,18 @@ class XdcrReplicator:
         restored = 0
         if rb.rebuild_from_zero:
             self.metrics.rollbacks_from_zero += 1
-            for (k,) in self.conn.execute("SELECT key FROM xdcr_docs WHERE vbucket = ?", (vb,)).fetchall():
-                self._queue(WriteOp(vb, _tombstone(bytes(k)), SKIP_CONFLICT_RESOLUTION_FLAG))
+            # the client cleared the changelog before handing the instruction out; it kept the keys
+            for k in self.changelog.cleared.pop(vb, []):
+                self._queue(WriteOp(vb, _tombstone(k), SKIP_CONFLICT_RESOLUTION_FLAG))
                 restored += 1
-            self.conn.execute("DELETE FROM xdcr_docs WHERE vbucket = ?", (vb,))
         else:
             for u in rb.undo:
                 if not f.passes_key(u.key):
                     continue
                 if u.prior_value is None:
                     self._queue(WriteOp(vb, _tombstone(u.key), SKIP_CONFLICT_RESOLUTION_FLAG))
-                    self.conn.execute("DELETE FROM xdcr_docs WHERE key = ?", (u.key,))
                 else:
-                    v = DocVersion.unpack(u.key, u.prior_value)
-                    self._queue(WriteOp(vb, v, SKIP_CONFLICT_RESOLUTION_FLAG))
-                    self.conn.execute("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)",
-                                      (u.key, vb, u.prior_seqno, u.prior_value))
+                    self._queue(WriteOp(vb, DocVersion.unpack(u.key, u.prior_value), SKIP_CONFLICT_RESOLUTION_FLAG))
                 restored += 1
         self.metrics.restored += restored
         log.info("xdcr: vbucket %d rolled back to seqno %d: %d target document(s) restored%s", vb, rb.to_seqno,
@@ -445,7 +498,7 @@ class XdcrReplicator:
         skip: set[int] = set()
         if check:
             m.get_meta += len(check)
-            metas = self.target.get_meta([(o.vbucket, o.version.key) for o in check])
+            metas = self._sink.get_meta([(o.vbucket, o.version.key) for o in check])
             for o, meta in zip(check, metas, strict=True):
                 why = compare(o.version, meta, s.conflict_resolution)
                 if why is not None:
@@ -457,7 +510,7 @@ class XdcrReplicator:
         for attempt in range(20):
             if not send:
                 break
-            results = self.target.write(send)
+            results = self._sink.write(send)
             again: list[WriteOp] = []
             for o, r in zip(send, results, strict=True):
                 st = r.status
@@ -496,13 +549,32 @@ class XdcrReplicator:
                 self.sleep(min(0.01 * 2 ** attempt, 2.0))
         if send:
             raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
-        m.not_my_vbucket = self.target.not_my_vbucket
+        m.not_my_vbucket = self._sink.not_my_vbucket
         m.batch(time.monotonic() - t0)
+
+    def _defer_commit(self) -> bool:
+        """Leave this commit to a later one? While the writer thread still writes (``COMMIT_DEFER_SECONDS``)."""
+        if (not self._force_commit and self._inflight and not self._inflight[-1].done()
+                and time.monotonic() - self._committed_at < COMMIT_DEFER_SECONDS):
+            self._deferred = True
+            return True
+        return False
+
+    def _commit_deferred(self) -> None:
+        """Make a deferred commit now (the stream is idle, or the run ends)."""
+        if self._deferred:
+            self._force_commit = True
+            try:
+                self.store.flush()
+            finally:
+                self._force_commit = False
 
     def _before_commit(self) -> None:
         """Runs before every commit of the consumer's transaction: what the positions cover reaches the
         target first; target positions, checkpoints and counters commit with them."""
         self._send(wait=True)
+        self._deferred = False
+        self._committed_at = time.monotonic()
         now = self.clock()
         for vb, tp in self._target_pos.items():
             self.checkpoints.set_target_position(vb, *tp)
@@ -524,6 +596,7 @@ class XdcrReplicator:
         assert self.consumer is not None
         self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
                           on_error=self.on_corrupt, on_oversize=self.on_oversize)
+        self._commit_deferred()
 
     def stop(self) -> None:
         """Signal- and thread-safe: run() returns after the current event; retries give up."""
@@ -568,6 +641,8 @@ class XdcrReplicator:
             self.store.close()
         finally:
             self.target.close()
+            if isinstance(self._sink, WriterProcess):
+                self._sink.close()
             self._dead.close()
 
     def __enter__(self) -> XdcrReplicator:
@@ -575,6 +650,11 @@ class XdcrReplicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _no_priors(vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+    """The consumer's prior look-up: nothing to look up (the changelog answers the undo lists itself)."""
+    return {}
 
 
 def _status_name(st: int) -> str:
