@@ -48,7 +48,7 @@ from connectors.exceptions import DecodeError
 from connectors.xdcr.changelog import Changelog, pack_entry
 from connectors.xdcr.checkpoints import CheckpointStore, history_holds
 from connectors.xdcr.connection import Credentials
-from connectors.xdcr.document import ConflictMode, DocVersion, compare
+from connectors.xdcr.document import ConflictMode, DocVersion
 from connectors.xdcr.errors import (
     ConflictModeMismatch,
     FilterChanged,
@@ -58,10 +58,10 @@ from connectors.xdcr.errors import (
     XdcrError,
 )
 from connectors.xdcr.filters import Filters
-from connectors.xdcr.mcbp import RETRYABLE, SKIP_CONFLICT_RESOLUTION_FLAG, Status
+from connectors.xdcr.mcbp import SKIP_CONFLICT_RESOLUTION_FLAG, Status
 from connectors.xdcr.metrics import Metrics, VBucketStatus
 from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
-from connectors.xdcr.writer_process import WriterProcess
+from connectors.xdcr.writer_process import Outcome, Skipped, WriterProcess, transport
 from schemas.records import RecordType
 from schemas.topics import partition_for
 
@@ -165,6 +165,7 @@ class XdcrReplicator:
         self._pending_bytes = 0
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: deque[concurrent.futures.Future[Any]] = deque()
+        self._inflight_ops: deque[list[WriteOp]] = deque()
         self._target_pos: dict[int, tuple[int, int]] = {}
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
@@ -211,7 +212,8 @@ class XdcrReplicator:
             log.warning("xdcr: the target does not report its conflict-resolution mode; assuming %s",
                         s.conflict_resolution.value)
         if s.writer_process and self._sink is self.target:
-            self._sink = WriterProcess(self.target_url, self._creds, self.target.timeout)
+            self._sink = WriterProcess(self.target_url, self._creds, timeout=self.target.timeout,
+                                       mode=s.conflict_resolution, threshold=s.optimistic_threshold)
         self._settle_filters()
         self._validate_positions()
         self.consumer = _Consumer(
@@ -470,87 +472,82 @@ class XdcrReplicator:
             self._send()
 
     def _send(self, wait: bool = False) -> None:
-        """Queue the pending batch for the writer thread; ``wait``: until every queued batch completed. The
-        single writer runs batches in order (a key's versions reach the target in order); up to
-        ``INFLIGHT_BATCHES`` are queued, overlapping the target's round trips with the client's decoding and
-        SQLite work. A batch's error is raised here."""
+        """Hand the pending batch to the writer (the writer process, pipelined, or the writer thread); ``wait``:
+        until every batch handed over completed. Batches are written in order (a key's versions reach the target
+        in order); up to ``INFLIGHT_BATCHES`` are outstanding, overlapping the target's round trips with the
+        client's decoding and the changelog. Completed batches are counted here; a batch's error is raised
+        here."""
         ops = list(self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
         if ops:
-            if self._writer is None:
-                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
-            self._inflight.append(self._writer.submit(self._with_retries, partial(self._write_batch, ops),
-                                                      "write"))
+            if isinstance(self._sink, WriterProcess):
+                fut = self._sink.submit(ops)
+            else:
+                if self._writer is None:
+                    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
+                fut = self._writer.submit(self._with_retries, partial(self._transport, ops), "write")
+            self._inflight.append(fut)
+            self._inflight_ops.append(ops)
         while self._inflight and (wait or len(self._inflight) > INFLIGHT_BATCHES or self._inflight[0].done()):
-            self._inflight.popleft().result()
+            fut, ops = self._inflight.popleft(), self._inflight_ops.popleft()
+            try:
+                out = fut.result()
+            except (TargetUnreachable, TargetAuthError, Skipped):
+                if not isinstance(self._sink, WriterProcess):
+                    raise
+                # the writer process stopped at this batch: it and every later one are written again, in order
+                out = self._with_retries(partial(self._write_now, self._sink, ops), "write")
+            self._account(ops, out)
+
+    def _write_now(self, sink: WriterProcess, ops: list[WriteOp]) -> Outcome:
+        sink.reset()
+        return sink.submit(ops).result()
 
     def _join_inflight(self) -> None:
         while self._inflight:
+            self._inflight_ops.popleft()
             self._inflight.popleft().result()
 
-    def _write_batch(self, ops: list[WriteOp]) -> None:
-        t0 = time.monotonic()
+    def _transport(self, ops: list[WriteOp]) -> Outcome:
         s = self.settings
+        return transport(self.target, ops, s.conflict_resolution, s.optimistic_threshold, self.sleep)
+
+    def _account(self, ops: list[WriteOp], out: Outcome) -> None:
+        """Count a written batch (docs/xdcr.md "Answers"); dead-letter what the target refused for good."""
         m = self.metrics
-        check = [o for o in ops if not o.options & SKIP_CONFLICT_RESOLUTION_FLAG
-                 and len(o.version.value or b"") > s.optimistic_threshold]
-        skip: set[int] = set()
-        if check:
-            m.get_meta += len(check)
-            metas = self._sink.get_meta([(o.vbucket, o.version.key) for o in check])
-            for o, meta in zip(check, metas, strict=True):
-                why = compare(o.version, meta, s.conflict_resolution)
-                if why is not None:
-                    m.reject(f"rejected_{why}")
-                    skip.add(id(o))
-                else:
-                    o.add = meta is None
-        send = [o for o in ops if id(o) not in skip]
-        for attempt in range(20):
-            if not send:
-                break
-            results = self._sink.write(send)
-            again: list[WriteOp] = []
-            for o, r in zip(send, results, strict=True):
-                st = r.status
-                if st == Status.SUCCESS:
-                    m.written += 1
-                    self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
-                    if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
-                        prev = self._target_pos.get(o.vbucket)
-                        if prev is None or prev[0] != r.token[0] or r.token[1] > prev[1]:
-                            self._target_pos[o.vbucket] = r.token
-                elif st == Status.KEY_EEXISTS and o.add:
-                    o.add = False  # created meanwhile: conflict resolution decides
-                    again.append(o)
-                elif st == Status.KEY_EEXISTS:
-                    # the target's conflict resolution kept its version (reason from its error context)
-                    m.reject(r.reason or "rejected_conflict")
-                elif st in RETRYABLE or st == Status.NOT_MY_VBUCKET:
-                    again.append(o)
-                elif st in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED, Status.EACCESS):
-                    why = ("the user may not write with meta (it needs the replication_target role)"
-                           if st == Status.EACCESS else "the target does not support writes with meta")
-                    raise XdcrError(f"{why}: {_status_name(st)} for {o.version.key!r}")
-                elif st == Status.E2BIG:
-                    m.reject("too_big")
-                    self._dead_letter({"reason": "too_big", "vbucket": o.vbucket,
-                                       "key": o.version.key.decode("utf-8", "replace"),
-                                       "size": len(o.version.value or b"")})
-                else:
-                    name = _status_name(st)
-                    m.reject(f"target_{name}")
-                    self._dead_letter({"reason": f"target_{name}", "vbucket": o.vbucket,
-                                       "key": o.version.key.decode("utf-8", "replace")})
-            send = again
-            if send:
-                m.retries += 1
-                self.sleep(min(0.01 * 2 ** attempt, 2.0))
-        if send:
-            raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
-        m.not_my_vbucket = self._sink.not_my_vbucket
-        m.batch(time.monotonic() - t0)
+        m.get_meta += out.get_meta
+        for _i, why in out.skipped:
+            m.reject(f"rejected_{why}")
+        for i, st, token, reason, tvb in out.results:
+            o = ops[i]
+            if st == Status.SUCCESS:
+                m.written += 1
+                self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
+                if token is not None and tvb == o.vbucket:  # (same vbucket counts on both sides)
+                    prev = self._target_pos.get(o.vbucket)
+                    if prev is None or prev[0] != token[0] or token[1] > prev[1]:
+                        self._target_pos[o.vbucket] = token
+            elif st == Status.KEY_EEXISTS:
+                # the target's conflict resolution kept its version (reason from its error context)
+                m.reject(reason or "rejected_conflict")
+            elif st in (Status.UNKNOWN_COMMAND, Status.NOT_SUPPORTED, Status.EACCESS):
+                why = ("the user may not write with meta (it needs the replication_target role)"
+                       if st == Status.EACCESS else "the target does not support writes with meta")
+                raise XdcrError(f"{why}: {_status_name(st)} for {o.version.key!r}")
+            elif st == Status.E2BIG:
+                m.reject("too_big")
+                self._dead_letter({"reason": "too_big", "vbucket": o.vbucket,
+                                   "key": o.version.key.decode("utf-8", "replace"),
+                                   "size": len(o.version.value or b"")})
+            else:
+                name = _status_name(st)
+                m.reject(f"target_{name}")
+                self._dead_letter({"reason": f"target_{name}", "vbucket": o.vbucket,
+                                   "key": o.version.key.decode("utf-8", "replace")})
+        m.retries += out.retries
+        m.not_my_vbucket = out.not_my_vbucket
+        m.batch(out.seconds)
 
     def _defer_commit(self) -> bool:
         """Leave this commit to a later one? While the writer thread still writes (``COMMIT_DEFER_SECONDS``)."""

@@ -1,43 +1,119 @@
-"""The replicator's target writes in a process of their own (docs/xdcr.md "Performance").
+"""The replicator's target writes (docs/xdcr.md "How a change travels", "Performance"): one batch's transport
+(:func:`transport`) and a process that runs it (:class:`WriterProcess`).
 
-The replication thread's work (the client's decoding, the changelog, batching) and the writes' (request
-encoding, the target's answers) are both CPU work under one interpreter lock when they share a process. With
-:class:`WriterProcess` the with-meta requests are encoded, sent and their answers parsed in a child process
-(started through a ``forkserver``: no thread of the replicator is forked), which holds its own
-:class:`~connectors.xdcr.target.TargetCluster` (the same URL and credentials, following the target's map
-itself). The replicator's writer thread keeps everything else -- the GET_META comparison, counters, retries,
-dead letters, target positions -- and hands each batch over a pipe as plain tuples; it waits for the answers
-without holding the lock.
+:func:`transport` is what a batch needs from the target: the GET_META pre-check of documents above the
+optimistic threshold (``document.compare``), the with-meta writes, and their retries (temporary failures,
+NOT_MY_VBUCKET after re-routing, an ADD that met a document), with backoff. It returns the final answer of
+every request as plain tuples (:class:`Outcome`); the replicator counts them, dead-letters and raises.
 
-Errors come back as the same typed exceptions (``TargetUnreachable``, ``TargetAuthError``, ``KvError``, ...);
-after one of them the child drops its connections and connects again at the next request. The child ends when
-the pipe closes (the replicator closed or died).
+:class:`WriterProcess` runs it in a child process (started through a ``forkserver``: no thread of the
+replicator is forked) with a :class:`~connectors.xdcr.target.TargetCluster` of its own (the same URL and
+credentials, following the target's map itself): the client's decoding and the changelog (the replication
+thread) no longer share one interpreter lock with the requests' encoding and the answers' parsing. Batches are
+handed over a pipe as plain tuples and *pipelined*: the replicator sends the next ones while the child writes
+the current one, so the child goes from one batch to the next without waiting for the replicator. The child
+runs them strictly in order, each to its end (retries included) before the next: a key's versions reach the
+target in order, forced restores too.
+
+A batch the child could not write (the target unreachable, refused credentials) is answered with the error and
+every batch after it with :class:`Skipped` until :meth:`WriterProcess.reset`: the replicator writes them again,
+in order, with its backoff. The child drops its connections after such an error and connects again at the next
+request; it ends when the pipe closes (the replicator closed or died).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import multiprocessing
+import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from connectors.xdcr import errors
 from connectors.xdcr.connection import Credentials
-from connectors.xdcr.document import DocVersion
+from connectors.xdcr.document import ConflictMode, DocVersion, compare
 from connectors.xdcr.errors import TargetAuthError, TargetUnreachable, XdcrError
-from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp, WriteResult
+from connectors.xdcr.mcbp import RETRYABLE, SKIP_CONFLICT_RESOLUTION_FLAG, Status
+from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
 
-__all__ = ["WriterProcess"]
+__all__ = ["Outcome", "Skipped", "WriterProcess", "transport"]
 
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload([__name__])
 
+#: attempts of a batch's refused requests (temporary failures) before the batch fails as unreachable
+ATTEMPTS = 20
 #: seconds the replicator waits for the child to end before killing it
 _STOP_TIMEOUT = 5.0
 
 
+class Skipped(XdcrError):
+    """The writer process did not write this batch: an earlier one failed (written again, in order)."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A batch's answers: ``results`` (op index, status, mutation token, error-context reason, target vbucket)
+    for every request sent, ``skipped`` (op index, ``"behind"`` / ``"identical"``) for those the GET_META
+    pre-check kept back."""
+
+    results: list[tuple[int, int, tuple[int, int] | None, str, int]]
+    skipped: list[tuple[int, str]]
+    get_meta: int
+    retries: int
+    not_my_vbucket: int
+    seconds: float
+
+
+def transport(target: TargetCluster, ops: Sequence[WriteOp], mode: ConflictMode, threshold: int,
+              sleep: Callable[[float], None]) -> Outcome:
+    """Write one batch (module docstring); raises ``TargetUnreachable`` when requests are still refused
+    after ``ATTEMPTS``."""
+    t0 = time.monotonic()
+    check = [i for i, o in enumerate(ops) if not o.options & SKIP_CONFLICT_RESOLUTION_FLAG
+             and len(o.version.value or b"") > threshold]
+    skipped: list[tuple[int, str]] = []
+    if check:
+        metas = target.get_meta([(ops[i].vbucket, ops[i].version.key) for i in check])
+        for i, meta in zip(check, metas, strict=True):
+            why = compare(ops[i].version, meta, mode)
+            if why is not None:
+                skipped.append((i, why))
+            else:
+                ops[i].add = meta is None
+    held = {i for i, _ in skipped}
+    send = [i for i in range(len(ops)) if i not in held]
+    results: list[tuple[int, int, tuple[int, int] | None, str, int]] = []
+    retries = 0
+    for attempt in range(ATTEMPTS):
+        if not send:
+            break
+        again: list[int] = []
+        for i, r in zip(send, target.write([ops[i] for i in send]), strict=True):
+            st = r.status
+            if st == Status.KEY_EEXISTS and ops[i].add:
+                ops[i].add = False  # created meanwhile: conflict resolution decides
+                again.append(i)
+            elif st in RETRYABLE or st == Status.NOT_MY_VBUCKET:
+                again.append(i)
+            else:
+                results.append((i, st, r.token, r.reason, r.vbucket))
+        send = again
+        if send:
+            retries += 1
+            sleep(min(0.01 * 2 ** attempt, 2.0))
+    if send:
+        raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
+    return Outcome(results, skipped, len(check), retries, target.not_my_vbucket, time.monotonic() - t0)
+
+
+# -------------------------------------------------------------------------------------------- the process
 def _op_tuple(o: WriteOp) -> tuple[Any, ...]:
     v = o.version
     return (o.vbucket, v.key, v.cas, v.rev_seqno, v.flags, v.expiry, v.deleted, v.datatype, v.value, o.options,
@@ -53,19 +129,20 @@ def _error(e: BaseException) -> tuple[str, str, int | None]:
     return type(e).__name__, str(e), getattr(e, "status", None)
 
 
-def _raise(name: str, message: str, status: int | None) -> None:
+def _rebuild(name: str, message: str, status: int | None) -> XdcrError:
     cls = getattr(errors, name, None)
     if cls is errors.KvError:
-        raise errors.KvError(message, status or 0)
+        return errors.KvError(message, status or 0)
     if isinstance(cls, type) and issubclass(cls, XdcrError):
-        raise cls(message)
-    raise XdcrError(f"the target writer process failed: {name}: {message}")
+        return cls(message)
+    return XdcrError(f"the target writer process failed: {name}: {message}")
 
 
-def _serve(conn: Connection, url: str, user: str | None, password: str | None, timeout: float) -> None:
-    """The child: answer requests until the pipe closes."""
+def _serve(conn: Connection, url: str, user: str | None, password: str | None, timeout: float, mode: str,
+           threshold: int) -> None:
+    """The child: answer every message, in order, until the pipe closes."""
     target = TargetCluster(TargetSpec.parse(url), Credentials(user, password), timeout=timeout)
-    connected = False
+    connected = failed = False
     try:
         while True:
             try:
@@ -75,21 +152,25 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
             if msg is None:
                 return
             cmd, arg = msg
-            try:
-                if not connected:
-                    target.connect()
-                    connected = True
-                out: Any
-                if cmd == "write":
-                    out = [(r.status, r.token, r.reason, r.vbucket) for r in target.write([_op(t) for t in arg])]
-                else:  # "get_meta"
-                    out = target.get_meta(arg)
-                reply: tuple[Any, ...] = ("ok", out, target.not_my_vbucket)
-            except Exception as e:
-                if isinstance(e, TargetUnreachable | TargetAuthError):
-                    target.close()
-                    connected = False
-                reply = ("error", _error(e), target.not_my_vbucket)
+            reply: tuple[Any, ...]
+            if cmd == "reset":
+                failed = False
+                reply = ("ok", None)
+            elif failed:
+                reply = ("skipped", None)
+            else:
+                try:
+                    if not connected:
+                        target.connect()
+                        connected = True
+                    reply = ("ok", transport(target, [_op(t) for t in arg], ConflictMode(mode), threshold,
+                                             time.sleep))
+                except Exception as e:
+                    if isinstance(e, TargetUnreachable | TargetAuthError):
+                        target.close()
+                        connected = False
+                    failed = True
+                    reply = ("error", _error(e))
             try:
                 conn.send(reply)
             except (EOFError, OSError):
@@ -99,47 +180,73 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
         conn.close()
 
 
-def _shutdown(conn: Connection, proc: Any) -> None:
+def _shutdown(conn: Connection, proc: Any, reader: threading.Thread | None) -> None:
     with contextlib.suppress(OSError, ValueError):
         conn.send(None)
-    conn.close()
     proc.join(_STOP_TIMEOUT)
     if proc.is_alive():
         proc.kill()
         proc.join(_STOP_TIMEOUT)
+    conn.close()
 
 
 class WriterProcess:
-    """``write`` and ``get_meta`` of a :class:`TargetCluster` living in a child process (one caller thread
-    at a time: the replicator's writer thread)."""
+    """Batches written by a child process, pipelined (module docstring). :meth:`submit` is called by one
+    thread (the replication thread); the answers are read by a thread of this object."""
 
-    def __init__(self, url: str, creds: Credentials, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, creds: Credentials, *, timeout: float = 30.0,
+                 mode: ConflictMode = ConflictMode.SEQNO, threshold: int = 256) -> None:
         self._conn, child = _CTX.Pipe()
-        self._proc = _CTX.Process(target=_serve, args=(child, url, creds.user, creds.password, timeout),
-                                  name="xdcr-writer", daemon=True)
+        self._proc = _CTX.Process(target=_serve, args=(child, url, creds.user, creds.password, timeout, mode.value,
+                                                       threshold), name="xdcr-writer", daemon=True)
         self._proc.start()
         child.close()
-        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
-        #: NOT_MY_VBUCKET answers the child followed
-        self.not_my_vbucket = 0
+        self._waiting: deque[concurrent.futures.Future[Any]] = deque()
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="xdcr-writer-answers", daemon=True)
+        self._reader.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc, self._reader)
 
-    def _call(self, cmd: str, arg: Any) -> Any:
+    def _post(self, cmd: str, arg: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._waiting.append(fut)
         try:
             self._conn.send((cmd, arg))
-            kind, out, nmvb = self._conn.recv()
-        except (EOFError, OSError) as e:
+        except (OSError, ValueError) as e:
+            with self._lock:
+                self._waiting.remove(fut)
             raise XdcrError(f"the target writer process ended (exit code {self._proc.exitcode}): {e}") from e
-        self.not_my_vbucket = nmvb
-        if kind == "error":
-            _raise(*out)
-        return out
+        return fut
 
-    def write(self, ops: Sequence[WriteOp]) -> list[WriteResult]:
-        return [WriteResult(*r) for r in self._call("write", [_op_tuple(o) for o in ops])]
+    def submit(self, ops: Sequence[WriteOp]) -> concurrent.futures.Future[Outcome]:
+        """Queue a batch; the future's result is its :class:`Outcome`, or its error (:class:`Skipped` when an
+        earlier batch failed)."""
+        return self._post("write", [_op_tuple(o) for o in ops])
 
-    def get_meta(self, keys: Sequence[tuple[int, bytes]]) -> list[DocVersion | None]:
-        out: list[DocVersion | None] = self._call("get_meta", list(keys))
-        return out
+    def reset(self) -> None:
+        """Let the child write again after a failed batch (the batches before this call stay skipped)."""
+        self._post("reset", None).result()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, out = self._conn.recv()
+            except (EOFError, OSError, ValueError):
+                break
+            with self._lock:
+                fut = self._waiting.popleft()
+            if kind == "ok":
+                fut.set_result(out)
+            elif kind == "skipped":
+                fut.set_exception(Skipped("an earlier batch failed"))
+            else:
+                fut.set_exception(_rebuild(*out))
+        with self._lock:
+            left = list(self._waiting)
+            self._waiting.clear()
+        for fut in left:
+            fut.set_exception(XdcrError(f"the target writer process ended (exit code {self._proc.exitcode})"))
 
     def close(self) -> None:
         self._finalizer()
