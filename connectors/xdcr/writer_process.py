@@ -6,9 +6,10 @@ optimistic threshold (``document.compare``), the with-meta writes, and their ret
 NOT_MY_VBUCKET after re-routing, an ADD that met a document), with backoff. It returns the final answer of
 every request as plain tuples (:class:`Outcome`); the replicator counts them, dead-letters and raises.
 
-:class:`WriterProcess` runs it in a child process (started through a ``forkserver``: no thread of the
-replicator is forked) with a :class:`~connectors.xdcr.target.TargetCluster` of its own (the same URL and
-credentials, following the target's map itself): the client's decoding and the changelog (the replication
+:class:`WriterProcess` runs it in a child process (``python -m connectors.xdcr.writer_process FD``: a fresh
+interpreter, nothing of the replicator forked or re-imported; URL and credentials come over the socket pair, not
+the command line) with a :class:`~connectors.xdcr.target.TargetCluster` of its own (following the target's map
+itself): the client's decoding and the changelog (the replication
 thread) no longer share one interpreter lock with the requests' encoding and the answers' parsing. Batches are
 handed over a pipe as plain tuples and *pipelined*: the replicator sends the next ones while the child writes
 the current one, so the child goes from one batch to the next without waiting for the replicator. The child
@@ -25,7 +26,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -43,9 +48,6 @@ from connectors.xdcr.mcbp import RETRYABLE, SKIP_CONFLICT_RESOLUTION_FLAG, Statu
 from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
 
 __all__ = ["Outcome", "Skipped", "WriterProcess", "transport"]
-
-_CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload([__name__])
 
 #: attempts of a batch's refused requests (temporary failures) before the batch fails as unreachable
 ATTEMPTS = 20
@@ -180,13 +182,25 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
         conn.close()
 
 
-def _shutdown(conn: Connection, proc: Any, reader: threading.Thread | None) -> None:
+def main() -> None:
+    """``python -m connectors.xdcr.writer_process FD``: the child, on the inherited socket ``FD``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the replicator decides when it ends (it closes the socket)
+    conn = Connection(int(sys.argv[1]))
+    try:
+        settings = conn.recv()
+    except (EOFError, OSError):
+        return
+    _serve(conn, *settings)
+
+
+def _shutdown(conn: Connection, proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(OSError, ValueError):
         conn.send(None)
-    proc.join(_STOP_TIMEOUT)
-    if proc.is_alive():
+    try:
+        proc.wait(_STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
         proc.kill()
-        proc.join(_STOP_TIMEOUT)
+        proc.wait(_STOP_TIMEOUT)
     conn.close()
 
 
@@ -196,16 +210,20 @@ class WriterProcess:
 
     def __init__(self, url: str, creds: Credentials, *, timeout: float = 30.0,
                  mode: ConflictMode = ConflictMode.SEQNO, threshold: int = 256) -> None:
-        self._conn, child = _CTX.Pipe()
-        self._proc = _CTX.Process(target=_serve, args=(child, url, creds.user, creds.password, timeout, mode.value,
-                                                       threshold), name="xdcr-writer", daemon=True)
-        self._proc.start()
-        child.close()
+        mine, child = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's packages
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
+                                          pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
+        finally:
+            child.close()
+        self._conn = Connection(mine.detach())
+        self._conn.send((url, creds.user, creds.password, timeout, mode.value, threshold))
         self._waiting: deque[concurrent.futures.Future[Any]] = deque()
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="xdcr-writer-answers", daemon=True)
         self._reader.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc, self._reader)
+        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
 
     def _post(self, cmd: str, arg: Any) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -216,7 +234,7 @@ class WriterProcess:
         except (OSError, ValueError) as e:
             with self._lock:
                 self._waiting.remove(fut)
-            raise XdcrError(f"the target writer process ended (exit code {self._proc.exitcode}): {e}") from e
+            raise XdcrError(f"the target writer process ended (exit code {self._proc.poll()}): {e}") from e
         return fut
 
     def submit(self, ops: Sequence[WriteOp]) -> concurrent.futures.Future[Outcome]:
@@ -232,7 +250,7 @@ class WriterProcess:
         while True:
             try:
                 kind, out = self._conn.recv()
-            except (EOFError, OSError, ValueError):
+            except Exception:  # closed, or an answer that does not unpickle: the futures fail below
                 break
             with self._lock:
                 fut = self._waiting.popleft()
@@ -246,7 +264,14 @@ class WriterProcess:
             left = list(self._waiting)
             self._waiting.clear()
         for fut in left:
-            fut.set_exception(XdcrError(f"the target writer process ended (exit code {self._proc.exitcode})"))
+            fut.set_exception(XdcrError(f"the target writer process ended (exit code {self._proc.poll()})"))
 
     def close(self) -> None:
         self._finalizer()
+
+
+if __name__ == "__main__":
+    # run as the module itself (not ``__main__``): what it sends back unpickles as connectors.xdcr.writer_process
+    from connectors.xdcr.writer_process import main as _main
+
+    _main()
