@@ -1,39 +1,49 @@
-"""``python -m bench.xdcr --docs N``: XDCR throughput (docs/xdcr.md "Performance").
+"""``python -m bench.xdcr --docs N [--rounds R]``: XDCR throughput (docs/xdcr.md "Performance").
 
-One run: N documents (256-byte JSON) are written into an in-process engine and published into a topic of the
-broker the product would use (gateway.broker.select_broker); then, each into a fresh target node process
+N documents (256-byte JSON, 64 vbuckets) are written into an in-process engine and published into a topic of the
+broker the product would use (gateway.broker.select_broker). Then, in *paired rounds* (as bench.gateway and
+bench.client run theirs), each side in a fresh process of its own (``python -m bench.xdcr --run ...``, timed
+inside it; process start, imports and loading are not timed) writing into a fresh target node process
 (``python -m engine.network.server``, the same vbucket count):
 
-* ``xdcr.throughput`` documents/s of the replicator (connectors.xdcr) from the topic to the target -- Kafka
-  consume + decode + snapshot assembly + source mirror and mutation log in SQLite + batched, pipelined
-  SET_WITH_META -- timed from its construction until it is caught up;
 * the baseline: the same documents with the same metadata sent straight to the target with the same client
   (``connectors.xdcr.target.TargetCluster``: 500-document pipelined SET_WITH_META batches), timed from connect
-  to the last answer.
+  to the last answer;
+* ``xdcr.throughput`` documents/s of the replicator (connectors.xdcr) from the topic to the target -- Kafka
+  consume + decode + snapshot assembly + the changelog and state in SQLite + batched, pipelined
+  SET_WITH_META -- timed from its construction until it is caught up.
 
-Target (issue 12): ratio >= 0.7.
+Each round gives a ratio replicator / baseline; the figure printed is the round with the median ratio (the lower
+median with an even count), its value and its own baseline, so ``ratio`` is the median of the paired ratios. An
+``info`` line per round gives both rates, the CPU seconds of both timed processes (the replicator's writer process
+not included) and the load average. Target (issue 12): ratio >= 0.7.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import pickle
+import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import figure
-from bench.topic_fill import fill_topic
-
 NVB = 64
 
 
 def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> tuple[str, list[Any]]:
-    from connectors.xdcr.document import DocVersion
+    """The topic, and each document's (vbucket, key, cas, rev seqno, flags, expiry, datatype, value)."""
+    from bench.topic_fill import fill_topic
 
     def versions(b: Any) -> list[Any]:
-        return [(vb.id, DocVersion(bytes(k), it.cas, it.rev_seqno, it.flags, it.expiry, False, it.datatype,
-                                   bytes(it.value or b""))) for vb in b.vbuckets() for k, it in vb.ht.items()]
+        return [(vb.id, bytes(k), it.cas, it.rev_seqno, it.flags, it.expiry, it.datatype, bytes(it.value or b""))
+                for vb in b.vbuckets() for k, it in vb.ht.items()]
 
     value = b'{"name": "' + b"x" * 244 + b'"}'
     topic, docs = fill_topic(conf, client, tmp, "xdcr", ((f"user::{i:010d}".encode(), value) for i in range(n)),
@@ -41,10 +51,14 @@ def publish(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path) -> 
     return topic, docs or []
 
 
-def raw_writes(port: int, docs: list[Any]) -> float:
+def raw_writes(port: int, docs_file: Path) -> float:
     from connectors.xdcr.connection import Credentials
+    from connectors.xdcr.document import DocVersion
     from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp
 
+    with docs_file.open("rb") as f:
+        docs = [(vb, DocVersion(k, cas, rev, flags, exp, False, dt, v))
+                for vb, k, cas, rev, flags, exp, dt, v in pickle.load(f)]
     t = time.perf_counter()
     tc = TargetCluster(TargetSpec.parse(f"couchbase://127.0.0.1:{port}"), Credentials())
     tc.connect()
@@ -67,11 +81,36 @@ def xdcr(client: dict[str, Any], topic: str, port: int, state: Path, n: int) -> 
     return n / el
 
 
+def in_own_process(kind: str, port: int, work: Path, args: list[str]) -> dict[str, float]:
+    """One timed side in a fresh ``python -m bench.xdcr --run KIND`` process: its rate and CPU seconds."""
+    out = subprocess.run([sys.executable, "-m", "bench.xdcr", "--run", kind, "--port", str(port),
+                          "--work-dir", str(work), *args], check=True, capture_output=True, text=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=100_000)
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds (the baseline, then the replicator)")
+    ap.add_argument("--run", choices=["raw", "xdcr"], help=argparse.SUPPRESS)  # a child process
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--work-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--kafka", help=argparse.SUPPRESS)
+    ap.add_argument("--topic", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.docs < 1 or args.rounds < 1:
+        ap.error("--docs and --rounds must be at least 1")
+    if args.run is not None:
+        work = Path(args.work_dir)
+        cpu = time.process_time()
+        if args.run == "raw":
+            rate = raw_writes(args.port, work / "docs.pickle")
+        else:
+            rate = xdcr(json.loads(args.kafka), args.topic, args.port, work, args.docs)
+        print(json.dumps({"rate": rate, "cpu_s": time.process_time() - cpu}), flush=True)
+        return
 
+    from bench.report import figure
     from engine.network.process_cluster import NodeProcess
     from gateway.broker import select_broker
     from gateway.config import load_settings
@@ -82,16 +121,32 @@ def main() -> None:
         conf = {**load_settings(None).producer_config(), "bootstrap.servers": broker.bootstrap_servers}
         client = {"bootstrap.servers": broker.bootstrap_servers}
         topic, docs = publish(conf, client, n, tmp)
-        nodes = [NodeProcess(f"t{i}", tmp / f"t{i}", NVB) for i in range(2)]
-        try:
-            for node in nodes:
-                node.start()
-            raw = raw_writes(nodes[0].port, docs)
-            rate = xdcr(client, topic, nodes[1].port, tmp / "state", n)
-        finally:
-            for node in nodes:
-                node.kill()
-    figure("xdcr.throughput", rate, "docs/s", raw, 0.7, "higher")
+        with (tmp / "docs.pickle").open("wb") as f:
+            pickle.dump(docs, f, protocol=pickle.HIGHEST_PROTOCOL)
+        del docs
+        shutil.rmtree(tmp / "engine", ignore_errors=True)
+        rounds: list[tuple[dict[str, float], dict[str, float]]] = []
+        for i in range(args.rounds):
+            nodes = [NodeProcess(f"t{i}{s}", tmp / f"t{i}{s}", NVB) for s in "ab"]
+            try:
+                for node in nodes:
+                    node.start()
+                raw = in_own_process("raw", nodes[0].port, tmp, [])
+                rate = in_own_process("xdcr", nodes[1].port, tmp / f"state{i}",
+                                      ["--docs", str(n), "--kafka", json.dumps(client), "--topic", topic])
+            finally:
+                for node in nodes:
+                    node.kill()
+                    shutil.rmtree(tmp / node.name, ignore_errors=True)
+                shutil.rmtree(tmp / f"state{i}", ignore_errors=True)
+            rounds.append((rate, raw))
+            print(json.dumps({"info": "round", "xdcr": round(rate["rate"], 1), "raw": round(raw["rate"], 1),
+                              "ratio": round(rate["rate"] / raw["rate"], 3),
+                              "cpu_s": {"xdcr": round(rate["cpu_s"], 2), "raw": round(raw["cpu_s"], 2)},
+                              "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+    ratios = [r["rate"] / b["rate"] for r, b in rounds]
+    rate, raw = rounds[ratios.index(statistics.median_low(ratios))]
+    figure("xdcr.throughput", rate["rate"], "docs/s", raw["rate"], 0.7, "higher")
 
 
 if __name__ == "__main__":

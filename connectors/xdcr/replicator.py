@@ -9,9 +9,10 @@ seqno, flags, expiry, deletion) through SET/ADD/DEL_WITH_META, so the target run
   cover (the state store's commit calls :meth:`XdcrReplicator._before_commit`): a crash re-sends, never skips.
 * **Optimistic replication** (goxdcr ``optimisticReplicationThreshold``, 256 bytes): a document up to the
   threshold is sent straight away; a larger one only after GET_META showed the target would not reject it.
-* **Source rollbacks -- beyond Couchbase.** The replicator keeps the source's version of every replicated key
-  (``xdcr_docs``, with its metadata) and the client's mutation log of prior versions. A rollback instruction
-  restores each key the lost branch changed to its version at the rollback point, written with
+* **Source rollbacks -- beyond Couchbase.** The replicator keeps the source's history as applied, an
+  append-only changelog per vbucket in seqno order (``connectors.xdcr.changelog``, one row per snapshot), which
+  plays the client's mutation log. A rollback instruction restores each key the lost branch changed to its
+  version at the rollback point (looked up in the changelog then, never on the hot path), written with
   ``SKIP_CONFLICT_RESOLUTION`` (a key that did not exist gets a dominated tombstone: CAS 1, rev seqno 1), so
   the target converges to exactly the source. Couchbase's XDCR leaves the lost branch's writes on the target.
 * **Checkpoints** per vbucket (``connectors.xdcr.checkpoints``), validated against the target's failover log
@@ -39,12 +40,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from connectors.client.consumer import ChangeStreamConsumer, RollbackInstruction
-from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior
+from connectors.client.consumer import ChangeStreamConsumer, ClientEvent, RollbackInstruction
+from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, Prior
 from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
 from connectors.client.state import SqliteStateStore
 from connectors.exceptions import DecodeError
-from connectors.xdcr.batch import write_batch
+from connectors.xdcr.batch import Outcome, account
+from connectors.xdcr.changelog import Changelog, pack_entry
 from connectors.xdcr.checkpoints import CheckpointStore
 from connectors.xdcr.connection import Credentials
 from connectors.xdcr.document import ConflictMode, DocVersion
@@ -59,6 +61,7 @@ from connectors.xdcr.filters import Filters, settle_filter_change
 from connectors.xdcr.mcbp import SKIP_CONFLICT_RESOLUTION_FLAG
 from connectors.xdcr.metrics import Metrics, VBucketStatus
 from connectors.xdcr.target import TargetCluster, TargetSpec, WriteOp, WriteResult
+from connectors.xdcr.writer_process import Skipped, WriterProcess, transport
 from schemas.records import RecordType
 from schemas.topics import partition_for
 
@@ -69,14 +72,15 @@ log = logging.getLogger(__name__)
 STATE_FILE = "xdcr.sqlite"
 #: batches queued for the writer thread before the replication thread waits
 INFLIGHT_BATCHES = 4
+#: while the writer thread is still writing, the consumer's commits are deferred (its transaction goes on) for
+#: at most this long since the last commit: the replication thread waits for the target once per interval, not
+#: at every commit, and keeps decoding meanwhile (docs/xdcr.md "How a change travels"); a stream gone idle
+#: (nothing within the client's poll timeout) commits at once
+COMMIT_DEFER_SECONDS = 1.0
 DEAD_LETTER_FILE = "dead-letter.jsonl"
 
-#: part of the state file (tables of the consumer, mutation log and checkpoints besides). ``xdcr_docs`` is a rowid
-#: table (its key an index): rows of ~300 bytes inserted in random key order cost a third of a WITHOUT ROWID
-#: table's B-tree page splits
+#: part of the state file (tables of the consumer, changelog and checkpoints besides)
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS xdcr_docs (key BLOB PRIMARY KEY, vbucket INTEGER NOT NULL, seqno INTEGER NOT NULL,
-                                      version BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS xdcr_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)
 """
 
@@ -99,18 +103,37 @@ class XdcrSettings:
     mutation_log_max: int = DEFAULT_MAX_ENTRIES
     group_commit: int = 64
     dead_letter_topic: str | None = "{topic}.dlq"
+    #: encode the writes and parse the target's answers in a process of its own (connectors.xdcr.writer_process)
+    writer_process: bool = True
 
 
 class _HookedStore(SqliteStateStore):
     """The client's SQLite store; every commit first runs the replicator's hook (send the pending batch,
-    record target positions and checkpoints in the same transaction)."""
+    record target positions and checkpoints in the same transaction) -- unless ``defer`` leaves it to a later
+    commit (the transaction goes on)."""
 
     hook: Callable[[], None] | None = None
+    defer: Callable[[], bool] | None = None
 
     def flush(self) -> None:
         if self.hook is not None and not self._in_event:
+            if self.defer is not None and self.defer():
+                return
             self.hook()
         super().flush()
+
+
+class _Consumer(ChangeStreamConsumer):
+    """The client; ``on_idle`` is called whenever nothing arrived within its poll timeout (between events:
+    a deferred commit is made then)."""
+
+    on_idle: Callable[[], None] | None = None
+
+    def _next_event(self, timeout: float) -> ClientEvent | None:
+        ev = super()._next_event(timeout)
+        if ev is None and self.on_idle is not None:
+            self.on_idle()
+        return ev
 
 
 def _tombstone(key: bytes) -> DocVersion:
@@ -135,26 +158,33 @@ class XdcrReplicator:
         self.metrics = Metrics()
         self.vbs: dict[int, VBucketStatus] = {}
         self.target = TargetCluster(TargetSpec.parse(target), Credentials(user, password), sleep=self.sleep)
+        self._creds = Credentials(user, password)
+        #: where the writer thread's requests go: the writer process, else ``target`` itself
+        self._sink: TargetCluster | WriterProcess = self.target
         self._pending: dict[bytes, WriteOp] = {}
         self._pending_bytes = 0
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: deque[concurrent.futures.Future[Any]] = deque()
+        self._inflight_ops: deque[list[WriteOp]] = deque()
         self._target_pos: dict[int, tuple[int, int]] = {}
         self._dirty: dict[int, ConsumerPosition] = {}
         self._last_ckpt: dict[int, float] = {}
-        #: the target map refreshes already checked against the target positions (_check_target_history)
-        self._map_seen = 0
+        #: ``target`` is used by the writer thread (no writer process) and for the history checks of the
+        #: replication thread (_holds): one at a time
+        self._target_lock = threading.Lock()
         self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
-        self.consumer: ChangeStreamConsumer | None = None
+        self._committed_at = time.monotonic()
+        self._deferred = False
+        self._force_commit = False
+        self.consumer: _Consumer | None = None
         self.store = _HookedStore(self.state_dir / STATE_FILE, topic)
         try:
             self.conn = self.store.conn
-            # the source mirror is written with every change and read for every rollback: a page cache that
-            # holds it (64 MiB; SQLite's default is 2 MiB) keeps its random-key B-tree inserts off the file
-            self.conn.execute("PRAGMA cache_size=-65536")
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     self.conn.execute(stmt)
+            self.changelog = Changelog(self.conn, s.mutation_log_max)
+            self._migrate_mirror()
             self.checkpoints = CheckpointStore(self.conn, s.checkpoints_per_vbucket, clock)
             prev = self._meta("metrics")
             if prev:
@@ -176,7 +206,6 @@ class XdcrReplicator:
         filters, validate the positions against the target's history, then open the consumer."""
         s = self.settings
         self._with_retries(self.target.connect, "connect")
-        self._map_seen = self.target.map_refreshes
         mode = self.target.conflict_mode()
         if mode is not None and mode is not s.conflict_resolution:
             raise ConflictModeMismatch(
@@ -185,14 +214,22 @@ class XdcrReplicator:
         if mode is None:
             log.warning("xdcr: the target does not report its conflict-resolution mode; assuming %s",
                         s.conflict_resolution.value)
+        if s.writer_process and self._sink is self.target:
+            self._sink = WriterProcess(self.target_url, self._creds, timeout=self.target.timeout,
+                                       mode=s.conflict_resolution, threshold=s.optimistic_threshold)
         self._settle_filters()
         self._validate_positions()
-        self.consumer = ChangeStreamConsumer(
-            self._kafka, self.topic, state_store=self.store, prior_lookup=self._priors,
+        self.consumer = _Consumer(
+            self._kafka, self.topic, state_store=self.store, prior_lookup=_no_priors,
             mutation_log_max=s.mutation_log_max, group_commit=s.group_commit,
             dead_letter=None if s.dead_letter_topic is None else s.dead_letter_topic.format(topic=self.topic))
+        # the changelog plays the client's mutation log: it answers the undo lists from the versions the
+        # replicator appended (the client's per-change prior look-ups and copies are not needed)
+        self.consumer.mutation_log = self.changelog
         self._save_meta("partitions", str(len(self.consumer.assignment)))
         self.store.hook = self._before_commit
+        self.store.defer = self._defer_commit
+        self.consumer.on_idle = self._commit_deferred
         for vb, st in self.store.load_all().items():
             self.vbs[vb] = VBucketStatus(st.vbuuid, st.seqno, st.snap_start, st.snap_end, seen_seqno=st.seqno)
         for vb, (u, q) in self.checkpoints.target_positions().items():
@@ -282,23 +319,17 @@ class XdcrReplicator:
 
     def _reset_vbucket(self, vb: int, back: ConsumerPosition | None, nparts: int = 0) -> None:
         if back is not None:
-            # the mirror goes back with the position: every key changed above the checkpoint gets its version
-            # at the checkpoint again (the mutation log's undo), so the replay records true prior versions
+            # the changelog goes back with the position: its entries above the checkpoint go (the replay appends
+            # them again), so a later rollback's undo finds true prior versions; below its floor (compacted past
+            # the checkpoint) the vbucket is rebuilt from zero instead
             try:
-                undo = MutationLog(self.conn).undo_to(vb, back.seqno)
+                self.changelog.rewind(vb, back.seqno)
             except LogTooShort:
                 back = None
-            else:
-                for u in undo:
-                    if u.prior_value is None:
-                        self.conn.execute("DELETE FROM xdcr_docs WHERE key = ?", (u.key,))
-                    else:
-                        self.conn.execute("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)",
-                                          (u.key, vb, u.prior_seqno, u.prior_value))
         if back is None:
-            self.conn.execute("DELETE FROM xdcr_docs WHERE vbucket = ?", (vb,))
             self.conn.execute("DELETE FROM dcp_consumer_state WHERE topic = ? AND vbucket = ?", (self.topic, vb))
-            MutationLog(self.conn).clear(vb)
+            self.changelog.clear(vb)
+            self.changelog.cleared.pop(vb, None)
             self.checkpoints.drop(vb)
             new_offset = 0
         else:
@@ -333,33 +364,53 @@ class XdcrReplicator:
             log.warning("xdcr: cannot save the counters: %s", e)
 
     # ------------------------------------------------------------------------------ the client's events
-    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
-        out: dict[bytes, Prior] = {}
-        for i in range(0, len(keys), 500):
-            chunk = keys[i:i + 500]
-            q = f"SELECT key, version, seqno FROM xdcr_docs WHERE key IN ({','.join('?' * len(chunk))})"
-            for k, v, sq in self.conn.execute(q, chunk):
-                out[bytes(k)] = (bytes(v), int(sq))
-        return out
+    def _migrate_mirror(self) -> None:
+        """A state file of the earlier layout (the source mirror ``xdcr_docs``: every key's newest version):
+        each vbucket's changelog starts from it, its floor at the vbucket's position (a rollback below it
+        rebuilds the vbucket from zero)."""
+        if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'xdcr_docs'").fetchone() is None:
+            return
+        self._begin()
+        try:
+            states = self.store.load_all()
+            by_vb: dict[int, list[tuple[int, bytes, bytes]]] = {}
+            for k, vb, sq, v in self.conn.execute("SELECT key, vbucket, seqno, version FROM xdcr_docs"):
+                by_vb.setdefault(int(vb), []).append((int(sq), bytes(k), bytes(v)))
+            for vb, rows in by_vb.items():
+                st = states.get(vb)
+                self.changelog.adopt(vb, max([r[0] for r in rows] + [st.seqno if st else 0]), rows)
+            self.conn.execute("DROP TABLE xdcr_docs")
+            for t in ("dcp_mutation_log", "dcp_mutation_log_floor"):  # the prior versions it no longer needs
+                if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (t,)).fetchone() is not None:
+                    self.conn.execute(f"DELETE FROM {t}")
+        finally:
+            self._commit()
 
     def on_snapshot(self, snap: Snapshot) -> None:
         f = self.settings.filters
-        rows = []
+        rx = f.key_regex is not None
+        filters = f.skip_deletions or f.skip_expirations or f.skip_binary or rx
+        entries: list[bytes] = []
         vb = snap.vbucket
+        queue = self._queue
+        expiration = RecordType.EXPIRATION
+        mutation = RecordType.MUTATION
         for ch in snap.changes:
-            if f.key_regex is not None and not f.passes_key(ch.key):
+            key = ch.key
+            if rx and not f.passes_key(key):
                 self.metrics.filtered += 1
                 continue
-            deleted = ch.deleted
-            v = DocVersion(ch.key, ch.cas, ch.rev_seqno, ch.flags, ch.expiry, deleted, ch.datatype,
+            t = ch.type
+            deleted = t is not mutation
+            v = DocVersion(key, ch.cas, ch.rev_seqno, ch.flags, ch.expiry, deleted, ch.datatype,
                            None if deleted else ch.value)
-            rows.append((ch.key, vb, ch.seqno, v.pack()))
-            if not f.passes(ch):
+            entries.append(pack_entry(ch.seqno, key, v.pack()))
+            if filters and not f.passes(ch):
                 self.metrics.filtered += 1
                 continue
-            self._queue(WriteOp(vb, v, expiration=ch.type is RecordType.EXPIRATION))
-        if rows:
-            self.conn.executemany("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)", rows)
+            queue(WriteOp(vb, v, expiration=t is expiration))
+        if entries:
+            self.changelog.append(vb, snap.changes[0].seqno, snap.changes[-1].seqno, entries)
         self._applied(vb, snap.state)
 
     def _applied(self, vb: int, state: ConsumerPosition | None) -> None:
@@ -379,27 +430,22 @@ class XdcrReplicator:
         restored = 0
         if rb.rebuild_from_zero:
             self.metrics.rollbacks_from_zero += 1
-            for (k,) in self.conn.execute("SELECT key FROM xdcr_docs WHERE vbucket = ?", (vb,)).fetchall():
-                self._queue(WriteOp(vb, _tombstone(bytes(k)), SKIP_CONFLICT_RESOLUTION_FLAG))
+            # the client cleared the changelog before handing the instruction out; it kept the keys
+            for k in self.changelog.cleared.pop(vb, []):
+                self._queue(WriteOp(vb, _tombstone(k), SKIP_CONFLICT_RESOLUTION_FLAG))
                 restored += 1
-            self.conn.execute("DELETE FROM xdcr_docs WHERE vbucket = ?", (vb,))
         else:
             for u in rb.undo:
                 if not f.passes_key(u.key):
                     continue
                 if u.prior_value is None:
                     self._queue(WriteOp(vb, _tombstone(u.key), SKIP_CONFLICT_RESOLUTION_FLAG))
-                    self.conn.execute("DELETE FROM xdcr_docs WHERE key = ?", (u.key,))
                 else:
-                    v = DocVersion.unpack(u.key, u.prior_value)
-                    self._queue(WriteOp(vb, v, SKIP_CONFLICT_RESOLUTION_FLAG))
-                    self.conn.execute("INSERT OR REPLACE INTO xdcr_docs VALUES (?, ?, ?, ?)",
-                                      (u.key, vb, u.prior_seqno, u.prior_value))
+                    self._queue(WriteOp(vb, DocVersion.unpack(u.key, u.prior_value), SKIP_CONFLICT_RESOLUTION_FLAG))
                 restored += 1
         self.metrics.restored += restored
-        # a checkpoint of the lost branch cannot be resumed from (the undo just removed its mutation-log
-        # entries): were the target to lose these restores, an older checkpoint replays the branch and this
-        # rollback record again
+        # a checkpoint of the lost branch cannot be resumed from (the undo just removed its changelog entries):
+        # were the target to lose these restores, an older checkpoint replays the branch and this rollback again
         self.checkpoints.drop_after(vb, 0 if rb.rebuild_from_zero else rb.to_seqno)
         log.info("xdcr: vbucket %d rolled back to seqno %d: %d target document(s) restored%s", vb, rb.to_seqno,
                  restored, " (rebuilt from zero)" if rb.rebuild_from_zero else "")
@@ -438,42 +484,80 @@ class XdcrReplicator:
             self._send()
 
     def _send(self, wait: bool = False) -> None:
-        """Queue the pending batch for the writer thread; ``wait``: until every queued batch completed. The
-        single writer runs batches in order (a key's versions reach the target in order); up to
-        ``INFLIGHT_BATCHES`` are queued, overlapping the target's round trips with the client's decoding and
-        SQLite work. A batch's error is raised here."""
+        """Hand the pending batch to the writer (the writer process, pipelined, or the writer thread); ``wait``:
+        until every batch handed over completed. Batches are written in order (a key's versions reach the target
+        in order); up to ``INFLIGHT_BATCHES`` are outstanding, overlapping the target's round trips with the
+        client's decoding and the changelog. Completed batches are counted here; a batch's error is raised
+        here."""
         ops = list(self._pending.values())
         self._pending.clear()
         self._pending_bytes = 0
         if ops:
-            if self._writer is None:
-                self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
-            self._inflight.append(self._writer.submit(self._with_retries, partial(self._write_batch, ops),
-                                                      "write"))
+            if isinstance(self._sink, WriterProcess):
+                fut = self._sink.submit(ops)
+            else:
+                if self._writer is None:
+                    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xdcr-writer")
+                fut = self._writer.submit(self._write_in_thread, ops)
+            self._inflight.append(fut)
+            self._inflight_ops.append(ops)
         while self._inflight and (wait or len(self._inflight) > INFLIGHT_BATCHES or self._inflight[0].done()):
-            self._inflight.popleft().result()
+            fut, ops = self._inflight.popleft(), self._inflight_ops.popleft()
+            try:
+                out = fut.result()
+            except (TargetUnreachable, TargetAuthError, Skipped):
+                if not isinstance(self._sink, WriterProcess):
+                    raise
+                # the writer process stopped at this batch: it and every later one are written again, in order
+                out = self._with_retries(partial(self._write_now, self._sink, ops), "write")
+            self._account(ops, out)
+
+    def _write_now(self, sink: WriterProcess, ops: list[WriteOp]) -> Outcome:
+        sink.reset()
+        return sink.submit(ops).result()
 
     def _join_inflight(self) -> None:
         while self._inflight:
+            self._inflight_ops.popleft()
             self._inflight.popleft().result()
 
-    def _write_batch(self, ops: list[WriteOp]) -> None:
-        s = self.settings
-        write_batch(self.target, ops, threshold=s.optimistic_threshold, mode=s.conflict_resolution,
-                    metrics=self.metrics, dead_letter=self._dead_letter, on_written=self._written, sleep=self.sleep,
-                    after_write=self._after_target_write)
+    def _drop_inflight(self) -> None:
+        """Wait for every batch handed over, whatever its answer (it is not counted), and let the writer process
+        write again (a failed batch left it skipping the later ones)."""
+        while self._inflight:
+            self._inflight_ops.popleft()
+            with contextlib.suppress(Exception):
+                self._inflight.popleft().result()
+        if isinstance(self._sink, WriterProcess):
+            with contextlib.suppress(Exception):
+                self._sink.reset()
 
-    def _after_target_write(self) -> None:
-        if self.target.map_refreshes != self._map_seen:
-            self._map_seen = self.target.map_refreshes
+    def _write_in_thread(self, ops: list[WriteOp]) -> Outcome:
+        with self._target_lock:
+            out: Outcome = self._with_retries(partial(self._transport, ops), "write")
+        return out
+
+    def _transport(self, ops: list[WriteOp]) -> Outcome:
+        s = self.settings
+        return transport(self.target, ops, s.conflict_resolution, s.optimistic_threshold, self.sleep)
+
+    def _account(self, ops: list[WriteOp], out: Outcome) -> None:
+        """Count a written batch (``batch.account``, docs/xdcr.md "Answers"). The writer's connection re-read the
+        target's map meanwhile (a failover or rebalance on the target): every known target position is checked
+        first (:meth:`_check_target_history`)."""
+        if out.map_refreshes:
+            if isinstance(self._sink, WriterProcess):  # this process's map follows the writer process's
+                with self._target_lock:
+                    self._with_retries(self.target.refresh_map, "history check")
             self._check_target_history()
+        account(ops, out, self.metrics, dead_letter=self._dead_letter, on_written=self._written)
 
     def _written(self, o: WriteOp, r: WriteResult) -> None:
         self.vbs.setdefault(o.vbucket, VBucketStatus()).written += 1
         if r.token is not None and r.vbucket == o.vbucket:  # (same vbucket counts on both sides)
             prev = self._target_pos.get(o.vbucket)
             known = prev or self._committed_target_pos(o.vbucket)
-            if known is not None and known[0] != r.token[0] and self.target.holds(o.vbucket, *known) is False:
+            if known is not None and known[0] != r.token[0] and self._holds(o.vbucket, *known) is False:
                 # a failover on the target lost writes sent before: start again from the newest checkpoint
                 # it still holds (run() restarts, start() validates)
                 raise TargetHistoryLost(o.vbucket, known, r.token)
@@ -487,17 +571,42 @@ class XdcrReplicator:
         known = {vb: (v.target_vbuuid, v.target_seqno) for vb, v in list(self.vbs.items()) if v.target_vbuuid}
         known.update(self._target_pos)
         for vb, pos in sorted(known.items()):
-            if self.target.holds(vb, *pos) is False:
+            if self._holds(vb, *pos) is False:
                 raise TargetHistoryLost(vb, pos)
+
+    def _holds(self, vb: int, vbuuid: int, seqno: int) -> bool | None:
+        """``target.holds`` from the replication thread (the writer thread, if any, waits)."""
+        with self._target_lock:
+            held: bool | None = self._with_retries(partial(self.target.holds, vb, vbuuid, seqno), "history check")
+        return held
 
     def _committed_target_pos(self, vb: int) -> tuple[int, int] | None:
         v = self.vbs.get(vb)
         return None if v is None or not v.target_vbuuid else (v.target_vbuuid, v.target_seqno)
 
+    def _defer_commit(self) -> bool:
+        """Leave this commit to a later one? While the writer thread still writes (``COMMIT_DEFER_SECONDS``)."""
+        if (not self._force_commit and self._inflight and not self._inflight[-1].done()
+                and time.monotonic() - self._committed_at < COMMIT_DEFER_SECONDS):
+            self._deferred = True
+            return True
+        return False
+
+    def _commit_deferred(self) -> None:
+        """Make a deferred commit now (the stream is idle, or the run ends)."""
+        if self._deferred:
+            self._force_commit = True
+            try:
+                self.store.flush()
+            finally:
+                self._force_commit = False
+
     def _before_commit(self) -> None:
         """Runs before every commit of the consumer's transaction: what the positions cover reaches the
         target first; target positions, checkpoints and counters commit with them."""
         self._send(wait=True)
+        self._deferred = False
+        self._committed_at = time.monotonic()
         now = self.clock()
         for vb, tp in self._target_pos.items():
             self.checkpoints.set_target_position(vb, *tp)
@@ -521,6 +630,7 @@ class XdcrReplicator:
             try:
                 self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
                                   on_error=self.on_corrupt, on_oversize=self.on_oversize)
+                self._commit_deferred()
                 return
             except TargetHistoryLost as e:
                 # goxdcr restarts its pipeline when the target's topology changes; here the uncommitted
@@ -532,18 +642,20 @@ class XdcrReplicator:
                 self.vbs.clear()  # start() reloads what the state holds after the validation
 
     def _abandon_transaction(self) -> None:
-        """Drop what is pending or in flight and roll the consumer's transaction back: no position commits
-        beyond what reached the target."""
+        """Drop what is pending or in flight (the writer process reset) and roll the consumer's transaction
+        back, deferred commit included: no position commits beyond what reached the target."""
         self.store.hook = None
         self._pending.clear()
         self._pending_bytes = 0
-        with contextlib.suppress(Exception):
-            self._join_inflight()
+        self._drop_inflight()
         self.store.rollback()
         if self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
+        self.changelog.forget_cached()
         self._target_pos.clear()
         self._dirty.clear()
+        self._deferred = self._force_commit = False
+        self._committed_at = time.monotonic()
 
     def stop(self) -> None:
         """Signal- and thread-safe: run() returns after the current event; retries give up."""
@@ -582,6 +694,8 @@ class XdcrReplicator:
             self.store.close()
         finally:
             self.target.close()
+            if isinstance(self._sink, WriterProcess):
+                self._sink.close()
             self._dead.close()
 
     def __enter__(self) -> XdcrReplicator:
@@ -589,6 +703,11 @@ class XdcrReplicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _no_priors(vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+    """The consumer's prior look-up: nothing to look up (the changelog answers the undo lists itself)."""
+    return {}
 
 
 def _vb_dict(v: VBucketStatus, now: float) -> dict[str, Any]:

@@ -59,20 +59,22 @@ def test_replicates_documents_with_their_metadata(harness: Harness, target: Any,
     assert read_status(tmp_path / "state")["counters"]["written"] == len(src)
 
 
-def test_rollback_restores_lost_branch_documents(harness: Harness, target: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer_process", [True, False], ids=["writer-process", "writer-thread"])
+def test_rollback_restores_lost_branch_documents(harness: Harness, target: Any, tmp_path: Path,
+                                                 writer_process: bool) -> None:
     h = harness
     write(h.bucket, 100)
     h.bucket.flush_all()
     h.settle()
-    replicate(h, target, tmp_path / "state")
+    replicate(h, target, tmp_path / "state", writer_process=writer_process)
     write(h.bucket, 60, start=50)  # overwrites + new keys, published but never persisted
     h.publish_unpersisted()
-    replicate(h, target, tmp_path / "state")
+    replicate(h, target, tmp_path / "state", writer_process=writer_process)
     h.crash_engine()  # the source loses them: rollback records in the topic
     write(h.bucket, 10, start=5000)
     h.bucket.flush_all()
     h.settle()
-    st = replicate(h, target, tmp_path / "state")
+    st = replicate(h, target, tmp_path / "state", writer_process=writer_process)
     assert st["counters"]["rollbacks"] > 0 and st["counters"]["restored"] > 0
     check_equal(h, target)
 
