@@ -172,6 +172,8 @@ class XdcrReplicator:
         #: ``target`` is used by the writer thread (no writer process) and for the history checks of the
         #: replication thread (_holds): one at a time
         self._target_lock = threading.Lock()
+        #: ``target``'s map refreshes already reported to _account (the writer thread's)
+        self._map_seen = 0
         self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
         self._committed_at = time.monotonic()
         self._deferred = False
@@ -206,6 +208,7 @@ class XdcrReplicator:
         filters, validate the positions against the target's history, then open the consumer."""
         s = self.settings
         self._with_retries(self.target.connect, "connect")
+        self._map_seen = self.target.map_refreshes
         mode = self.target.conflict_mode()
         if mode is not None and mode is not s.conflict_resolution:
             raise ConflictModeMismatch(
@@ -535,6 +538,9 @@ class XdcrReplicator:
     def _write_in_thread(self, ops: list[WriteOp]) -> Outcome:
         with self._target_lock:
             out: Outcome = self._with_retries(partial(self._transport, ops), "write")
+            # every map refresh since the last batch: reconnections (_with_retries) included
+            out.map_refreshes = self.target.map_refreshes - self._map_seen
+            self._map_seen = self.target.map_refreshes
         return out
 
     def _transport(self, ops: list[WriteOp]) -> Outcome:

@@ -91,6 +91,7 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
     """The child: answer every message, in order, until the pipe closes."""
     target = TargetCluster(TargetSpec.parse(url), Credentials(user, password), timeout=timeout)
     connected = failed = False
+    seen = -1  # the map refreshes reported to the replicator (-1: not connected yet)
     try:
         while True:
             try:
@@ -111,8 +112,13 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
                     if not connected:
                         target.connect()
                         connected = True
-                    reply = ("ok", transport(target, [_op(t) for t in arg], ConflictMode(mode), threshold,
-                                             time.sleep))
+                        if seen < 0:  # the first map is no change
+                            seen = target.map_refreshes
+                    out = transport(target, [_op(t) for t in arg], ConflictMode(mode), threshold, time.sleep)
+                    # every map refresh since the last answer: reconnections after a failed batch included
+                    out.map_refreshes = target.map_refreshes - seen
+                    seen = target.map_refreshes
+                    reply = ("ok", out)
                 except Exception as e:
                     if isinstance(e, TargetUnreachable | TargetAuthError):
                         target.close()

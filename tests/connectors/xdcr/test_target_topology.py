@@ -238,8 +238,9 @@ def test_hard_failover_of_the_target_after_a_checkpoint_resends_what_it_lost(kaf
         target.close()
 
 
-def test_hard_failover_of_the_target_during_a_run_is_detected_by_the_run(kafka_broker: Broker,
-                                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer_process", [True, False], ids=["writer-process", "writer-thread"])
+def test_hard_failover_of_the_target_during_a_run_is_detected_by_the_run(kafka_broker: Broker, tmp_path: Path,
+                                                                         writer_process: bool) -> None:
     """Every key written twice (two snapshots per vbucket in the topic), the target's replication stopped; the
     replicator commits after every snapshot, and after its first commit the node holding the vbucket just
     written is failed over hard (those writes lost, their position committed). The same run then writes that
@@ -255,7 +256,8 @@ def test_hard_failover_of_the_target_during_a_run_is_detected_by_the_run(kafka_b
         target.replicating = False
         r = XdcrReplicator(run.h.client, run.h.topic, target.url, run.state, user=TargetClusterNodes.USER,
                            password=TargetClusterNodes.PASSWORD,
-                           settings=XdcrSettings(batch_docs=5, checkpoint_interval=0, group_commit=1))
+                           settings=XdcrSettings(batch_docs=5, checkpoint_interval=0, group_commit=1,
+                                                 writer_process=writer_process))
         try:
             r.start()
             inner = r._before_commit
