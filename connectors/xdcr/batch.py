@@ -79,16 +79,19 @@ def precheck(target: TargetCluster, ops: Sequence[WriteOp], threshold: int,
 
 
 def send_batch(target: TargetCluster, ops: Sequence[WriteOp], mode: ConflictMode, threshold: int,
-               sleep: Callable[[float], None] = time.sleep) -> Outcome:
+               sleep: Callable[[float], None] = time.sleep, out: Outcome | None = None) -> Outcome:
     """Pre-check and write one batch, with retries (module docstring); the final answer of every request sent.
-    Raises ``TargetUnreachable`` when requests are still refused after ``RETRY_ROUNDS``."""
+    Raises ``TargetUnreachable`` when requests are still refused after ``RETRY_ROUNDS`` (or the target went
+    away): what was answered before is in ``out`` when the caller passed one (an empty :class:`Outcome`)."""
     t0 = time.monotonic()
     refreshes = target.map_refreshes
-    skipped, asked = precheck(target, ops, threshold, mode)
+    if out is None:
+        out = Outcome([], [], 0, 0, 0, 0.0)
+    skipped, out.get_meta = precheck(target, ops, threshold, mode)
+    out.skipped = skipped
     held = {i for i, _ in skipped}
     send = [i for i in range(len(ops)) if i not in held]
-    results: list[tuple[int, int, tuple[int, int] | None, str, int]] = []
-    retries = 0
+    results = out.results
     for attempt in range(RETRY_ROUNDS):
         if not send:
             break
@@ -104,12 +107,14 @@ def send_batch(target: TargetCluster, ops: Sequence[WriteOp], mode: ConflictMode
                 results.append((i, st, r.token, r.reason, r.vbucket))
         send = again
         if send:
-            retries += 1
+            out.retries += 1
             sleep(min(0.01 * 2 ** attempt, 2.0))
     if send:
         raise TargetUnreachable(f"{len(send)} write(s) still refused with temporary failures after retries")
-    return Outcome(results, skipped, asked, retries, target.not_my_vbucket, time.monotonic() - t0,
-                   target.map_refreshes - refreshes)
+    out.not_my_vbucket = target.not_my_vbucket
+    out.seconds = time.monotonic() - t0
+    out.map_refreshes = target.map_refreshes - refreshes
+    return out
 
 
 def account(ops: Sequence[WriteOp], out: Outcome, metrics: Metrics, *,
@@ -150,6 +155,14 @@ def write_batch(target: TargetCluster, ops: Sequence[WriteOp], *, threshold: int
                 metrics: Metrics, dead_letter: Callable[[dict[str, Any]], None],
                 on_written: Callable[[WriteOp, WriteResult], None],
                 sleep: Callable[[float], None] = time.sleep) -> None:
-    """Send and account one batch in this process (:func:`send_batch`, then :func:`account`)."""
-    account(ops, send_batch(target, ops, mode, threshold, sleep), metrics, dead_letter=dead_letter,
-            on_written=on_written)
+    """Send and account one batch in this process (:func:`send_batch`, then :func:`account`). A batch the
+    target stopped answering is accounted as far as it was answered (its written documents are recorded as
+    written) before the error is raised."""
+    out = Outcome([], [], 0, 0, 0, 0.0)
+    try:
+        send_batch(target, ops, mode, threshold, sleep, out)
+    except TargetUnreachable:
+        out.not_my_vbucket = target.not_my_vbucket
+        account(ops, out, metrics, dead_letter=dead_letter, on_written=on_written)
+        raise
+    account(ops, out, metrics, dead_letter=dead_letter, on_written=on_written)
