@@ -8,7 +8,7 @@ and ``GET /docs/{key}`` one after the other. The broker is then frozen with SIGS
 Figures (docs/reliability.md "Stalled broker and health"):
 * ``stall.api_p99``   p99 latency (ms) of the probes while the broker is paused; baseline: the same probes,
                       same writer, broker running (the seconds before the pause). Target 100 ms.
-* ``stall.api_max``   the slowest probe while paused (informational; target 2000 ms = "did not hang").
+* ``stall.api_max``   the slowest probe while paused (informational, `"target": null`; under 2000 ms reads as "did not hang").
 Info lines: writes accepted / refused with 503 during the pause, the peak ``unacked_write_bytes``, and the
 seconds to catch up after the resume.
 """
