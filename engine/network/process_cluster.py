@@ -114,8 +114,11 @@ class NodeProcess:
             if left <= 0 or self.proc.poll() is not None:
                 self.kill()
                 raise TemporaryFailure(f"node {self.name} did not start (see {self.data_dir.parent}/{self.name}.log)")
-            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
-            if ready:
+            # poll(), not select(): select() refuses a descriptor numbered 1024 or more (FD_SETSIZE), which a
+            # long-lived manager process with many connections reaches
+            poller = select.poll()
+            poller.register(self.proc.stdout.fileno(), select.POLLIN | select.POLLHUP)
+            if poller.poll(min(left, 0.5) * 1000):
                 chunk = os.read(self.proc.stdout.fileno(), 256)
                 if not chunk:
                     continue
