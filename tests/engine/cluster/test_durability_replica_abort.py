@@ -48,3 +48,18 @@ def test_abort_from_disk_backfill_supersedes_the_replicas_persisted_prepare(tmp_
         assert rb.vbucket(vb).high_seqno == ab.vbucket(vb).high_seqno
     finally:
         c.close()
+
+
+def test_campaign_counts_crashes_since_submit_for_in_memory_levels(tmp_path: Path) -> None:
+    """The campaign's model (docs/durability.md "What survives what"): a replica's seqno-ack stays counted when the
+    replica then crashes (kv_engine's active durability monitor keeps a chain node's ack until the topology
+    changes), so a MAJORITY_AND_PERSIST_TO_ACTIVE write is committed -- acknowledged to the client -- on the
+    active's flush *after* its replica crashed, and a failover of the active then loses it: not guaranteed,
+    since the memory of the replica that acked is gone. Shrunk from the campaign (seed 7)."""
+    from tests.engine.cluster.sync_write_schedules import Harness
+
+    h = Harness(tmp_path, 3, 1)
+    h.run([("sync", 1, 0), ("sync", 1, 0), ("sync", 2, 0), ("pump", 2, 2, False), ("crash", 2), ("pump_all",),
+           ("restart", 2), ("hard_failover", 0, False)])
+    value, level, crashes_at_submit = h.acked[b"s3"]
+    assert (value, level, crashes_at_submit, h.crashes) == (b"v3", 2, 0, 1)
