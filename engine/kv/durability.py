@@ -468,11 +468,18 @@ def passive_apply(vb: VBucket, item: Item, end: int) -> Item:
     caller checked the seqno lies in it)."""
     key = item.key
     if item.op is Op.ABORT:
+        prepared = item.prepared
         p = vb.prepares.get(key)
         if p is not None and p.seqno < item.seqno:
+            # kv_engine PassiveDurabilityMonitor: the abort completes the prepare this replica tracks for the
+            # key. Recorded as the abort's prepared seqno so the flusher supersedes that prepare on disk (else
+            # warmup reloads an aborted prepare): an abort from a disk backfill carries none (storage keeps
+            # no prepared seqno for an abort; docs/durability.md "Storage, warmup, rollback, failover"), like
+            # a backfilled commit (engine/kv/vbucket.py replica_apply).
             del vb.prepares[key]
+            prepared = p.seqno
         it = Item(key, None, vb.id, item.seqno, item.rev_seqno, item.cas, 0, item.expiry, item.datatype,
-                  Op.ABORT, 0, 0, item.prepared)
+                  Op.ABORT, 0, 0, prepared)
     else:
         it = Item(key, item.value, vb.id, item.seqno, item.rev_seqno, item.cas, item.flags, item.expiry,
                   item.datatype, item.op, 0, item.level)

@@ -9,9 +9,10 @@ Invariants after the schedule (every node of the map restarted, replication sett
 * zero lost acknowledged durable writes: every sync write whose handle reported committed is visible on its
   vbucket's active with its value -- or, when the vbucket's chain can no longer reach a majority (1 replica
   after a failover), held there as a prepare awaiting re-commit. Guaranteed for PERSIST_TO_MAJORITY always, and
-  for MAJORITY / MAJORITY_AND_PERSIST_TO_ACTIVE when no node crashed after the ack other than the one hard
-  failed over (in-memory durability does not survive losing the memory of a majority that acked: kv_engine's
-  guarantee is the same);
+  for MAJORITY / MAJORITY_AND_PERSIST_TO_ACTIVE when no node crashed after the write was submitted, other than
+  the one hard failed over (in-memory durability does not survive losing the memory of a majority that acked:
+  kv_engine's guarantee is the same; a replica's seqno-ack counts even when the replica crashes before the
+  client's ack, so the crash that matters is one after the replica acked, i.e. possibly before the client's ack);
 * with a chain that can reach a majority, no prepare is left in flight on any active;
 * replicas equal their actives (documents and prepares); a DCP client without sync writes converges to the
   actives' visible state (it never saw a prepare: a timed-out or in-flight write is all or nothing).
