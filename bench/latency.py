@@ -43,6 +43,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,12 +195,11 @@ def bulk(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, nvb: 
     return Run(n / el, [], series)
 
 
-def steady(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, rate: float, nvb: int = NVB,
-           mitigation: bool = True) -> Run:
-    """N writes at ``rate``/s (a batch every 1 ms tick), the loop pumping between ticks."""
-    g = _Gateway(conf, client, base, nvb, mitigation)
+def _paced(n: int, rate: float, write: Callable[[int, float], None], step: Callable[[], object], done: list[float],
+           what: str) -> Run:
+    """Drive N writes at ``rate``/s: before every loop round the writes due by the clock, then ``step()`` (one
+    round of the side measured), until ``done`` holds N latencies."""
     clock = time.perf_counter
-    done: list[float] = []
     series = Series()
     t0 = clock()
     sample = _sampler(series, clock, t0)
@@ -208,17 +208,28 @@ def steady(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, rat
     while len(done) < n:
         now = clock()
         if now > deadline:
-            raise SystemExit(f"only {len(done)}/{n} writes delivered in time (mitigation={mitigation})")
+            raise SystemExit(f"{what}: only {len(done)}/{n} writes delivered in time")
         due = min(n, int((now - t0) * rate))
         while written < due:
-            g.write(written, now)
+            write(written, now)
             written += 1
-        g.step(done, clock)
+        step()
         sample(done)
     el = clock() - t0
     sample(done, force=True)
-    g.close()
     return Run(n / el, done, series)
+
+
+def steady(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, rate: float, nvb: int = NVB,
+           mitigation: bool = True) -> Run:
+    """N writes at ``rate``/s, the gateway's loop pumping between them."""
+    g = _Gateway(conf, client, base, nvb, mitigation)
+    done: list[float] = []
+    try:
+        return _paced(n, rate, g.write, lambda: g.step(done, time.perf_counter), done,
+                      f"gateway (mitigation={mitigation})")
+    finally:
+        g.close()
 
 
 def raw_steady(conf: dict[str, Any], client: dict[str, Any], n: int, rate: float, nvb: int = NVB) -> Run:
@@ -239,26 +250,16 @@ def raw_steady(conf: dict[str, Any], client: dict[str, Any], n: int, rate: float
             done.append((clock() - sent.pop(msg.key())) * 1000.0)
 
     p = Producer({**conf, "on_delivery": delivered})
-    series = Series()
-    t0 = clock()
-    sample = _sampler(series, clock, t0)
-    deadline = t0 + n / rate + 120
-    written = 0
-    while len(done) < n:
-        now = clock()
-        if now > deadline:
-            raise SystemExit(f"raw producer: only {len(done)}/{n} records delivered in time")
-        due = min(n, int((now - t0) * rate))
-        while written < due:
-            key = b"user::%010d" % written
-            sent[key] = now
-            p.produce(topic, VALUE, key, partition=written % nvb, headers=headers)
-            written += 1
-        p.poll(0.0002)
-        sample(done)
-    el = clock() - t0
-    p.flush(10)
-    return Run(n / el, done, series)
+
+    def write(i: int, now: float) -> None:
+        key = b"user::%010d" % i
+        sent[key] = now
+        p.produce(topic, VALUE, key, partition=i % nvb, headers=headers)
+
+    try:
+        return _paced(n, rate, write, lambda: p.poll(0.0002), done, "raw producer")
+    finally:
+        p.flush(10)
 
 
 def pct(xs: list[float], p: float) -> float:
