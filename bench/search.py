@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--topic", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.docs < 1 or args.rounds < 1:
+        ap.error("--docs and --rounds must be at least 1")
     n = args.docs
     if args.role is not None:
         d = Path(args.dir)
