@@ -163,11 +163,13 @@ def _exists(url: str, key: str) -> bool:
 
 
 def _load_until_written(url: str, *args: str) -> subprocess.Popen[str]:
-    """A running `dcpgw load` of many documents, once the gateway holds some of them."""
+    """A running `dcpgw load` of many documents, once it has counted at least two batches as acknowledged: it
+    sends one batch at a time, so a third batch in the gateway means the answer to the second was counted (the
+    second batch alone in the gateway does not: its answer may still be on its way when the signal comes)."""
     proc = dcpgw_background("load", "--url", url, "--docs", "10000000", "--batch", "200", "--size", "64", *args)
     deadline = time.monotonic() + 60
     prefix = args[args.index("--prefix") + 1]
-    while not _exists(url, f"{prefix}399"):  # two batches acknowledged
+    while not _exists(url, f"{prefix}599"):  # three batches written: two acknowledged and counted
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     return proc
