@@ -62,6 +62,16 @@ def _windows(series: dict[str, Any], p: float) -> tuple[list[float], list[float]
     return ts, vs
 
 
+def _save(plt: Any, fig: Any, ax: Any, path: Path, **legend: Any) -> Path:
+    """The common end of every chart: legend, grid, tight layout, the PNG written, the figure closed."""
+    ax.legend(**legend)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def draw(results: dict[str, Any], out_dir: Path, docs: int) -> list[Path]:
     """Render the three charts from the runs' results; returns the files written."""
     import matplotlib
@@ -82,12 +92,7 @@ def draw(results: dict[str, Any], out_dir: Path, docs: int) -> list[Path]:
                label=f"raw producer, same records ({results['raw-bulk']['rate']:,.0f} records/s)")
     ax.set(xlabel="seconds", ylabel="acknowledged docs/s (100 ms windows)",
            title=f"Publishing {docs:,} documents over 1024 vbuckets")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    written.append(out_dir / CHARTS[0])
-    fig.tight_layout()
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(plt, fig, ax, out_dir / CHARTS[0], fontsize=8))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, key in (("on", "steady-on"), ("off", "steady-off"), ("raw", "raw-steady")):
@@ -99,12 +104,7 @@ def draw(results: dict[str, Any], out_dir: Path, docs: int) -> list[Path]:
     ax.axhline(100, color="tab:red", linewidth=0.8, label="target p99 100 ms")
     ax.set(xlabel="seconds", ylabel="write -> Kafka delivery (ms)", yscale="log",
            title=f"Lag at half the maximum ingest rate ({results['rate']:,.0f} writes/s)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    written.append(out_dir / CHARTS[1])
-    fig.tight_layout()
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(plt, fig, ax, out_dir / CHARTS[1], fontsize=7, ncol=2))
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for mode in ("on", "off"):
@@ -114,12 +114,7 @@ def draw(results: dict[str, Any], out_dir: Path, docs: int) -> list[Path]:
                label="raw producer process (peak)")
     ax.set(xlabel="seconds", ylabel="RSS (MiB)", title=f"Resident memory while publishing {docs:,} documents "
            "(engine in the process)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    written.append(out_dir / CHARTS[2])
-    fig.tight_layout()
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(plt, fig, ax, out_dir / CHARTS[2], fontsize=8))
     return written
 
 
