@@ -31,6 +31,7 @@ def test_tiny_run_prints_every_figure_from_paired_rounds() -> None:
     assert all(list(f) == KEYS for f in figs.values())
     assert figs["gateway.publish"]["target"] == 0.8
     assert figs["gateway.wall_s"]["target"] is None  # 8 s is the target of the 1,001,006-docs run only
+    assert figs["gateway.rss_mib"]["target"] == pytest.approx(381.47, abs=0.01)  # 400 MB in MiB
     # the ratio is one round's own ratio (the median of the paired rounds)
     ratios = sorted(r["on"]["rate"] / r["raw"]["rate"] for r in rounds)
     assert figs["gateway.publish"]["ratio"] == pytest.approx(ratios[0], abs=1e-3)
@@ -52,5 +53,8 @@ def test_two_gateway_processes_print_the_scaleout_figure() -> None:
     assert list(fig) == KEYS and fig["target"] == 1.6 and fig["value"] > 0 and fig["baseline"] > 0
     (rnd,) = [x for x in lines if x.get("info") == "round"]
     assert rnd["scaleout"]["many"]["gateways"] == 2 and rnd["scaleout"]["one"]["gateways"] == 1
-    procs = {x["process"] for x in lines if x.get("info") == "gateway.rss_mib.process"}
-    assert procs == {"engine", "gateway0", "gateway1"}
+    rss = {x["figure"]: x for x in lines if x.get("figure", "").startswith("gateway.rss_mib.")}
+    assert set(rss) == {"gateway.rss_mib.engine", "gateway.rss_mib.gateway0", "gateway.rss_mib.gateway1"}
+    # each gateway process against the 400 MB, the engine node's resident data reported apart
+    assert rss["gateway.rss_mib.engine"]["target"] is None
+    assert all(rss[f"gateway.rss_mib.gateway{j}"]["target"] == pytest.approx(381.47, abs=0.01) for j in (0, 1))
