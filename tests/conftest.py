@@ -9,6 +9,7 @@ Nothing is skipped: if no broker can be started the tests that need one fail.
 from __future__ import annotations
 
 import os
+import resource
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,14 @@ os.environ[ADMIN_PASSWORD_ENV] = ADMIN_PASSWORD
 # Every gateway a test starts picks a free KV port (docs/kv-protocol.md): the default 11210 would collide
 # between tests and with other processes on the machine.
 os.environ.setdefault("DCPGW_KV_PORT", "0")
+# A long-lived xdist worker runs hundreds of tests that each start brokers' clients, node processes and servers;
+# librdkafka releases a client's sockets and pipes only when its handle is destroyed, so tests that abandon a
+# consumer to simulate a crash hold some descriptors for a while. A soft limit of 1024 (common on CI machines)
+# is then too tight: raise it to the hard limit (at most 65536) for this process and its children.
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+_want = 65536 if _hard == resource.RLIM_INFINITY else min(_hard, 65536)
+if _soft != resource.RLIM_INFINITY and _soft < _want:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_want, _hard))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
