@@ -17,7 +17,13 @@ the product's producer settings.
    Run with mitigation on (the figure), with mitigation off, and -- the baseline -- the raw confluent-kafka
    producer sending one record per write (same size, 11 headers, same producer settings, same partitions) at the
    same rate, latency from ``produce`` to its delivery report: the floor the broker sets. Alternating, two
-   rounds each.
+   rounds each, in the order raw, off, on, on, off, raw (the embedded broker slows down per request as runs go
+   by, so no side always runs last), each run on a topic of its own that is deleted after it.
+
+The info line adds ``max_ingest_mid_run`` (the saturation run's acknowledgement rate between its 10th and 90th
+percentile of acknowledgement times: without the start and the drain), the raw producer's records per
+ProduceRequest (librdkafka statistics) and, with the embedded broker, its CPU milliseconds per ProduceRequest
+during the raw runs -- what sets the floor (docs/performance.md "Latency").
 
 The cluster figure: the same steady-state loop on three in-process nodes with one replica
 (``bench.cluster.run``: mitigation waits for the replica and both flushes), at ``--cluster-rate``.
@@ -37,7 +43,9 @@ Figures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import resource
 import tempfile
 import time
@@ -81,6 +89,11 @@ class Run:
     rate: float  # documents acknowledged per second over the run
     latencies_ms: list[float]
     series: Series
+    #: documents acknowledged per second between the 10th and the 90th percentile of acknowledgement times
+    #: (the saturation run's rate without its start and its drain; 0.0 when not measured)
+    mid_rate: float = 0.0
+    #: the raw producer's ProduceRequests over the run (librdkafka statistics; 0 when not counted)
+    produce_requests: int = 0
 
 
 class _Gateway:
@@ -95,7 +108,8 @@ class _Gateway:
         from schemas.records import ValueFormat
 
         self.bucket = Bucket(BucketConfig(data_dir=base / f"lat-{uuid.uuid4().hex[:6]}", num_vbuckets=nvb))
-        topic = f"bench-lat-{uuid.uuid4().hex[:8]}"
+        self.client = client
+        self.topic = topic = f"bench-lat-{uuid.uuid4().hex[:8]}"
         parts = ensure_topics(client, topic, nvb)
         self.pub = Publisher(self.bucket, conf, topic, parts, RecordEncoder(ValueFormat.AVRO),
                              {vb: PublishPosition(vb) for vb in range(nvb)}, rollback_mitigation=mitigation)
@@ -110,8 +124,9 @@ class _Gateway:
         r = self.bucket.set(f"user::{i:010d}".encode(), VALUE)
         self.pending[r.vbucket].append((r.seqno, now))
 
-    def step(self, done: list[float], clock: Any) -> int:
-        """One loop round; appends the latencies of the writes it saw acknowledged; returns DCP messages."""
+    def step(self, done: list[float], clock: Any, acked_at: list[float] | None = None) -> int:
+        """One loop round; appends the latencies of the writes it saw acknowledged (and, with ``acked_at``,
+        the time of each acknowledgement); returns DCP messages."""
         n = self.pub.pump()
         if not n:
             self.pub.kafka.poll(0.0002)
@@ -122,6 +137,8 @@ class _Gateway:
                 q = self.pending[vb]
                 while q and q[0][0] <= pos.seqno:
                     done.append((t - q.popleft()[1]) * 1000.0)
+                    if acked_at is not None:
+                        acked_at.append(t)
         return n
 
     def idle(self) -> bool:
@@ -130,6 +147,19 @@ class _Gateway:
     def close(self) -> None:
         self.pub.close()
         self.bucket.close(clean=False)
+        drop_topic(self.client, self.topic)
+
+
+def drop_topic(client: dict[str, Any], topic: str) -> None:
+    """Delete a run's topic, so the next run does not share the broker with its partitions and records (the
+    embedded Tansu's cost per produce request grows with what it holds: docs/performance.md "Latency")."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(client)
+    for fut in admin.delete_topics([topic], operation_timeout=10).values():
+        # a broker that cannot delete topics: the run's figures stand, the topic stays
+        with contextlib.suppress(Exception):
+            fut.result(15)
 
 
 def _sampler(series: Series, clock: Any, t0: float) -> Any:
@@ -160,18 +190,20 @@ def saturated(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, 
     t0 = clock()
     sample = _sampler(series, clock, t0)
     written = 0
-    while written < n or not g.idle() or len(done) < n:
+    acked_at: list[float] = []
+    while written < n or len(done) < n or not g.idle():
         if written < n:
             now = clock()
             for _ in range(min(1000, n - written)):
                 g.write(written, now)
                 written += 1
-        g.step(done, clock)
+        g.step(done, clock, acked_at)
         sample(done)
     el = clock() - t0
     sample(done, force=True)
     g.close()
-    return Run(n / el, done, series)
+    lo, hi = pct(acked_at, 10), pct(acked_at, 90)
+    return Run(n / el, done, series, 0.8 * n / (hi - lo) if hi > lo else 0.0)
 
 
 def bulk(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, nvb: int = NVB,
@@ -249,7 +281,12 @@ def raw_steady(conf: dict[str, Any], client: dict[str, Any], n: int, rate: float
         if err is None:
             done.append((clock() - sent.pop(msg.key())) * 1000.0)
 
-    p = Producer({**conf, "on_delivery": delivered})
+    def stats(js: str) -> None:
+        brokers = json.loads(js).get("brokers", {}).values()
+        requests[0] = sum(b.get("req", {}).get("Produce", 0) for b in brokers)
+
+    requests = [0]
+    p = Producer({**conf, "on_delivery": delivered, "statistics.interval.ms": 200, "stats_cb": stats})
 
     def write(i: int, now: float) -> None:
         key = b"user::%010d" % i
@@ -257,9 +294,25 @@ def raw_steady(conf: dict[str, Any], client: dict[str, Any], n: int, rate: float
         p.produce(topic, VALUE, key, partition=i % nvb, headers=headers)
 
     try:
-        return _paced(n, rate, write, lambda: p.poll(0.0002), done, "raw producer")
+        run = _paced(n, rate, write, lambda: p.poll(0.0002), done, "raw producer")
+        time.sleep(0.3)  # one more statistics report: the produce requests of the whole run
+        p.poll(0)
+        run.produce_requests = requests[0]
+        return run
     finally:
         p.flush(10)
+        drop_topic(client, topic)
+
+
+def broker_cpu_s(broker: Any) -> float | None:
+    """CPU seconds the embedded broker's process used so far (None: not a local process we started)."""
+    try:
+        pid = broker.pid
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -292,10 +345,31 @@ def main() -> None:
         on: list[float] = []
         off: list[float] = []
         raw: list[float] = []
-        for _round in range(2):  # alternate, so machine noise hits every side alike
-            raw += raw_steady(conf, client, args.docs, half, args.vbuckets).latencies_ms
-            off += steady(conf, client, base, args.docs, half, args.vbuckets, mitigation=False).latencies_ms
-            on += steady(conf, client, base, args.docs, half, args.vbuckets, mitigation=True).latencies_ms
+        raw_requests = 0
+        raw_broker_cpu = 0.0
+
+        def raw_round() -> None:
+            nonlocal raw_requests, raw_broker_cpu
+            c0 = broker_cpu_s(broker)
+            r = raw_steady(conf, client, args.docs, half, args.vbuckets)
+            c1 = broker_cpu_s(broker)
+            raw.extend(r.latencies_ms)
+            raw_requests += r.produce_requests
+            if c0 is not None and c1 is not None:
+                raw_broker_cpu += c1 - c0
+
+        sides: list[Callable[[], object]] = [
+            raw_round,
+            lambda: off.extend(steady(conf, client, base, args.docs, half, args.vbuckets,
+                                      mitigation=False).latencies_ms),
+            lambda: on.extend(steady(conf, client, base, args.docs, half, args.vbuckets,
+                                     mitigation=True).latencies_ms),
+        ]
+        # Alternate, so machine noise hits every side alike, in the order raw, off, on then on, off, raw: a
+        # long-lived broker gets slower per request as runs go by (docs/performance.md "Latency"), so no
+        # side may always run last.
+        for side in sides + sides[::-1]:
+            side()
         figure("gateway.max_ingest", sat.rate, "docs/s", sat.rate, None, "higher")
         figure("gateway.lag_p50_ms", pct(on, 50), "ms", pct(raw, 50), None, "lower")
         figure("gateway.lag_p99_ms", pct(on, 99), "ms", pct(raw, 99), 100.0, "lower")
@@ -313,6 +387,11 @@ def main() -> None:
             figure("gateway.cluster_lag_p99_ms", pct(con, 99), "ms", pct(coff, 99), None, "lower")
         print(json.dumps({"info": "latency", "docs": args.docs, "vbuckets": args.vbuckets,
                           "steady_rate": round(half, 1), "writes_per_mode": len(on),
+                          "max_ingest_mid_run": round(sat.mid_rate, 1),
+                          "raw_records_per_produce_request": round(len(raw) / raw_requests, 2)
+                          if raw_requests else None,
+                          "broker_cpu_ms_per_produce_request": round(raw_broker_cpu * 1000 / raw_requests, 3)
+                          if raw_requests and raw_broker_cpu else None,
                           "cluster": {"docs": args.cluster_docs, "rate": args.cluster_rate, "nodes": 3,
                                       "replicas": 1, "vbuckets": 64},
                           "linger_ms": conf.get("linger.ms")}), flush=True)

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient
+
+from gateway.broker import Broker
 
 pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +40,28 @@ def test_latency_prints_the_lag_percentiles_against_the_raw_producer() -> None:
     # two rounds per mode at half the measured maximum rate
     assert info["writes_per_mode"] == 800
     assert info["steady_rate"] == pytest.approx(figs["gateway.max_ingest"]["value"] / 2, rel=0.01)
+    # what the floor is made of: the saturation run without its start and drain, the raw producer's records per
+    # ProduceRequest, the embedded broker's CPU per request (None on a broker this process did not start)
+    assert info["max_ingest_mid_run"] > 0
+    assert info["raw_records_per_produce_request"] > 0
+    assert "broker_cpu_ms_per_produce_request" in info
+
+
+def test_each_run_deletes_its_topic(kafka_broker: Broker, tmp_path: Path) -> None:
+    """A run's topic is gone after it (the next run must not share the broker with its partitions)."""
+    from bench import latency
+    from gateway.config import load_settings
+
+    conf = {**load_settings(None).producer_config(), "bootstrap.servers": kafka_broker.bootstrap_servers}
+    client = {"bootstrap.servers": kafka_broker.bootstrap_servers}
+    admin = AdminClient(client)
+    before = set(admin.list_topics(timeout=10).topics)
+    raw = latency.raw_steady(conf, client, 200, 2000.0, 8)
+    gw = latency.steady(conf, client, tmp_path, 200, 2000.0, 8, mitigation=True)
+    assert len(raw.latencies_ms) == len(gw.latencies_ms) == 200
+    assert raw.produce_requests > 0
+    left = {t for t in set(admin.list_topics(timeout=10).topics) - before if t.startswith("bench-lat")}
+    assert left == set()
 
 
 def test_report_renders_the_three_charts(tmp_path: Path) -> None:
