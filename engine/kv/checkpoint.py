@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from engine.kv.item import ITEM_OVERHEAD, Item
-from engine.kv.stored_value import meta, pack_mutation, unpack, value_size
+from engine.kv.stored_value import HEADER, meta, unpack, value_size
 
 if TYPE_CHECKING:
     from engine.kv.stored_value import HashTable
@@ -44,6 +44,7 @@ def entry_size(key: bytes, e: Item | bytes) -> int:
     return ITEM_OVERHEAD + len(key) + (len(v) if v is not None else 0)
 
 PERSISTENCE_CURSOR: Final = "persistence"
+_pack_header = HEADER.pack
 
 
 class MemoryCounter:
@@ -245,7 +246,7 @@ class CheckpointManager:
             ck.live -= 1
             pcur = self.cursors[PERSISTENCE_CURSOR]
             prev = oseqno if (pcur.ckpt is ck and pcur.pos > old_pos) else oprev
-        stored = pack_mutation(value, seqno, cas, rev, prev, flags, expiry, datatype)
+        stored = _pack_header(seqno, cas, rev, prev, flags, expiry, datatype, 0) + value  # pack_mutation, inlined
         size = ITEM_OVERHEAD + len(key) + len(value)
         items = ck.items
         index[key] = len(items)

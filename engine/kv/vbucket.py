@@ -325,9 +325,9 @@ class VBucket:
         if self.locks:
             cas = check_lock(self, key, cas)
         ht = self.ht.raw
-        stored = ht.get(key)
-        old = unpack(key, stored, self.id) if type(stored) is bytes else stored
-        assert old is None or type(old) is Item
+        old: Item | None = ht.get(key)  # type: ignore[assignment]
+        if type(old) is bytes:  # type: ignore[comparison-overlap]
+            old = unpack(key, old, self.id)  # a stored value: its item (engine/kv/stored_value.py)
         live = old
         if old is not None and (old.op is not _MUTATION or (old.expiry and old.expiry <= self.clock())):
             live = None
