@@ -62,6 +62,7 @@ _ADD: Final = StoreMode.ADD
 _REPLACE: Final = StoreMode.REPLACE
 _MUTATION: Final = Op.MUTATION
 _ACTIVE: Final = VBucketState.ACTIVE
+_new_tuple: Final = tuple.__new__
 
 
 class MutationToken(NamedTuple):
@@ -378,7 +379,8 @@ class VBucket:
             for s in self.streams:
                 if not s.queued:
                     s.producer.notify(s)
-        return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
+        # MutationResult(...) without the Python frame of a NamedTuple's __new__ (the ingest path)
+        return _new_tuple(MutationResult, (self.id, self.failover.latest.vbuuid, seqno, new_cas))
 
     def _sync_write_in_progress(self, key: bytes) -> None:
         from engine.exceptions import SyncWriteInProgress
