@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from engine.kv.item import ITEM_OVERHEAD, Item
+from engine.kv.item import ITEM_OVERHEAD, Item, Op
 from engine.kv.stored_value import HEADER, meta, unpack, value_size
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ def entry_size(key: bytes, e: Item | bytes) -> int:
 
 PERSISTENCE_CURSOR: Final = "persistence"
 _pack_header = HEADER.pack
+_unpack_header = HEADER.unpack_from
+_HEADER_SIZE: Final = HEADER.size
+_MUTATION: Final = Op.MUTATION
 
 
 class MemoryCounter:
@@ -341,12 +344,21 @@ class CheckpointManager:
                 first = pos == 0 and not ck.expelled
                 if as_items:
                     vb = self.vbucket
-                    chunk = [
-                        (unpack(k, it, vb) if type(it) is bytes else it)
-                        for k, it in zip(ck.keys[pos:], items[pos:], strict=True)
-                        if it is not None
-                    ]
-                    segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, first))  # type: ignore[arg-type]
+                    chunk: list[Item] = []
+                    add = chunk.append
+                    for k, it in zip(ck.keys[pos:], items[pos:], strict=True):
+                        if it is None:
+                            continue
+                        if type(it) is bytes:
+                            # stored_value.unpack, inlined for a plain mutation (a cursor's per-item path)
+                            seqno, cas, rev, prev, flags, exp, dt, bits = _unpack_header(it)
+                            if bits:
+                                add(unpack(k, it, vb))
+                            else:
+                                add(Item(k, it[_HEADER_SIZE:], vb, seqno, rev, cas, flags, exp, dt, _MUTATION, prev))
+                        else:
+                            add(it)  # type: ignore[arg-type]
+                    segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, first))
                 else:
                     entries: list[Item | bytes] = []
                     keys: list[bytes] = []
@@ -355,7 +367,7 @@ class CheckpointManager:
                             keys.append(k)
                             entries.append(it)
                     segments.append(EntrySegment(ck.seqnos[pos], ck.seqnos[-1], keys, entries, first))
-                    chunk = entries
+                    chunk = entries  # type: ignore[assignment]
                 count += len(chunk)
                 pos = n
                 cursor.last_read = ck.seqnos[-1]
