@@ -4,12 +4,13 @@ An :class:`~engine.kv.item.Item` costs 128 bytes of object plus its seqno and CA
 of its key and value; for the engine's typical small documents that alone is more than half the raw bytes
 (docs/engine.md "Item layout and memory"). kv_engine keeps one ``StoredValue`` per key in its hash table -- the
 metadata and the value in one allocation -- and makes the item a DCP stream or the flusher reads only when it is
-needed. Here the same: a key's current version is held in one ``bytes`` object, a fixed header (seqno, CAS,
-rev seqno, flags, expiry, datatype, op, sync-write field) followed by the value, once the checkpoints no longer
-hold its :class:`Item` (kv_engine item expelling, engine/kv/checkpoint.py). A version still queued in a
-checkpoint stays the very :class:`Item` the write queue, the flusher and every stream share (docs/engine.md
-"Decisions and differences from kv_engine", item as message); the checkpoint manager packs it when it expels or
-frees it (:meth:`HashTable.expelled`).
+needed. Here the same: a key's current version is one ``bytes`` object, a fixed header (seqno, CAS, rev seqno,
+prev seqno, flags, expiry, datatype, op bits) then the value. A front-end set packs it once and the checkpoint
+queues that very object (``CheckpointManager.queue_mutation``); a cursor makes an :class:`Item` of it when it reads
+it, the flusher a row. Other writes (deletes, touches, expirations, replica, with-meta and sync writes) queue an
+:class:`Item` shared by the checkpoint and the table as before; when the checkpoints expel or free one that is still
+its key's current version, the table packs it (:meth:`HashTable.expelled`). Why at the write and not later: CPython
+keeps the arenas that long-lived objects filled (docs/engine.md "Item layout and memory").
 
 Readers go through :class:`HashTable`, a mapping of key -> :class:`Item` that unpacks a stored value on
 demand; the vbucket's own hot paths use its ``raw`` dict directly.
