@@ -19,14 +19,35 @@ kv_engine (``checkpoint_manager.cc``) rules implemented here:
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from engine.kv.item import ITEM_OVERHEAD, Item
+from engine.kv.item import ITEM_OVERHEAD, Item, Op
+from engine.kv.stored_value import HEADER, meta, unpack, value_size
+
+if TYPE_CHECKING:
+    from engine.kv.stored_value import HashTable
+
+#: a checkpoint entry: an Item, the stored value of a plain mutation (engine/kv/stored_value.py: the very object
+#: the hash table holds, made an Item when a cursor reads it), or None (a de-duplicated hole)
+Entry = Item | bytes | None
+
+
+def entry_size(key: bytes, e: Item | bytes) -> int:
+    """Bytes an entry of ``key`` is charged against the checkpoint memory quota."""
+    if type(e) is bytes:
+        return ITEM_OVERHEAD + len(key) + value_size(e)
+    v = e.value  # type: ignore[union-attr]
+    return ITEM_OVERHEAD + len(key) + (len(v) if v is not None else 0)
 
 PERSISTENCE_CURSOR: Final = "persistence"
+_pack_header = HEADER.pack
+_unpack_header = HEADER.unpack_from
+_HEADER_SIZE: Final = HEADER.size
+_MUTATION: Final = Op.MUTATION
 
 
 class MemoryCounter:
@@ -39,20 +60,31 @@ class MemoryCounter:
 
 
 class Checkpoint:
-    """One checkpoint: items in seqno order (``None`` = de-duplicated hole) and their seqnos."""
+    """One checkpoint: entries in seqno order (:data:`Entry`: an item, a stored value, ``None`` = de-duplicated
+    hole), their keys and their seqnos."""
 
-    __slots__ = ("expelled", "id", "index", "is_open", "items", "live", "mem", "seqnos", "start_seqno")
+    __slots__ = ("expelled", "id", "index", "is_open", "items", "keys", "live", "mem", "seqnos", "start_seqno")
 
     def __init__(self, ckpt_id: int, start_seqno: int) -> None:
         self.id = ckpt_id
         self.start_seqno = start_seqno  # first seqno this checkpoint covers
-        self.items: list[Item | None] = []
-        self.seqnos: list[int] = []
+        self.items: list[Entry] = []
+        #: the key of each entry (a stored value holds none), holes included
+        self.keys: list[bytes] = []
+        #: 8 bytes a seqno, no int object: what the hash table keeps once the items are expelled stays packed
+        #: (docs/engine.md "Item layout and memory")
+        self.seqnos = array("q")
         self.index: dict[bytes, int] = {}  # key -> position; only kept while open
         self.is_open = True
         self.live = 0
         self.mem = 0
         self.expelled = False  # items were expelled from its front: position 0 is no checkpoint boundary
+
+    def queued_items(self, vbucket: int) -> list[Item]:
+        """The items this checkpoint of ``vbucket`` queues, in seqno order (holes skipped; stored values made
+        items)."""
+        return [unpack(k, it, vbucket) if type(it) is bytes else it  # type: ignore[misc]
+                for k, it in zip(self.keys, self.items, strict=True) if it is not None]
 
     @property
     def high_seqno(self) -> int:
@@ -95,6 +127,18 @@ class Segment:
     new_checkpoint: bool
 
 
+@dataclass(slots=True)
+class EntrySegment:
+    """A :class:`Segment` whose items are left as queued (:data:`Entry`, holes dropped) with their keys: the
+    flusher's read, which makes rows of stored values without an Item in between."""
+
+    start: int
+    end: int
+    keys: list[bytes]
+    items: list[Item | bytes]
+    new_checkpoint: bool
+
+
 class CheckpointManager:
     """Checkpoints and cursors of one vbucket."""
 
@@ -106,6 +150,7 @@ class CheckpointManager:
         "max_bytes",
         "max_items",
         "open",
+        "table",
         "vbucket",
     )
 
@@ -127,6 +172,9 @@ class CheckpointManager:
         self.checkpoints: deque[Checkpoint] = deque([self.open])
         self.cursors: dict[str, Cursor] = {}
         self.cursors[PERSISTENCE_CURSOR] = Cursor(PERSISTENCE_CURSOR, self.open, 0, high_seqno, False)
+        #: the vbucket's hash table: told which items the checkpoints drop, so it packs the current versions
+        #: among them (engine/kv/stored_value.py; None: a checkpoint manager of its own, in tests)
+        self.table: HashTable | None = None
 
     def _take_id(self) -> int:
         i = self._next_id
@@ -148,7 +196,9 @@ class CheckpointManager:
         old_pos = index.get(key)
         old: Item | None = None
         if old_pos is not None:
-            old = ck.items[old_pos]
+            entry = ck.items[old_pos]
+            assert entry is not None
+            old = unpack(key, entry, self.vbucket) if type(entry) is bytes else entry  # type: ignore[assignment]
             assert old is not None
             if item.op >= 3 or old.op >= 3 or item.sync or old.sync:
                 # kv_engine: prepares, commits and aborts never de-duplicate (a prepare replaced in the open
@@ -156,8 +206,7 @@ class CheckpointManager:
                 self.create_checkpoint()
                 return self.queue(item)
             ck.items[old_pos] = None
-            ov = old.value
-            osize = ITEM_OVERHEAD + len(old.key) + (len(ov) if ov is not None else 0)
+            osize = entry_size(key, entry)
             ck.mem -= osize
             self.counter.used -= osize
             ck.live -= 1
@@ -166,6 +215,7 @@ class CheckpointManager:
             item.prev_seqno = old.seqno if (pcur.ckpt is ck and pcur.pos > old_pos) else old.prev_seqno
         index[key] = len(ck.items)
         ck.items.append(item)
+        ck.keys.append(key)
         ck.seqnos.append(item.seqno)
         ck.live += 1
         ck.mem += size
@@ -173,6 +223,45 @@ class CheckpointManager:
         if ck.live >= self.max_items or ck.mem >= self.max_bytes:
             self.create_checkpoint()
         return old
+
+    def queue_mutation(self, key: bytes, value: bytes, seqno: int, cas: int, rev: int, prev: int, flags: int,
+                       expiry: int, datatype: int) -> bytes:
+        """:meth:`queue` for a plain mutation (the ingest path): queues its stored value (engine/kv/stored_value.py)
+        and returns it, for the hash table to hold the same object. ``prev`` is the seqno of the key's current
+        version; the one the flusher supersedes is worked out here as in :meth:`queue`."""
+        ck = self.open
+        index = ck.index
+        old_pos = index.get(key)
+        if old_pos is not None:
+            entry = ck.items[old_pos]
+            if type(entry) is bytes:
+                oseqno, _cas, _rev, oprev, _f, _e, _d, _bits = meta(entry)
+            else:
+                assert type(entry) is Item
+                if entry.op >= 3 or entry.sync:  # never de-duplicated: see queue
+                    self.create_checkpoint()
+                    return self.queue_mutation(key, value, seqno, cas, rev, prev, flags, expiry, datatype)
+                oseqno, oprev = entry.seqno, entry.prev_seqno
+            ck.items[old_pos] = None
+            osize = entry_size(key, entry)
+            ck.mem -= osize
+            self.counter.used -= osize
+            ck.live -= 1
+            pcur = self.cursors[PERSISTENCE_CURSOR]
+            prev = oseqno if (pcur.ckpt is ck and pcur.pos > old_pos) else oprev
+        stored = _pack_header(seqno, cas, rev, prev, flags, expiry, datatype, 0) + value  # pack_mutation, inlined
+        size = ITEM_OVERHEAD + len(key) + len(value)
+        items = ck.items
+        index[key] = len(items)
+        items.append(stored)
+        ck.keys.append(key)
+        ck.seqnos.append(seqno)
+        ck.live += 1
+        ck.mem += size
+        self.counter.used += size
+        if ck.live >= self.max_items or ck.mem >= self.max_bytes:
+            self.create_checkpoint()
+        return stored
 
     def create_checkpoint(self) -> Checkpoint:
         """Close the open checkpoint (if it holds anything) and open a new one."""
@@ -237,7 +326,14 @@ class CheckpointManager:
 
         Each returned :class:`Segment` covers one checkpoint from the cursor position to its current end.
         """
-        segments: list[Segment] = []
+        return self._read(cursor, max_items, True)  # type: ignore[return-value]
+
+    def read_entries(self, cursor: Cursor, max_items: int = 10_000) -> list[EntrySegment]:
+        """:meth:`read`, the entries left as queued (stored values not made items)."""
+        return self._read(cursor, max_items, False)  # type: ignore[return-value]
+
+    def _read(self, cursor: Cursor, max_items: int, as_items: bool) -> list[Segment | EntrySegment]:
+        segments: list[Segment | EntrySegment] = []
         count = 0
         ck = cursor.ckpt
         pos = cursor.pos
@@ -245,8 +341,33 @@ class CheckpointManager:
             items = ck.items
             n = len(items)
             if pos < n:
-                chunk = [it for it in items[pos:] if it is not None]
-                segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, pos == 0 and not ck.expelled))
+                first = pos == 0 and not ck.expelled
+                if as_items:
+                    vb = self.vbucket
+                    chunk: list[Item] = []
+                    add = chunk.append
+                    for k, it in zip(ck.keys[pos:], items[pos:], strict=True):
+                        if it is None:
+                            continue
+                        if type(it) is bytes:
+                            # stored_value.unpack, inlined for a plain mutation (a cursor's per-item path)
+                            seqno, cas, rev, prev, flags, exp, dt, bits = _unpack_header(it)
+                            if bits:
+                                add(unpack(k, it, vb))
+                            else:
+                                add(Item(k, it[_HEADER_SIZE:], vb, seqno, rev, cas, flags, exp, dt, _MUTATION, prev))
+                        else:
+                            add(it)  # type: ignore[arg-type]
+                    segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, first))
+                else:
+                    entries: list[Item | bytes] = []
+                    keys: list[bytes] = []
+                    for k, it in zip(ck.keys[pos:], items[pos:], strict=True):
+                        if it is not None:
+                            keys.append(k)
+                            entries.append(it)
+                    segments.append(EntrySegment(ck.seqnos[pos], ck.seqnos[-1], keys, entries, first))
+                    chunk = entries  # type: ignore[assignment]
                 count += len(chunk)
                 pos = n
                 cursor.last_read = ck.seqnos[-1]
@@ -297,9 +418,12 @@ class CheckpointManager:
         lowest = min(c.ckpt.id for c in self.cursors.values()) if self.cursors else self.open.id
         freed = 0
         cks = self.checkpoints
+        table = self.table
         while len(cks) > 1 and not cks[0].is_open and cks[0].id < lowest:
             ck = cks.popleft()
             freed += ck.mem
+            if table is not None:
+                table.expelled(ck.items)
         self.counter.used -= freed
         return freed + self.expel()
 
@@ -325,22 +449,25 @@ class CheckpointManager:
             ck.live = 0
         else:
             freed = 0
-            for it in items[:k]:
+            for key, it in zip(ck.keys[:k], items[:k], strict=True):
                 if it is not None:
-                    v = it.value
-                    freed += ITEM_OVERHEAD + len(it.key) + (len(v) if v is not None else 0)
+                    freed += entry_size(key, it)
                     ck.live -= 1
         high = ck.seqnos[-1]
+        if self.table is not None:
+            self.table.expelled(items if k == n else items[:k])
         if k == n:
             ck.items = []
-            ck.seqnos = []
+            ck.keys = []
+            ck.seqnos = array("q")
             ck.start_seqno = high + 1
         else:
             del items[:k]
+            del ck.keys[:k]
             del ck.seqnos[:k]
             ck.start_seqno = ck.seqnos[0]
         if ck.is_open:
-            ck.index = {it.key: i for i, it in enumerate(ck.items) if it is not None}
+            ck.index = {key: i for i, (key, it) in enumerate(zip(ck.keys, ck.items, strict=True)) if it is not None}
         ck.expelled = True
         for cur in self.cursors.values():
             if cur.ckpt is ck:
@@ -353,6 +480,9 @@ class CheckpointManager:
         """Drop every checkpoint and DCP cursor (rollback / state reset); reopen empty at ``high_seqno``."""
         freed = sum(ck.mem for ck in self.checkpoints)
         self.counter.used -= freed
+        if self.table is not None:
+            for ck in self.checkpoints:
+                self.table.expelled(ck.items)
         for name in [n for n in self.cursors if n != PERSISTENCE_CURSOR]:
             self.remove_cursor(name)
         self.open = Checkpoint(self._take_id(), high_seqno + 1)

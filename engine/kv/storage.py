@@ -196,13 +196,14 @@ class Storage:
     # ------------------------------------------------------------------ flush
     def flush(
         self,
-        rows: Sequence[Row],
+        rows: Iterable[Row],
         superseded: Sequence[tuple[int, int, int]],
         states: Iterable[VBucketRecord],
         boundaries: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Persist one batch atomically: new rows, superseded marks ``(newer_seqno, vb, old_seqno)``, states
-        and replica snapshot boundaries ``(vb, end_seqno)``."""
+        and replica snapshot boundaries ``(vb, end_seqno)``. ``rows`` may be an iterator that fills
+        ``superseded`` as it goes (the flusher's): it is consumed first."""
         db = self._db
         try:
             db.execute("BEGIN")

@@ -25,6 +25,7 @@ from engine.exceptions import (
 from engine.kv.checkpoint import CheckpointManager, MemoryCounter
 from engine.kv.item import Datatype, Item, Op, detect_datatype
 from engine.kv.locks import check_lock, release
+from engine.kv.stored_value import HashTable, unpack
 from schemas.failover_log import FailoverLog
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ _ADD: Final = StoreMode.ADD
 _REPLACE: Final = StoreMode.REPLACE
 _MUTATION: Final = Op.MUTATION
 _ACTIVE: Final = VBucketState.ACTIVE
+_new_tuple: Final = tuple.__new__
 
 
 class MutationToken(NamedTuple):
@@ -166,7 +168,9 @@ class VBucket:
         #: the hybrid logical clock's time source in ns (kv_engine ``HLC`` reads a clock source); the bucket
         #: derives it from its injected clock (:func:`hlc_source`), see docs/engine.md "Clocks and randomness"
         self.hlc_clock = hlc_clock
-        self.ht: dict[bytes, Item] = {}
+        #: key -> current version: an Item while a checkpoint queues it, then its packed stored value
+        #: (engine/kv/stored_value.py, docs/engine.md "Item layout and memory")
+        self.ht = HashTable(vbid)
         self.high_seqno = high_seqno
         self.persisted_seqno = high_seqno
         self.persisted_snap = (high_seqno, high_seqno)
@@ -179,6 +183,7 @@ class VBucket:
         self.ckpt = CheckpointManager(
             vbid, high_seqno, counter, max_items=checkpoint_max_items, max_bytes=checkpoint_max_bytes
         )
+        self.ckpt.table = self.ht
         self.streams: list[ActiveStream] = []
         self.expiring: set[bytes] = set()
         self._on_dirty = on_dirty
@@ -320,8 +325,10 @@ class VBucket:
             self._sync_write_in_progress(key)
         if self.locks:
             cas = check_lock(self, key, cas)
-        ht = self.ht
-        old = ht.get(key)
+        ht = self.ht.raw
+        old: Item | None = ht.get(key)  # type: ignore[assignment]
+        if type(old) is bytes:  # type: ignore[comparison-overlap]
+            old = unpack(key, old, self.id)  # a stored value: its item (engine/kv/stored_value.py)
         live = old
         if old is not None and (old.op is not _MUTATION or (old.expiry and old.expiry <= self.clock())):
             live = None
@@ -352,7 +359,6 @@ class VBucket:
         if new_cas <= self.max_cas:
             new_cas = self.max_cas + 1
         self.max_cas = new_cas
-        item = Item(key, value, self.id, seqno, rev, new_cas, flags, exp, datatype, _MUTATION, prev)
         if live is None:
             self.num_items += 1
         if exp:
@@ -361,9 +367,9 @@ class VBucket:
             self.expiring.discard(key)
         if self.locks:
             release(self, key)
-        # queue_item(item), inlined on the ingest path.
-        ht[key] = item
-        self.ckpt.queue(item)
+        # queue_item, inlined on the ingest path: one stored value, queued and held by the hash table
+        # (engine/kv/stored_value.py; docs/engine.md "Item layout and memory")
+        ht[key] = self.ckpt.queue_mutation(key, value, seqno, new_cas, rev, prev, flags, exp, datatype)
         self.high_seqno = seqno
         if not self.dirty:
             self.dirty = True
@@ -373,7 +379,8 @@ class VBucket:
             for s in self.streams:
                 if not s.queued:
                     s.producer.notify(s)
-        return MutationResult(self.id, self.failover.latest.vbuuid, seqno, new_cas)
+        # MutationResult(...) without the Python frame of a NamedTuple's __new__ (the ingest path)
+        return _new_tuple(MutationResult, (self.id, self.failover.latest.vbuuid, seqno, new_cas))
 
     def _sync_write_in_progress(self, key: bytes) -> None:
         from engine.exceptions import SyncWriteInProgress
@@ -499,7 +506,7 @@ class VBucket:
             if item.op is not Op.ABORT:
                 self.prepares[item.key] = item
             return
-        self.ht[item.key] = item
+        self.ht.store_packed(item)
         if item.op is Op.MUTATION:
             self.num_items += 1
             if item.expiry:
@@ -631,7 +638,7 @@ class VBucket:
     def reset(self, high_seqno: int, items: Iterable[Item]) -> None:
         """Rollback: reload the hash table from storage at ``high_seqno``; checkpoints and DCP cursors are
         dropped (kv_engine rollback resets the checkpoint manager and reloads the vbucket from disk)."""
-        self.ht = {}
+        self.ht.raw = {}
         self.prepares = {}
         self.locks = {}
         self.num_items = 0

@@ -159,7 +159,7 @@ def test_expel_waits_for_half_and_keeps_positions() -> None:
     fast = m.register_cursor("slow", 6)  # replaced: 6 of 10 read by every cursor
     assert fast is not None
     assert m.expel() > 0
-    assert m.first_seqno == 7 and m.open.seqnos == [7, 8, 9, 10]
+    assert m.first_seqno == 7 and list(m.open.seqnos) == [7, 8, 9, 10]
     # De-duplication still finds the entries left (the index was rebuilt with the new positions).
     old = m.queue(_item("k9", 11))
     assert old is not None and old.seqno == 9

@@ -244,7 +244,7 @@ def test_timeout_aborts_reports_ambiguous_and_abort_never_visible(pair, clock: M
     c.drain()
     rv = r.vbucket(sw.vbucket)
     assert not rv.prepares and rv.ht[b"k"].value == b"old"
-    ops = [it.op for it in r.vbucket(sw.vbucket).ckpt.open.items if it is not None]
+    ops = [it.op for it in r.vbucket(sw.vbucket).ckpt.open.queued_items(sw.vbucket)]
     assert Op.ABORT in ops or rv.high_seqno == a.vbucket(sw.vbucket).high_seqno
     # the key is writable again
     sw2 = a.set("k", b"again", durability=MAJ)
@@ -323,7 +323,7 @@ def test_prepares_and_commits_never_deduplicate(pair) -> None:
     a.seqno_acknowledged(vbid, "r", sw.prepare_seqno)  # the commit would de-duplicate the prepare
     a.set("k", b"3")  # and this the commit
     assert len(ck.checkpoints) == before + 3
-    ops = [(it.op, it.value) for c in ck.checkpoints for it in c.items if it is not None]
+    ops = [(it.op, it.value) for c in ck.checkpoints for it in c.queued_items(ck.vbucket)]
     assert ops == [(Op.MUTATION, b"1"), (Op.PREPARE, b"2"), (Op.MUTATION, b"2"), (Op.MUTATION, b"3")]
 
 
