@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from connectors.client.changelog import Changelog, pack_entry
 from connectors.client.consumer import (
     DEFAULT_BATCH_SIZE,
     ChangeStreamConsumer,
@@ -43,6 +44,7 @@ from connectors.exceptions import ConnectorError
 from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexBackend, IndexOp, Position, Upsert
 from connectors.search.mapping import DocumentMapping
 from schemas.failover_log import FailoverEntry
+from schemas.records import RecordType
 
 __all__ = ["DEFAULT_COMMIT_DOCS", "DEFAULT_COMMIT_INTERVAL", "IndexerStats", "SearchIndexer"]
 
@@ -66,6 +68,11 @@ MAX_RETRY_BACKOFF: Final = 30.0
 #: is read and written by the same statements)
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS search_docs (key TEXT NOT NULL, value BLOB, vbucket INTEGER NOT NULL, "
            "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key)) WITHOUT ROWID",)
+#: the indexer's changelog (connectors/client/changelog.py): a version is b"\x01" + the body, or b"\x00" for a
+#: deletion or expiration
+CHANGELOG_TABLE: Final = "search_changelog"
+_LIVE: Final = b"\x01"
+_GONE: Final = b"\x00"
 
 
 def _k(key: bytes) -> str:
@@ -116,6 +123,11 @@ class IndexerStats:
         self.rejected += a.rejected
 
 
+def _no_priors(vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+    """The consumer's prior look-up: nothing to look up (the changelog answers the undo lists itself)."""
+    return {}
+
+
 class _IndexingConsumer(ChangeStreamConsumer):
     """The client, with three hooks: after every store commit (``flush``), when a poll found nothing, and when
     the event being applied is abandoned (its store writes are rolled back)."""
@@ -163,13 +175,15 @@ class SearchIndexer:
         self.stats = IndexerStats()
         self._owns_backend = backend is None
         if backend is None:
-            from connectors.search.tantivy_backend import TantivyBackend
+            # the writer in a process of its own: document building runs beside the consumer (docs/search.md
+            # "Performance")
+            from connectors.search.tantivy_writer import TantivyWriterProcess
 
-            backend = TantivyBackend(self.dir / "tantivy", self.mapping)
+            backend = TantivyWriterProcess(self.dir / "tantivy", self.mapping)
         self.backend: IndexBackend = backend
         try:
             self.consumer = _IndexingConsumer(kafka, topic, state_path=self.dir / "store.sqlite",
-                                              prior_lookup=self._priors, mutation_log_max=mutation_log_max,
+                                              prior_lookup=_no_priors, mutation_log_max=mutation_log_max,
                                               dead_letter=dead_letter, batch_size=batch_size,
                                               poll_timeout=poll_timeout, after_flush=self._after_flush,
                                               on_abandon=self._on_abandon)
@@ -184,6 +198,14 @@ class SearchIndexer:
         self.conn.execute(f"PRAGMA cache_size = -{STORE_CACHE_KIB}")
         for stmt in _SCHEMA:
             self.conn.execute(stmt)
+        had_changelog = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?",
+                                          (CHANGELOG_TABLE,)).fetchone() is not None
+        #: the source's history as indexed, per vbucket: plays the client's mutation log (undo lists at a
+        #: rollback), appended once per snapshot -- no prior look-ups on the hot path (docs/search.md)
+        self.changelog = Changelog(self.conn, mutation_log_max, table=CHANGELOG_TABLE)
+        self.consumer.mutation_log = self.changelog
+        if not had_changelog:
+            self._adopt_store()
         self._pending: dict[str, IndexOp] = {}
         self._first_pending = 0.0
         #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
@@ -212,42 +234,63 @@ class SearchIndexer:
         #: rows above the backend's generation written before this process: applied by the first sync
         self._recover = int(top) > self.visible.generation
 
+    def _adopt_store(self) -> None:
+        """A store written before the changelog (its rollbacks undone from the client's mutation log): each
+        vbucket's changelog starts from its documents now, its floor at the vbucket's position (a rollback
+        below it rebuilds the vbucket from zero)."""
+        positions = self.store.load_all()
+        if not positions:
+            return
+        by_vb: dict[int, list[tuple[int, bytes, bytes]]] = {vb: [] for vb in positions}
+        for k, v, vb, sq in self.conn.execute(
+                "SELECT key, value, vbucket, seqno FROM search_docs WHERE value IS NOT NULL"):
+            by_vb.setdefault(int(vb), []).append((int(sq), k.encode("utf-8", "surrogateescape"), _LIVE + bytes(v)))
+        for vb, rows in by_vb.items():
+            p = positions.get(vb)
+            self.changelog.adopt(vb, max([r[0] for r in rows] + [p.seqno if p else 0]), rows)
+        self.store.flush()
+        log.info("search index %s: the document store's %d vbuckets start a changelog", self.dir, len(by_vb))
+
     def _on_abandon(self) -> None:
         # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
         # told apart, so the next sync reads the committed rows instead
         self._pending = {}
         self._recover = True
+        self.changelog.forget_cached()
 
     # ------------------------------------------------------------------------------- the store side
-    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
-        out: dict[bytes, Prior] = {}
-        for i in range(0, len(keys), 500):
-            chunk = keys[i:i + 500]
-            q = (f"SELECT key, value, seqno FROM search_docs WHERE vbucket = ? AND value IS NOT NULL AND key IN "
-                 f"({','.join('?' * len(chunk))})")
-            for k, v, s in self.conn.execute(q, [vbucket, *(_k(x) for x in chunk)]):
-                out[k.encode("utf-8", "surrogateescape")] = (bytes(v), int(s))
-        return out
-
     def _on_snapshot(self, snap: Snapshot) -> None:
         # inside the consumer's transaction (committed with its state and mutation log)
         gen = self.gen
+        changes = snap.changes
+        self.stats.snapshots += 1
+        if not changes:
+            return
         rows: list[tuple[str, bytes | None, int, int, int]] = []
+        entries: list[bytes] = []
+        row, entry = rows.append, entries.append
         pending = self._pending
         if not pending:
             self._first_pending = self.clock()
-        for c in snap.changes:
-            k = _k(c.key)
-            if c.deleted:
-                rows.append((k, None, c.vbucket, c.seqno, gen))
-                pending[k] = Delete(k, c.vbucket, c.seqno)
+        mutation = RecordType.MUTATION
+        vb = changes[0].vbucket  # a snapshot is one vbucket's
+        for c in changes:
+            key = c.key
+            k = key.decode("utf-8", "surrogateescape")
+            seqno = c.seqno
+            if c.type is not mutation:  # a deletion or expiration
+                row((k, None, vb, seqno, gen))
+                entry(pack_entry(seqno, key, _GONE))
+                pending[k] = Delete(k, vb, seqno)
             else:
-                assert c.value is not None
-                rows.append((k, c.value, c.vbucket, c.seqno, gen))
-                pending[k] = Upsert(k, c.vbucket, c.seqno, c.value)
+                value = c.value
+                assert value is not None
+                row((k, value, vb, seqno, gen))
+                entry(pack_entry(seqno, key, _LIVE + value))
+                pending[k] = Upsert(k, vb, seqno, value)
         # changes are in seqno order: the last change of a key wins
         self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
-        self.stats.snapshots += 1
+        self.changelog.append(vb, changes[0].seqno, changes[-1].seqno, entries)
         self.stats.changes += len(rows)
 
     def _on_rollback(self, rb: RollbackInstruction) -> None:
@@ -256,6 +299,7 @@ class SearchIndexer:
         if not self._pending:
             self._first_pending = self.clock()
         if rb.rebuild_from_zero:
+            self.changelog.cleared.pop(rb.vbucket, None)  # (the store's rows say which keys to remove)
             keys = [k for (k,) in self.conn.execute(
                 "SELECT key FROM search_docs WHERE vbucket = ? AND value IS NOT NULL", (rb.vbucket,))]
             self.conn.execute("UPDATE search_docs SET value = NULL, seqno = 0, gen = ? WHERE vbucket = ?",
@@ -267,13 +311,15 @@ class SearchIndexer:
             return
         for u in rb.undo:
             k = _k(u.key)
-            if u.prior_value is None:
+            # the version at the rollback point, from the changelog: absent, deleted, or b"\x01" + its body
+            if u.prior_value is None or u.prior_value[:1] != _LIVE:
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, NULL, ?, 0, ?)", (k, rb.vbucket, gen))
                 self._pending[k] = Delete(k, rb.vbucket, 0)
             else:
+                value = u.prior_value[1:]
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)",
-                                  (k, u.prior_value, rb.vbucket, u.prior_seqno, gen))
-                self._pending[k] = Upsert(k, rb.vbucket, u.prior_seqno, u.prior_value)
+                                  (k, value, rb.vbucket, u.prior_seqno, gen))
+                self._pending[k] = Upsert(k, rb.vbucket, u.prior_seqno, value)
 
     def _on_oversize(self, o: Oversize) -> None:
         self.stats.oversize += 1

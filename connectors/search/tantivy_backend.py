@@ -72,14 +72,18 @@ class TantivyBackend:
     anew: the indexer then rebuilds it from its document store.
     """
 
-    def __init__(self, path: str | Path, mapping: DocumentMapping, *, heap: int = WRITER_HEAP) -> None:
+    def __init__(self, path: str | Path, mapping: DocumentMapping, *, heap: int = WRITER_HEAP,
+                 writer: bool = True) -> None:
         self.path = Path(path)
         self.mapping = mapping
         self.heap = heap
+        #: False: a reader only (searches, checkpoint, keys) of an index another process writes
+        #: (connectors/search/tantivy_writer.py), which reloads it with :meth:`reload` after each commit
+        self.writable = writer
         self._lock = threading.Lock()  # the writer (apply runs in the indexer's thread; commit, reset, close)
         self._open()
         cp = self.checkpoint()
-        if cp is not None and cp.mapping_id != mapping.id:
+        if writer and cp is not None and cp.mapping_id != mapping.id:
             log.warning("search index %s was built with another mapping (%s, now %s): rebuilding it",
                         self.path, cp.mapping_id, mapping.id)
             self.reset()
@@ -91,6 +95,11 @@ class TantivyBackend:
         self.path.mkdir(parents=True, exist_ok=True)
         self.schema = _schema(self.mapping)
         exists = tantivy.Index.exists(str(self.path))
+        if not self.writable:
+            self.index = tantivy.Index(self.schema, path=str(self.path), reuse=True)
+            self.index.config_reader(reload_policy="Manual")
+            self._meta_query = tantivy.Query.term_query(self.schema, "_kind", "meta")
+            return
         try:
             self.index = tantivy.Index(self.schema, path=str(self.path), reuse=True)
         except (OSError, ValueError) as e:
@@ -176,6 +185,10 @@ class TantivyBackend:
             self.writer.commit()
             self.index.reload()
 
+    def reload(self) -> None:
+        """See the last commit (of this process's writer or another's)."""
+        self.index.reload()
+
     def checkpoint(self) -> Checkpoint | None:
         return self._checkpoint_of(self._searcher())
 
@@ -232,6 +245,8 @@ class TantivyBackend:
         return out
 
     def close(self) -> None:
+        if not self.writable:
+            return
         with self._lock:
             self.writer.rollback()
             self.writer.wait_merging_threads()
