@@ -43,6 +43,7 @@ from connectors.client.state import SqliteStateStore
 from connectors.exceptions import ConnectorError
 from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexBackend, IndexOp, Position, Upsert
 from connectors.search.mapping import DocumentMapping
+from connectors.search.tantivy_writer import TantivyWriterProcess
 from schemas.failover_log import FailoverEntry
 from schemas.records import RecordType
 
@@ -79,12 +80,23 @@ def _k(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
 
+#: a changed document as the store holds it and the backend gets it: (key, value -- None: deleted --, vbucket,
+#: seqno, generation); one tuple per change, the store's row and the pending change alike (no objects per change
+#: on the consumer's thread; the commit thread turns them into :class:`IndexOp`s, or hands them as they are to a
+#: backend that takes rows -- :meth:`TantivyWriterProcess.apply_rows`)
+Row = tuple[str, bytes | None, int, int, int]
+
+
+def _ops(rows: Sequence[Row]) -> list[IndexOp]:
+    return [Delete(k, vb, s) if v is None else Upsert(k, vb, s, v) for k, v, vb, s, _ in rows]
+
+
 @dataclass(slots=True)
 class _Commit:
     """One generation handed to the backend: its operations and checkpoint; the outcome once applied."""
 
     checkpoint: Checkpoint
-    ops: list[IndexOp]
+    rows: list[Row]
     #: the failover logs of the checkpoint's positions (the query side's token checks)
     logs: dict[int, list[FailoverEntry]]
     #: the ops were read back from the store (everything above the backend's generation)
@@ -177,8 +189,6 @@ class SearchIndexer:
         if backend is None:
             # the writer in a process of its own: document building runs beside the consumer (docs/search.md
             # "Performance")
-            from connectors.search.tantivy_writer import TantivyWriterProcess
-
             backend = TantivyWriterProcess(self.dir / "tantivy", self.mapping)
         self.backend: IndexBackend = backend
         try:
@@ -206,7 +216,7 @@ class SearchIndexer:
         self.consumer.mutation_log = self.changelog
         if not had_changelog:
             self._adopt_store()
-        self._pending: dict[str, IndexOp] = {}
+        self._pending: dict[str, Row] = {}
         self._first_pending = 0.0
         #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
         self._failures = 0
@@ -266,7 +276,7 @@ class SearchIndexer:
         self.stats.snapshots += 1
         if not changes:
             return
-        rows: list[tuple[str, bytes | None, int, int, int]] = []
+        rows: list[Row] = []
         entries: list[bytes] = []
         row, entry = rows.append, entries.append
         pending = self._pending
@@ -279,15 +289,15 @@ class SearchIndexer:
             k = key.decode("utf-8", "surrogateescape")
             seqno = c.seqno
             if c.type is not mutation:  # a deletion or expiration
-                row((k, None, vb, seqno, gen))
+                r: Row = (k, None, vb, seqno, gen)
                 entry(pack_entry(seqno, key, _GONE))
-                pending[k] = Delete(k, vb, seqno)
             else:
                 value = c.value
                 assert value is not None
-                row((k, value, vb, seqno, gen))
+                r = (k, value, vb, seqno, gen)
                 entry(pack_entry(seqno, key, _LIVE + value))
-                pending[k] = Upsert(k, vb, seqno, value)
+            row(r)
+            pending[k] = r
         # changes are in seqno order: the last change of a key wins
         self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
         self.changelog.append(vb, changes[0].seqno, changes[-1].seqno, entries)
@@ -305,7 +315,7 @@ class SearchIndexer:
             self.conn.execute("UPDATE search_docs SET value = NULL, seqno = 0, gen = ? WHERE vbucket = ?",
                               (gen, rb.vbucket))
             for k in keys:
-                self._pending[k] = Delete(k, rb.vbucket, 0)
+                self._pending[k] = (k, None, rb.vbucket, 0, gen)
             log.warning("search index: vbucket %d rolled back beyond the mutation log: its %d documents are "
                         "removed and indexed again from the topic", rb.vbucket, len(keys))
             return
@@ -314,12 +324,12 @@ class SearchIndexer:
             # the version at the rollback point, from the changelog: absent, deleted, or b"\x01" + its body
             if u.prior_value is None or u.prior_value[:1] != _LIVE:
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, NULL, ?, 0, ?)", (k, rb.vbucket, gen))
-                self._pending[k] = Delete(k, rb.vbucket, 0)
+                self._pending[k] = (k, None, rb.vbucket, 0, gen)
             else:
                 value = u.prior_value[1:]
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)",
                                   (k, value, rb.vbucket, u.prior_seqno, gen))
-                self._pending[k] = Upsert(k, rb.vbucket, u.prior_seqno, value)
+                self._pending[k] = (k, value, rb.vbucket, u.prior_seqno, gen)
 
     def _on_oversize(self, o: Oversize) -> None:
         self.stats.oversize += 1
@@ -399,16 +409,15 @@ class SearchIndexer:
             self.store.flush()
         gen = self.gen
         if self._recover:
-            ops: list[IndexOp] = [
-                Delete(k, vb, s) if v is None else Upsert(k, vb, s, bytes(v))
-                for k, v, vb, s in self.conn.execute(
-                    "SELECT key, value, vbucket, seqno FROM search_docs WHERE gen > ? ORDER BY gen",
+            rows: list[Row] = [
+                (k, None if v is None else bytes(v), vb, s, g) for k, v, vb, s, g in self.conn.execute(
+                    "SELECT key, value, vbucket, seqno, gen FROM search_docs WHERE gen > ? ORDER BY gen",
                     (self.visible.generation,))]
         else:
-            ops = list(self._pending.values())
+            rows = list(self._pending.values())
         store_pos = self.positions()
         positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
-        job = _Commit(Checkpoint(gen, positions, self.mapping.id), ops,
+        job = _Commit(Checkpoint(gen, positions, self.mapping.id), rows,
                       {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover)
         self._pending = {}
         self._recover = False
@@ -426,7 +435,8 @@ class SearchIndexer:
         searches when the backend took it. A failure is kept in the job, for :meth:`_take_in`."""
         try:
             t0 = time.perf_counter()
-            applied = self.backend.apply(job.ops)
+            b = self.backend
+            applied = b.apply_rows(job.rows) if isinstance(b, TantivyWriterProcess) else b.apply(_ops(job.rows))
             self.backend.commit(job.checkpoint)
             dt = time.perf_counter() - t0
         except BaseException as e:
@@ -463,7 +473,7 @@ class SearchIndexer:
         if job.recover:
             self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
         else:
-            dels = [(op.vbucket, op.key, gen) for op in job.ops if isinstance(op, Delete)]
+            dels = [(vb, k, gen) for k, v, vb, _, _ in job.rows if v is None]
             if dels:
                 self.conn.executemany("DELETE FROM search_docs WHERE vbucket = ? AND key = ? AND value IS NULL "
                                       "AND gen <= ?", dels)

@@ -31,10 +31,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, NamedTuple, cast
 
 from connectors.exceptions import ConnectorError
-from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexOp, SearchResult, Upsert
+from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexOp, SearchResult
 from connectors.search.mapping import DocumentMapping
 from connectors.search.tantivy_backend import WRITER_HEAP, TantivyBackend
 
@@ -47,6 +47,15 @@ LOCK_WAIT: Final = 30.0
 #: seconds the indexer waits for the writer process to exit when closing it
 CLOSE_WAIT: Final = 30.0
 _LEN = struct.Struct(">Q")
+
+
+class _UpsertRow(NamedTuple):
+    """An :class:`~connectors.search.backend.Upsert`'s fields (what ``TantivyBackend.apply`` reads)."""
+
+    key: str
+    vbucket: int
+    seqno: int
+    value: bytes
 
 
 class WriterProcessDied(ConnectorError):
@@ -153,8 +162,12 @@ class TantivyWriterProcess:
 
     # --------------------------------------------------------------------------------- IndexBackend
     def apply(self, ops: Sequence[IndexOp]) -> ApplyStats:
-        rows = [(op.key, op.vbucket, op.seqno, None) if op.__class__ is Delete
-                else (op.key, op.vbucket, op.seqno, op.value) for op in ops]  # type: ignore[union-attr]
+        return self.apply_rows([(op.key, None if isinstance(op, Delete) else op.value, op.vbucket, op.seqno)
+                                for op in ops])
+
+    def apply_rows(self, rows: Sequence[tuple[Any, ...]]) -> ApplyStats:
+        """:meth:`apply` of ``(key, value, vbucket, seqno, ...)`` tuples (value None: a delete) -- the indexer's
+        store rows as they are, pickled as plain tuples."""
         return ApplyStats(*self._request(("apply", rows)))
 
     def commit(self, checkpoint: Checkpoint) -> None:
@@ -236,9 +249,11 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
                 return  # the indexer closed the pipe or died: drop what is not committed
             try:
                 if what == "apply":
-                    ops: list[IndexOp] = [Delete(k, vb, s) if v is None else Upsert(k, vb, s, v)
-                                          for k, vb, s, v in arg]
-                    st = backend.apply(ops)
+                    # upserts as named tuples: TantivyBackend.apply reads their fields (a frozen dataclass
+                    # costs more to build than the tantivy document)
+                    ops = [Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1])
+                           for r in arg]
+                    st = backend.apply(cast(list[IndexOp], ops))
                     value: Any = (st.indexed, st.deleted, st.binary_skipped, st.field_rejected, st.rejected)
                 elif what == "commit":
                     backend.commit(Checkpoint.from_json(arg))
