@@ -63,12 +63,14 @@ STORE_CACHE_KIB: Final = 64 * 1024
 MAX_RETRY_BACKOFF: Final = 30.0
 
 #: part of the consumer's state file (docs/search.md "Files"); value NULL = a tombstone not yet synced
-#: (no index on gen: only a start after a crash reads rows by generation, a full scan then is fine). Clustered by
-#: (vbucket, key) -- a key always hashes to the same vbucket: a snapshot's rows, its prior look-up and a commit's
-#: pages stay together instead of spread over the whole table (a store of the earlier layout, keyed by key alone,
-#: is read and written by the same statements)
+#: (no index on gen: only a start after a crash reads rows by generation, a full scan then is fine). A rowid
+#: table with the key (vbucket, key) in an index of its own: a replaced row goes to the end of the table, the
+#: index stays small -- a third less CPU per stored change than clustering the ~250-byte rows by (vbucket, key),
+#: which only the per-snapshot prior look-ups of the mutation log needed (the changelog has none). Stores of the
+#: earlier layouts (clustered by (vbucket, key), or keyed by key alone) are read and written by the same
+#: statements.
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS search_docs (key TEXT NOT NULL, value BLOB, vbucket INTEGER NOT NULL, "
-           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key)) WITHOUT ROWID",)
+           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key))",)
 #: the indexer's changelog (connectors/client/changelog.py): a version is b"\x01" + the body, or b"\x00" for a
 #: deletion or expiration
 CHANGELOG_TABLE: Final = "search_changelog"
