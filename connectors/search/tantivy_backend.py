@@ -115,17 +115,24 @@ class TantivyBackend:
         self._meta_query = tantivy.Query.term_query(self.schema, "_kind", "meta")
 
     # ----------------------------------------------------------------------------------------- writing
-    def apply(self, ops: Sequence[IndexOp]) -> ApplyStats:
+    def apply(self, ops: Sequence[IndexOp], *, present: set[str] | None = None) -> ApplyStats:
+        """``present`` (None: unknown): a superset of the keys the index holds (committed or applied), kept up
+        to date here -- a key not in it is known to be absent, and its delete (costly at commit) is skipped."""
         st = ApplyStats()
         w = self.writer
         mapping = self.mapping
         fields = mapping.fields
         fast_dynamic = mapping.default.dynamic and not mapping.default.fields
         for op in ops:
-            w.delete_documents_by_term("_key", op.key)
+            if present is None or op.key in present:
+                w.delete_documents_by_term("_key", op.key)
             if isinstance(op, Delete):
+                if present is not None:
+                    present.discard(op.key)
                 st.deleted += 1
                 continue
+            if present is not None:
+                present.add(op.key)
             if fast_dynamic and mapping.doc_type(op.key) is mapping.default:
                 # the dynamic default type: tantivy parses the JSON object itself, the body is what hits return
                 try:
@@ -184,6 +191,11 @@ class TantivyBackend:
             self.writer.add_document(d)
             self.writer.commit()
             self.index.reload()
+
+    def documents(self) -> int:
+        """Documents in the last commit (the checkpoint not counted)."""
+        s = self._searcher()
+        return int(s.num_docs) - (0 if self._checkpoint_of(s) is None else 1)
 
     def reload(self) -> None:
         """See the last commit (of this process's writer or another's)."""

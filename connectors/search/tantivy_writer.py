@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 LOCK_WAIT: Final = 30.0
 #: seconds the indexer waits for the writer process to exit when closing it
 CLOSE_WAIT: Final = 30.0
+#: at most this many keys are tracked to skip the deletes of keys never indexed (some 150 MB); above it every
+#: upsert deletes the key's previous version first
+MAX_TRACKED_KEYS: Final = 1_000_000
 _LEN = struct.Struct(">Q")
 
 
@@ -241,6 +244,10 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
         _send(out, ("error", f"{type(e).__name__}: {e}"))
         return
     _send(out, ("ready", None))
+    # the keys the index may hold, while the writer knows them all (it started on an empty index and nothing
+    # failed since): a key it never added is not in the index, its delete is skipped (docs/search.md
+    # "Performance"); None once unknown
+    present: set[str] | None = set() if backend.documents() == 0 else None
     try:
         while True:
             try:
@@ -253,17 +260,22 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
                     # costs more to build than the tantivy document)
                     ops = [Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1])
                            for r in arg]
-                    st = backend.apply(cast(list[IndexOp], ops))
+                    st = backend.apply(cast(list[IndexOp], ops), present=present)
+                    if present is not None and len(present) > MAX_TRACKED_KEYS:
+                        present = None
                     value: Any = (st.indexed, st.deleted, st.binary_skipped, st.field_rejected, st.rejected)
                 elif what == "commit":
                     backend.commit(Checkpoint.from_json(arg))
                     value = None
                 elif what == "reset":
+                    present = None
                     backend.reset()
+                    present = set()
                     value = None
                 else:
                     raise ValueError(f"unknown request {what!r}")
             except Exception as e:
+                present = None  # what the writer holds is no longer known for sure
                 _send(out, ("error", f"{type(e).__name__}: {e}"))
             else:
                 _send(out, ("ok", value))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from connectors.exceptions import ConnectorError
-from connectors.search.backend import Checkpoint, Upsert
+from connectors.search.backend import Checkpoint, Delete, Upsert
 from connectors.search.indexer import CHANGELOG_TABLE, SearchIndexer
 from connectors.search.mapping import DocumentMapping
 from connectors.search.tantivy_writer import TantivyWriterProcess, WriterProcessDied
@@ -143,3 +143,28 @@ def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_document
         ix.catch_up()
         assert ix.stats.rollbacks > 0
         assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_skipped_deletes_never_leave_two_versions(tmp_path: Path, restart: bool) -> None:
+    """A fresh index's writer skips the deletes of keys it never added; every replaced or deleted key is
+    still deleted -- in one batch, across batches, after a failed request, and after a restart on a non-empty
+    index (which deletes every key again)."""
+    b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    try:
+        b.apply([Upsert("a", 0, 1, b'{"v": 1}'), Upsert("b", 0, 2, b'{"v": 1}'), Upsert("a", 0, 3, b'{"v": 2}')])
+        b.commit(Checkpoint(1, {}, MAPPING.id))
+        if restart:
+            b.close()
+            b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+        b.apply([Upsert("b", 0, 4, b'{"v": 2}'), Delete("a", 0, 5), Upsert("c", 0, 6, b'{"v": 1}')])
+        b.commit(Checkpoint(2, {}, MAPPING.id))
+        with pytest.raises(ConnectorError):
+            b.apply_rows([("d", b'{"v": 1}', 0, 7), ("bad",)])  # a request the writer fails
+        b.apply([Upsert("a", 0, 8, b'{"v": 3}'), Upsert("c", 0, 9, b'{"v": 2}')])
+        b.commit(Checkpoint(3, {}, MAPPING.id))
+        got = {k: (seq, f) for k, (_vb, seq, f) in b.keys().items()}
+        assert got == {"a": (8, {"v": 3}), "b": (4, {"v": 2}), "c": (9, {"v": 2})}
+        assert b.search("*", 10).total == 3
+    finally:
+        b.close()
