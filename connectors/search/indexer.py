@@ -4,8 +4,8 @@ Two stores, one order:
 
 1. **The document store** (``store.sqlite`` in the index directory): table ``search_docs(key, value, vbucket,
    seqno, gen)`` written inside the rollback-aware consumer's transaction, with the consumer state and the
-   mutation log -- exactly ``connectors.replicate``'s pattern, so it always equals the source at a snapshot
-   boundary of every vbucket, rollbacks included (the mutation log's undo list restores the lost-branch
+   changelog -- exactly ``connectors.replicate``'s pattern, so it always equals the source at a snapshot
+   boundary of every vbucket, rollbacks included (the changelog's undo list restores the lost-branch
    documents to their version at the rollback point). A deletion or expiration leaves a tombstone (``value``
    NULL) until the backend has committed it. Every row carries the *generation* it was written in.
 2. **The index backend** (tantivy by default): after the store committed, the rows of the generations the backend
