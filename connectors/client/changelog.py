@@ -63,6 +63,8 @@ def _entries(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
 
 
 class Changelog(MutationLog):
+    records_priors = False
+
     def __init__(self, conn: sqlite3.Connection, max_entries: int = DEFAULT_MAX_ENTRIES, *,
                  table: str = "xdcr_changelog") -> None:
         if not table.isidentifier():
