@@ -22,6 +22,7 @@ size (``commit_docs``) and time (``commit_interval``), and happen as soon as the
 from __future__ import annotations
 
 import logging
+import queue
 import sqlite3
 import threading
 import time
@@ -103,7 +104,8 @@ class _Commit:
     logs: dict[int, list[FailoverEntry]]
     #: the ops were read back from the store (everything above the backend's generation)
     recover: bool
-    thread: threading.Thread | None = None
+    #: set when a commit handed to the commit thread is done (None: committed in the consumer's thread)
+    done: threading.Event | None = None
     error: BaseException | None = None
 
 
@@ -228,6 +230,8 @@ class SearchIndexer:
         self._sync_lock = threading.Lock()
         #: the backend commit in progress (at most one), and whether commits may still start (not when closing)
         self._inflight: _Commit | None = None
+        self._jobs: queue.SimpleQueue[_Commit | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         self._closing = False
         self._changed = threading.Condition()
         cp = self.backend.checkpoint()
@@ -344,7 +348,7 @@ class SearchIndexer:
             return
         job = self._inflight
         if job is not None:
-            if job.thread is not None and job.thread.is_alive():
+            if job.done is not None and not job.done.is_set():
                 return  # still committing: the changes since go into the next commit
             if not self._try_sync("take_in"):
                 return
@@ -425,12 +429,25 @@ class SearchIndexer:
         self._recover = False
         self.gen = gen + 1
         if background:
-            job.thread = threading.Thread(target=self._commit, args=(job,), name="dcpgw-index-commit", daemon=True)
+            job.done = threading.Event()
             self._inflight = job
-            job.thread.start()
+            if self._worker is None:
+                # one thread for every background commit (starting one per commit waits for it to be scheduled)
+                self._worker = threading.Thread(target=self._commit_loop, name="dcpgw-index-commit", daemon=True)
+                self._worker.start()
+            self._jobs.put(job)
         else:
             self._commit(job)
         return job
+
+    def _commit_loop(self) -> None:
+        """The commit thread: the background commits handed to it, one at a time, until None."""
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._commit(job)
+            finally:
+                assert job.done is not None
+                job.done.set()
 
     def _commit(self, job: _Commit) -> None:
         """Apply and commit one generation (the commit thread, or the consumer's); publishes the checkpoint to
@@ -461,8 +478,8 @@ class SearchIndexer:
         job = self._inflight
         if job is None:
             return
-        if job.thread is not None:
-            job.thread.join()
+        if job.done is not None:
+            job.done.wait()
         self._inflight = None
         if job.error is not None:
             if not isinstance(job.error, Exception):
@@ -543,6 +560,10 @@ class SearchIndexer:
                 log.warning("search index: the last backend commit failed (%s: %s)", type(e).__name__, e)
             self.consumer.close()
         finally:
+            if self._worker is not None:
+                self._jobs.put(None)
+                self._worker.join()
+                self._worker = None
             if self._owns_backend:
                 self.backend.close()
 
