@@ -60,6 +60,10 @@ DEFAULT_COMMIT_INTERVAL: Final = 1.0
 #: some 100 000 documents then reads most of the pages every snapshot writes -- its vbucket's rows, its mutation
 #: log -- back from the file)
 STORE_CACHE_KIB: Final = 64 * 1024
+#: WAL pages between two checkpoints of the document store (SQLite's default 1000: some 4 MB, a checkpoint --
+#: copying the pages into the file and syncing it -- every ~15 000 indexed documents, in the consumer's thread);
+#: 16384 pages of 4 KiB: the WAL grows to 64 MiB between checkpoints
+STORE_WAL_PAGES: Final = 16384
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
@@ -210,6 +214,7 @@ class SearchIndexer:
         self.store = store
         self.conn: sqlite3.Connection = store.conn
         self.conn.execute(f"PRAGMA cache_size = -{STORE_CACHE_KIB}")
+        self.conn.execute(f"PRAGMA wal_autocheckpoint = {STORE_WAL_PAGES}")
         for stmt in _SCHEMA:
             self.conn.execute(stmt)
         had_changelog = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?",
