@@ -239,7 +239,15 @@ class SearchIndexer:
         self._worker: threading.Thread | None = None
         self._closing = False
         self._changed = threading.Condition()
-        cp = self.backend.checkpoint()
+        try:
+            # (the tantivy writer process reports here when it cannot open the index)
+            cp = self.backend.checkpoint()
+        except BaseException:
+            self._closing = True  # (no backend sync from the consumer's last flush)
+            self.consumer.close()
+            if self._owns_backend:
+                self.backend.close()
+            raise
         stored = store.load_all()
         #: per-vbucket failover logs of the committed positions (read by the query side's token checks)
         self._logs: dict[int, list[FailoverEntry]] = {vb: list(p.failover_log) for vb, p in stored.items()}

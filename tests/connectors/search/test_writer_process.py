@@ -168,3 +168,18 @@ def test_skipped_deletes_never_leave_two_versions(tmp_path: Path, restart: bool)
         assert b.search("*", 10).total == 3
     finally:
         b.close()
+
+
+def test_an_index_directory_the_writer_cannot_open_fails_the_indexer_at_start(harness: Any, tmp_path: Path) -> None:
+    h = harness(nvb=2)
+    write(h.bucket, 5)
+    h.settle()
+    d = tmp_path / "ix"
+    d.mkdir()
+    (d / "tantivy").write_text("not a directory")
+    with pytest.raises(ConnectorError, match="tantivy writer"):
+        SearchIndexer(h.broker.bootstrap_servers, h.topic, d)
+    (d / "tantivy").unlink()
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:  # the store was closed: it opens again
+        ix.catch_up()
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
