@@ -567,12 +567,12 @@ class ChangeStreamConsumer:
                 self._open = _Open(out, vb, p, ev.state, rebuild)
                 return out
             if isinstance(ev, PartialChange):
-                if mlog is not None and self.prior_lookup is not None:
+                if mlog is not None and self.prior_lookup is not None and mlog.records_priors:
                     c = ev.change
                     mlog.record(vb, [(c.seqno, c.key)], self.prior_lookup(vb, [c.key]))
                 self._open = _Open(ev, vb, p, None)
                 return ev
-            if mlog is not None and self.prior_lookup is not None and ev.changes:
+            if mlog is not None and self.prior_lookup is not None and ev.changes and mlog.records_priors:
                 keys = list(dict.fromkeys(c.key for c in ev.changes))
                 mlog.record(vb, [(c.seqno, c.key) for c in ev.changes], self.prior_lookup(vb, keys))
             self.oversize_records += len(ev.oversize)

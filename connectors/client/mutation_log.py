@@ -72,6 +72,11 @@ class MutationLog:
     """Per-vbucket bounded log of prior versions on a SQLite connection (no commits: the caller's
     transaction). ``max_entries`` bounds each vbucket's log; trimming happens in :meth:`trim`."""
 
+    #: :meth:`record` needs the prior versions of the keys a snapshot changes (a log that keeps the versions
+    #: the application applied instead -- connectors/client/changelog.py -- does not: the consumer then skips
+    #: the look-up)
+    records_priors = True
+
     def __init__(self, conn: sqlite3.Connection, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")

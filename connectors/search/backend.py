@@ -1,12 +1,12 @@
 """The index backend interface (docs/search.md "Backends").
 
 The indexer (``connectors.search.indexer``) keeps the source's documents in its *document store* -- a SQLite
-file written in the rollback-aware consumer's transaction together with the consumer state and the mutation log,
+file written in the rollback-aware consumer's transaction together with the consumer state and the changelog,
 exactly like ``connectors.replicate`` -- and every committed change of the store bumps a *generation*. A backend
 is a projection of that store: the indexer hands it the documents changed since the generation the backend last
 committed (:meth:`IndexBackend.apply`), then :meth:`IndexBackend.commit` with a :class:`Checkpoint` (that
 generation and the per-vbucket positions it reflects). Rollback undo (restoring lost-branch documents to their
-version at the rollback point, from the mutation log) reaches the backend the same way: as upserts of the prior
+version at the rollback point, from the changelog) reaches the backend the same way: as upserts of the prior
 versions and deletes of keys that did not exist.
 
 Contract of an implementation:

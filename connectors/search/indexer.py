@@ -4,8 +4,8 @@ Two stores, one order:
 
 1. **The document store** (``store.sqlite`` in the index directory): table ``search_docs(key, value, vbucket,
    seqno, gen)`` written inside the rollback-aware consumer's transaction, with the consumer state and the
-   mutation log -- exactly ``connectors.replicate``'s pattern, so it always equals the source at a snapshot
-   boundary of every vbucket, rollbacks included (the mutation log's undo list restores the lost-branch
+   changelog -- exactly ``connectors.replicate``'s pattern, so it always equals the source at a snapshot
+   boundary of every vbucket, rollbacks included (the changelog's undo list restores the lost-branch
    documents to their version at the rollback point). A deletion or expiration leaves a tombstone (``value``
    NULL) until the backend has committed it. Every row carries the *generation* it was written in.
 2. **The index backend** (tantivy by default): after the store committed, the rows of the generations the backend
@@ -22,6 +22,7 @@ size (``commit_docs``) and time (``commit_interval``), and happen as soon as the
 from __future__ import annotations
 
 import logging
+import queue
 import sqlite3
 import threading
 import time
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from connectors.client.changelog import Changelog, pack_entry
 from connectors.client.consumer import (
     DEFAULT_BATCH_SIZE,
     ChangeStreamConsumer,
@@ -42,7 +44,9 @@ from connectors.client.state import SqliteStateStore
 from connectors.exceptions import ConnectorError
 from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexBackend, IndexOp, Position, Upsert
 from connectors.search.mapping import DocumentMapping
+from connectors.search.tantivy_writer import TantivyWriterProcess
 from schemas.failover_log import FailoverEntry
+from schemas.records import RecordType
 
 __all__ = ["DEFAULT_COMMIT_DOCS", "DEFAULT_COMMIT_INTERVAL", "IndexerStats", "SearchIndexer"]
 
@@ -56,20 +60,42 @@ DEFAULT_COMMIT_INTERVAL: Final = 1.0
 #: some 100 000 documents then reads most of the pages every snapshot writes -- its vbucket's rows, its mutation
 #: log -- back from the file)
 STORE_CACHE_KIB: Final = 64 * 1024
+#: WAL pages between two checkpoints of the document store (SQLite's default 1000: some 4 MB, a checkpoint --
+#: copying the pages into the file and syncing it -- every ~15 000 indexed documents, in the consumer's thread);
+#: 16384 pages of 4 KiB: the WAL grows to 64 MiB between checkpoints
+STORE_WAL_PAGES: Final = 16384
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
 #: part of the consumer's state file (docs/search.md "Files"); value NULL = a tombstone not yet synced
-#: (no index on gen: only a start after a crash reads rows by generation, a full scan then is fine). Clustered by
-#: (vbucket, key) -- a key always hashes to the same vbucket: a snapshot's rows, its prior look-up and a commit's
-#: pages stay together instead of spread over the whole table (a store of the earlier layout, keyed by key alone,
-#: is read and written by the same statements)
+#: (no index on gen: only a start after a crash reads rows by generation, a full scan then is fine). A rowid
+#: table with the key (vbucket, key) in an index of its own: a replaced row goes to the end of the table, the
+#: index stays small -- a third less CPU per stored change than clustering the ~250-byte rows by (vbucket, key),
+#: which only the per-snapshot prior look-ups of the mutation log needed (the changelog has none). Stores of the
+#: earlier layouts (clustered by (vbucket, key), or keyed by key alone) are read and written by the same
+#: statements.
 _SCHEMA = ("CREATE TABLE IF NOT EXISTS search_docs (key TEXT NOT NULL, value BLOB, vbucket INTEGER NOT NULL, "
-           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key)) WITHOUT ROWID",)
+           "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key))",)
+#: the indexer's changelog (connectors/client/changelog.py): a version is b"\x01" + the body, or b"\x00" for a
+#: deletion or expiration
+CHANGELOG_TABLE: Final = "search_changelog"
+_LIVE: Final = b"\x01"
+_GONE: Final = b"\x00"
 
 
 def _k(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
+
+
+#: a changed document as the store holds it and the backend gets it: (key, value -- None: deleted --, vbucket,
+#: seqno, generation); one tuple per change, the store's row and the pending change alike (no objects per change
+#: on the consumer's thread; the commit thread turns them into :class:`IndexOp`s, or hands them as they are to a
+#: backend that takes rows -- :meth:`TantivyWriterProcess.apply_rows`)
+Row = tuple[str, bytes | None, int, int, int]
+
+
+def _ops(rows: Sequence[Row]) -> list[IndexOp]:
+    return [Delete(k, vb, s) if v is None else Upsert(k, vb, s, v) for k, v, vb, s, _ in rows]
 
 
 @dataclass(slots=True)
@@ -77,12 +103,13 @@ class _Commit:
     """One generation handed to the backend: its operations and checkpoint; the outcome once applied."""
 
     checkpoint: Checkpoint
-    ops: list[IndexOp]
+    rows: list[Row]
     #: the failover logs of the checkpoint's positions (the query side's token checks)
     logs: dict[int, list[FailoverEntry]]
     #: the ops were read back from the store (everything above the backend's generation)
     recover: bool
-    thread: threading.Thread | None = None
+    #: set when a commit handed to the commit thread is done (None: committed in the consumer's thread)
+    done: threading.Event | None = None
     error: BaseException | None = None
 
 
@@ -114,6 +141,11 @@ class IndexerStats:
         self.binary_skipped += a.binary_skipped
         self.field_rejected += a.field_rejected
         self.rejected += a.rejected
+
+
+def _no_priors(vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
+    """The consumer's prior look-up: nothing to look up (the changelog answers the undo lists itself)."""
+    return {}
 
 
 class _IndexingConsumer(ChangeStreamConsumer):
@@ -163,13 +195,13 @@ class SearchIndexer:
         self.stats = IndexerStats()
         self._owns_backend = backend is None
         if backend is None:
-            from connectors.search.tantivy_backend import TantivyBackend
-
-            backend = TantivyBackend(self.dir / "tantivy", self.mapping)
+            # the writer in a process of its own: document building runs beside the consumer (docs/search.md
+            # "Performance")
+            backend = TantivyWriterProcess(self.dir / "tantivy", self.mapping)
         self.backend: IndexBackend = backend
         try:
             self.consumer = _IndexingConsumer(kafka, topic, state_path=self.dir / "store.sqlite",
-                                              prior_lookup=self._priors, mutation_log_max=mutation_log_max,
+                                              prior_lookup=_no_priors, mutation_log_max=mutation_log_max,
                                               dead_letter=dead_letter, batch_size=batch_size,
                                               poll_timeout=poll_timeout, after_flush=self._after_flush,
                                               on_abandon=self._on_abandon)
@@ -182,9 +214,18 @@ class SearchIndexer:
         self.store = store
         self.conn: sqlite3.Connection = store.conn
         self.conn.execute(f"PRAGMA cache_size = -{STORE_CACHE_KIB}")
+        self.conn.execute(f"PRAGMA wal_autocheckpoint = {STORE_WAL_PAGES}")
         for stmt in _SCHEMA:
             self.conn.execute(stmt)
-        self._pending: dict[str, IndexOp] = {}
+        had_changelog = self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?",
+                                          (CHANGELOG_TABLE,)).fetchone() is not None
+        #: the source's history as indexed, per vbucket: plays the client's mutation log (undo lists at a
+        #: rollback), appended once per snapshot -- no prior look-ups on the hot path (docs/search.md)
+        self.changelog = Changelog(self.conn, mutation_log_max, table=CHANGELOG_TABLE)
+        self.consumer.mutation_log = self.changelog
+        if not had_changelog:
+            self._adopt_store()
+        self._pending: dict[str, Row] = {}
         self._first_pending = 0.0
         #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
         self._failures = 0
@@ -194,9 +235,19 @@ class SearchIndexer:
         self._sync_lock = threading.Lock()
         #: the backend commit in progress (at most one), and whether commits may still start (not when closing)
         self._inflight: _Commit | None = None
+        self._jobs: queue.SimpleQueue[_Commit | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
         self._closing = False
         self._changed = threading.Condition()
-        cp = self.backend.checkpoint()
+        try:
+            # (the tantivy writer process reports here when it cannot open the index)
+            cp = self.backend.checkpoint()
+        except BaseException:
+            self._closing = True  # (no backend sync from the consumer's last flush)
+            self.consumer.close()
+            if self._owns_backend:
+                self.backend.close()
+            raise
         stored = store.load_all()
         #: per-vbucket failover logs of the committed positions (read by the query side's token checks)
         self._logs: dict[int, list[FailoverEntry]] = {vb: list(p.failover_log) for vb, p in stored.items()}
@@ -212,42 +263,63 @@ class SearchIndexer:
         #: rows above the backend's generation written before this process: applied by the first sync
         self._recover = int(top) > self.visible.generation
 
+    def _adopt_store(self) -> None:
+        """A store written before the changelog (its rollbacks undone from the client's mutation log): each
+        vbucket's changelog starts from its documents now, its floor at the vbucket's position (a rollback
+        below it rebuilds the vbucket from zero)."""
+        positions = self.store.load_all()
+        if not positions:
+            return
+        by_vb: dict[int, list[tuple[int, bytes, bytes]]] = {vb: [] for vb in positions}
+        for k, v, vb, sq in self.conn.execute(
+                "SELECT key, value, vbucket, seqno FROM search_docs WHERE value IS NOT NULL"):
+            by_vb.setdefault(int(vb), []).append((int(sq), k.encode("utf-8", "surrogateescape"), _LIVE + bytes(v)))
+        for vb, rows in by_vb.items():
+            p = positions.get(vb)
+            self.changelog.adopt(vb, max([r[0] for r in rows] + [p.seqno if p else 0]), rows)
+        self.store.flush()
+        log.info("search index %s: the document store's %d vbuckets start a changelog", self.dir, len(by_vb))
+
     def _on_abandon(self) -> None:
         # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
         # told apart, so the next sync reads the committed rows instead
         self._pending = {}
         self._recover = True
+        self.changelog.forget_cached()
 
     # ------------------------------------------------------------------------------- the store side
-    def _priors(self, vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
-        out: dict[bytes, Prior] = {}
-        for i in range(0, len(keys), 500):
-            chunk = keys[i:i + 500]
-            q = (f"SELECT key, value, seqno FROM search_docs WHERE vbucket = ? AND value IS NOT NULL AND key IN "
-                 f"({','.join('?' * len(chunk))})")
-            for k, v, s in self.conn.execute(q, [vbucket, *(_k(x) for x in chunk)]):
-                out[k.encode("utf-8", "surrogateescape")] = (bytes(v), int(s))
-        return out
-
     def _on_snapshot(self, snap: Snapshot) -> None:
         # inside the consumer's transaction (committed with its state and mutation log)
         gen = self.gen
-        rows: list[tuple[str, bytes | None, int, int, int]] = []
+        changes = snap.changes
+        self.stats.snapshots += 1
+        if not changes:
+            return
+        rows: list[Row] = []
+        entries: list[bytes] = []
+        row, entry = rows.append, entries.append
         pending = self._pending
         if not pending:
             self._first_pending = self.clock()
-        for c in snap.changes:
-            k = _k(c.key)
-            if c.deleted:
-                rows.append((k, None, c.vbucket, c.seqno, gen))
-                pending[k] = Delete(k, c.vbucket, c.seqno)
+        mutation = RecordType.MUTATION
+        vb = changes[0].vbucket  # a snapshot is one vbucket's
+        for c in changes:
+            key = c.key
+            k = key.decode("utf-8", "surrogateescape")
+            seqno = c.seqno
+            if c.type is not mutation:  # a deletion or expiration
+                r: Row = (k, None, vb, seqno, gen)
+                entry(pack_entry(seqno, key, _GONE))
             else:
-                assert c.value is not None
-                rows.append((k, c.value, c.vbucket, c.seqno, gen))
-                pending[k] = Upsert(k, c.vbucket, c.seqno, c.value)
+                value = c.value
+                assert value is not None
+                r = (k, value, vb, seqno, gen)
+                entry(pack_entry(seqno, key, _LIVE + value))
+            row(r)
+            pending[k] = r
         # changes are in seqno order: the last change of a key wins
         self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
-        self.stats.snapshots += 1
+        self.changelog.append(vb, changes[0].seqno, changes[-1].seqno, entries)
         self.stats.changes += len(rows)
 
     def _on_rollback(self, rb: RollbackInstruction) -> None:
@@ -256,24 +328,27 @@ class SearchIndexer:
         if not self._pending:
             self._first_pending = self.clock()
         if rb.rebuild_from_zero:
+            self.changelog.cleared.pop(rb.vbucket, None)  # (the store's rows say which keys to remove)
             keys = [k for (k,) in self.conn.execute(
                 "SELECT key FROM search_docs WHERE vbucket = ? AND value IS NOT NULL", (rb.vbucket,))]
             self.conn.execute("UPDATE search_docs SET value = NULL, seqno = 0, gen = ? WHERE vbucket = ?",
                               (gen, rb.vbucket))
             for k in keys:
-                self._pending[k] = Delete(k, rb.vbucket, 0)
+                self._pending[k] = (k, None, rb.vbucket, 0, gen)
             log.warning("search index: vbucket %d rolled back beyond the mutation log: its %d documents are "
                         "removed and indexed again from the topic", rb.vbucket, len(keys))
             return
         for u in rb.undo:
             k = _k(u.key)
-            if u.prior_value is None:
+            # the version at the rollback point, from the changelog: absent, deleted, or b"\x01" + its body
+            if u.prior_value is None or u.prior_value[:1] != _LIVE:
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, NULL, ?, 0, ?)", (k, rb.vbucket, gen))
-                self._pending[k] = Delete(k, rb.vbucket, 0)
+                self._pending[k] = (k, None, rb.vbucket, 0, gen)
             else:
+                value = u.prior_value[1:]
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)",
-                                  (k, u.prior_value, rb.vbucket, u.prior_seqno, gen))
-                self._pending[k] = Upsert(k, rb.vbucket, u.prior_seqno, u.prior_value)
+                                  (k, value, rb.vbucket, u.prior_seqno, gen))
+                self._pending[k] = (k, value, rb.vbucket, u.prior_seqno, gen)
 
     def _on_oversize(self, o: Oversize) -> None:
         self.stats.oversize += 1
@@ -286,7 +361,7 @@ class SearchIndexer:
             return
         job = self._inflight
         if job is not None:
-            if job.thread is not None and job.thread.is_alive():
+            if job.done is not None and not job.done.is_set():
                 return  # still committing: the changes since go into the next commit
             if not self._try_sync("take_in"):
                 return
@@ -353,34 +428,47 @@ class SearchIndexer:
             self.store.flush()
         gen = self.gen
         if self._recover:
-            ops: list[IndexOp] = [
-                Delete(k, vb, s) if v is None else Upsert(k, vb, s, bytes(v))
-                for k, v, vb, s in self.conn.execute(
-                    "SELECT key, value, vbucket, seqno FROM search_docs WHERE gen > ? ORDER BY gen",
+            rows: list[Row] = [
+                (k, None if v is None else bytes(v), vb, s, g) for k, v, vb, s, g in self.conn.execute(
+                    "SELECT key, value, vbucket, seqno, gen FROM search_docs WHERE gen > ? ORDER BY gen",
                     (self.visible.generation,))]
         else:
-            ops = list(self._pending.values())
+            rows = list(self._pending.values())
         store_pos = self.positions()
         positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
-        job = _Commit(Checkpoint(gen, positions, self.mapping.id), ops,
+        job = _Commit(Checkpoint(gen, positions, self.mapping.id), rows,
                       {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover)
         self._pending = {}
         self._recover = False
         self.gen = gen + 1
         if background:
-            job.thread = threading.Thread(target=self._commit, args=(job,), name="dcpgw-index-commit", daemon=True)
+            job.done = threading.Event()
             self._inflight = job
-            job.thread.start()
+            if self._worker is None:
+                # one thread for every background commit (starting one per commit waits for it to be scheduled)
+                self._worker = threading.Thread(target=self._commit_loop, name="dcpgw-index-commit", daemon=True)
+                self._worker.start()
+            self._jobs.put(job)
         else:
             self._commit(job)
         return job
+
+    def _commit_loop(self) -> None:
+        """The commit thread: the background commits handed to it, one at a time, until None."""
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._commit(job)
+            finally:
+                assert job.done is not None
+                job.done.set()
 
     def _commit(self, job: _Commit) -> None:
         """Apply and commit one generation (the commit thread, or the consumer's); publishes the checkpoint to
         searches when the backend took it. A failure is kept in the job, for :meth:`_take_in`."""
         try:
             t0 = time.perf_counter()
-            applied = self.backend.apply(job.ops)
+            b = self.backend
+            applied = b.apply_rows(job.rows) if isinstance(b, TantivyWriterProcess) else b.apply(_ops(job.rows))
             self.backend.commit(job.checkpoint)
             dt = time.perf_counter() - t0
         except BaseException as e:
@@ -403,8 +491,8 @@ class SearchIndexer:
         job = self._inflight
         if job is None:
             return
-        if job.thread is not None:
-            job.thread.join()
+        if job.done is not None:
+            job.done.wait()
         self._inflight = None
         if job.error is not None:
             if not isinstance(job.error, Exception):
@@ -417,7 +505,7 @@ class SearchIndexer:
         if job.recover:
             self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
         else:
-            dels = [(op.vbucket, op.key, gen) for op in job.ops if isinstance(op, Delete)]
+            dels = [(vb, k, gen) for k, v, vb, _, _ in job.rows if v is None]
             if dels:
                 self.conn.executemany("DELETE FROM search_docs WHERE vbucket = ? AND key = ? AND value IS NULL "
                                       "AND gen <= ?", dels)
@@ -485,6 +573,10 @@ class SearchIndexer:
                 log.warning("search index: the last backend commit failed (%s: %s)", type(e).__name__, e)
             self.consumer.close()
         finally:
+            if self._worker is not None:
+                self._jobs.put(None)
+                self._worker.join()
+                self._worker = None
             if self._owns_backend:
                 self.backend.close()
 

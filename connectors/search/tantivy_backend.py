@@ -72,14 +72,18 @@ class TantivyBackend:
     anew: the indexer then rebuilds it from its document store.
     """
 
-    def __init__(self, path: str | Path, mapping: DocumentMapping, *, heap: int = WRITER_HEAP) -> None:
+    def __init__(self, path: str | Path, mapping: DocumentMapping, *, heap: int = WRITER_HEAP,
+                 writer: bool = True) -> None:
         self.path = Path(path)
         self.mapping = mapping
         self.heap = heap
+        #: False: a reader only (searches, checkpoint, keys) of an index another process writes
+        #: (connectors/search/tantivy_writer.py), which reloads it with :meth:`reload` after each commit
+        self.writable = writer
         self._lock = threading.Lock()  # the writer (apply runs in the indexer's thread; commit, reset, close)
         self._open()
         cp = self.checkpoint()
-        if cp is not None and cp.mapping_id != mapping.id:
+        if writer and cp is not None and cp.mapping_id != mapping.id:
             log.warning("search index %s was built with another mapping (%s, now %s): rebuilding it",
                         self.path, cp.mapping_id, mapping.id)
             self.reset()
@@ -91,6 +95,11 @@ class TantivyBackend:
         self.path.mkdir(parents=True, exist_ok=True)
         self.schema = _schema(self.mapping)
         exists = tantivy.Index.exists(str(self.path))
+        if not self.writable:
+            self.index = tantivy.Index(self.schema, path=str(self.path), reuse=True)
+            self.index.config_reader(reload_policy="Manual")
+            self._meta_query = tantivy.Query.term_query(self.schema, "_kind", "meta")
+            return
         try:
             self.index = tantivy.Index(self.schema, path=str(self.path), reuse=True)
         except (OSError, ValueError) as e:
@@ -106,17 +115,24 @@ class TantivyBackend:
         self._meta_query = tantivy.Query.term_query(self.schema, "_kind", "meta")
 
     # ----------------------------------------------------------------------------------------- writing
-    def apply(self, ops: Sequence[IndexOp]) -> ApplyStats:
+    def apply(self, ops: Sequence[IndexOp], *, present: set[str] | None = None) -> ApplyStats:
+        """``present`` (None: unknown): a superset of the keys the index holds (committed or applied), kept up
+        to date here -- a key not in it is known to be absent, and its delete (costly at commit) is skipped."""
         st = ApplyStats()
         w = self.writer
         mapping = self.mapping
         fields = mapping.fields
         fast_dynamic = mapping.default.dynamic and not mapping.default.fields
         for op in ops:
-            w.delete_documents_by_term("_key", op.key)
+            if present is None or op.key in present:
+                w.delete_documents_by_term("_key", op.key)
             if isinstance(op, Delete):
+                if present is not None:
+                    present.discard(op.key)
                 st.deleted += 1
                 continue
+            if present is not None:
+                present.add(op.key)
             if fast_dynamic and mapping.doc_type(op.key) is mapping.default:
                 # the dynamic default type: tantivy parses the JSON object itself, the body is what hits return
                 try:
@@ -176,6 +192,15 @@ class TantivyBackend:
             self.writer.commit()
             self.index.reload()
 
+    def documents(self) -> int:
+        """Documents in the last commit (the checkpoint not counted)."""
+        s = self._searcher()
+        return int(s.num_docs) - (0 if self._checkpoint_of(s) is None else 1)
+
+    def reload(self) -> None:
+        """See the last commit (of this process's writer or another's)."""
+        self.index.reload()
+
     def checkpoint(self) -> Checkpoint | None:
         return self._checkpoint_of(self._searcher())
 
@@ -232,6 +257,8 @@ class TantivyBackend:
         return out
 
     def close(self) -> None:
+        if not self.writable:
+            return
         with self._lock:
             self.writer.rollback()
             self.writer.wait_merging_threads()

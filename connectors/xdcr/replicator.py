@@ -10,7 +10,7 @@ seqno, flags, expiry, deletion) through SET/ADD/DEL_WITH_META, so the target run
 * **Optimistic replication** (goxdcr ``optimisticReplicationThreshold``, 256 bytes): a document up to the
   threshold is sent straight away; a larger one only after GET_META showed the target would not reject it.
 * **Source rollbacks -- beyond Couchbase.** The replicator keeps the source's history as applied, an
-  append-only changelog per vbucket in seqno order (``connectors.xdcr.changelog``, one row per snapshot), which
+  append-only changelog per vbucket in seqno order (``connectors.client.changelog``, one row per snapshot), which
   plays the client's mutation log. A rollback instruction restores each key the lost branch changed to its
   version at the rollback point (looked up in the changelog then, never on the hot path), written with
   ``SKIP_CONFLICT_RESOLUTION`` (a key that did not exist gets a dominated tombstone: CAS 1, rev seqno 1), so
@@ -40,13 +40,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from connectors.client.changelog import Changelog, pack_entry
 from connectors.client.consumer import ChangeStreamConsumer, ClientEvent, RollbackInstruction
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, Prior
 from connectors.client.replay import ConsumerPosition, Oversize, Snapshot
 from connectors.client.state import SqliteStateStore
 from connectors.exceptions import DecodeError
 from connectors.xdcr.batch import Outcome, account
-from connectors.xdcr.changelog import Changelog, pack_entry
 from connectors.xdcr.checkpoints import CheckpointStore
 from connectors.xdcr.connection import Credentials
 from connectors.xdcr.document import ConflictMode, DocVersion

@@ -8,6 +8,7 @@ from typing import Any
 from connectors.search.indexer import SearchIndexer
 from connectors.search.mapping import DocumentMapping
 from connectors.search.tantivy_backend import TantivyBackend
+from connectors.search.tantivy_writer import TantivyWriterProcess
 
 
 def expected_index(source: dict[bytes, tuple[bytes, int]], mapping: DocumentMapping) -> dict[str, tuple[int, Any]]:
@@ -23,5 +24,17 @@ def expected_index(source: dict[bytes, tuple[bytes, int]], mapping: DocumentMapp
 
 
 def index_contents(ix: SearchIndexer) -> dict[str, tuple[int, Any]]:
-    assert isinstance(ix.backend, TantivyBackend)
+    assert isinstance(ix.backend, TantivyBackend | TantivyWriterProcess)
     return {k: (vb, fields) for k, (vb, _seq, fields) in ix.backend.keys().items()}
+
+
+def drop_writer(ix: SearchIndexer) -> None:
+    """The indexer's process is gone (a crash): its tantivy writer goes without committing, its lock with it."""
+    b = ix.backend
+    if isinstance(b, TantivyWriterProcess):
+        b.kill()
+        b.close()
+    else:
+        assert isinstance(b, TantivyBackend)
+        b.writer.rollback()
+        b.writer.wait_merging_threads()

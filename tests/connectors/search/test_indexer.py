@@ -15,7 +15,8 @@ from connectors.search.backend import Checkpoint, SearchError
 from connectors.search.indexer import SearchIndexer
 from connectors.search.mapping import DocumentMapping
 from connectors.search.tantivy_backend import TantivyBackend
-from tests.connectors.search.helpers import expected_index, index_contents
+from connectors.search.tantivy_writer import TantivyWriterProcess
+from tests.connectors.search.helpers import drop_writer, expected_index, index_contents
 from tests.harness import Harness, write
 
 MAPPING = DocumentMapping.from_dict({"types": [
@@ -111,16 +112,15 @@ def test_crash_between_store_and_index_commit_resumes_exactly(harness: Any, tmp_
     class Died(BaseException):
         pass
 
-    def die(self: TantivyBackend, cp: Checkpoint) -> None:
+    def die(self: TantivyWriterProcess, cp: Checkpoint) -> None:
         raise Died
 
-    monkeypatch.setattr(TantivyBackend, "commit", die)
+    monkeypatch.setattr(TantivyWriterProcess, "commit", die)
     ix = SearchIndexer(h.broker.bootstrap_servers, h.topic, d)
     with pytest.raises(Died):
         ix.catch_up()
     ix.consumer.consumer.close()  # the process is gone: nothing else is closed or committed
-    ix.backend.writer.rollback()
-    ix.backend.writer.wait_merging_threads()  # drops the writer and its lock
+    drop_writer(ix)  # drops the writer and its lock
     ix.store.conn.close()
     monkeypatch.undo()
     with index(h, d) as ix2:

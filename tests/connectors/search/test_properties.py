@@ -20,7 +20,7 @@ from connectors.search.indexer import SearchIndexer
 from connectors.search.mapping import DocumentMapping
 from engine.exceptions import KeyNotFound
 from gateway.broker import Broker
-from tests.connectors.search.helpers import expected_index, index_contents
+from tests.connectors.search.helpers import drop_writer, expected_index, index_contents
 from tests.harness import Harness
 
 MAPPING = DocumentMapping.from_dict({"types": [
@@ -70,8 +70,7 @@ def _index(h: Harness, d: Path, kill: bool = False, log_max: int = 100_000) -> i
         ix.catch_up()
     # the process is gone: nothing more is committed, its locks go with it
     ix.consumer.consumer.close()
-    ix.backend.writer.rollback()  # type: ignore[attr-defined]
-    ix.backend.writer.wait_merging_threads()  # type: ignore[attr-defined]
+    drop_writer(ix)
     ix.store.conn.close()
     return ix.stats.rollbacks
 

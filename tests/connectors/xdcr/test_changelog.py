@@ -1,4 +1,4 @@
-"""The replicator's changelog (connectors/xdcr/changelog.py, docs/xdcr.md "Source rollbacks"): a rollback's
+"""The replicator's changelog (connectors/client/changelog.py, docs/xdcr.md "Source rollbacks"): a rollback's
 undo list is each changed key's version at the rollback point, exactly, across compactions, truncations and
 earlier rollbacks; below the floor it refuses (the client rebuilds from zero). Real SQLite, a model history."""
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connectors.client.changelog import Changelog, pack_entry
 from connectors.client.mutation_log import LogTooShort
 from connectors.client.state import SqliteStateStore
-from connectors.xdcr.changelog import Changelog, pack_entry
 from connectors.xdcr.document import DocVersion
 from connectors.xdcr.replicator import XdcrReplicator
 

@@ -1,12 +1,15 @@
-"""The replicator's changelog (docs/xdcr.md "Source rollbacks"): the source's history as the replicator applied
+"""An application's changelog (docs/client.md "Mutation log"): the source's history as the application applied
 it, per vbucket in seqno order, from which a rollback restores every key changed above the rollback point to
-its version at that point.
+its version at that point. The XDCR replicator (docs/xdcr.md "Source rollbacks") and the search indexer
+(docs/search.md "How it stays exact") keep one each, in their state file (tables ``table``, default
+``xdcr_changelog``, and ``{table}_floor``).
 
 Append-only: each snapshot adds one *segment* row (the vbucket, its first and last seqno, the packed versions
 of its changes in seqno order) -- one SQLite insert per snapshot, no per-key index, nothing read on the hot
 path. A key's prior version is looked up only when a rollback asks for it: the keys changed above the rollback
 point ``r`` are read from the segments above ``r``, and for each its newest version at or below ``r``, scanning
-the segments below ``r`` newest first until every key is found; a key with none did not exist at ``r``.
+the segments below ``r`` newest first until every key is found; a key with none did not exist at ``r``. A
+version is opaque bytes of the application's (the replicator's packed ``DocVersion``, the indexer's body).
 
 Bounded as the client's mutation log (``max_entries`` per vbucket): above a vbucket's *floor* every entry is
 kept; when more than twice ``max_entries`` lie above it, the floor rises to a segment boundary leaving at least
@@ -16,9 +19,9 @@ couchstore's by-seqno index keeps a key once). A rollback below the floor raises
 :class:`~connectors.client.mutation_log.LogTooShort`: the client rebuilds the vbucket from zero.
 
 For the consumer it plays the client's :class:`~connectors.client.mutation_log.MutationLog` (the same methods:
-the consumer asks it for undo lists, trims and clears it); :meth:`Changelog.record` does nothing, the replicator
-appends the versions itself (:meth:`Changelog.append`) and the consumer's prior look-ups are not needed.
-It writes in the caller's transaction (the consumer's), never commits.
+the consumer asks it for undo lists, trims and clears it); :meth:`Changelog.record` does nothing, the
+application appends the versions itself (:meth:`Changelog.append`) and the consumer's prior look-ups are not
+needed. It writes in the caller's transaction (the consumer's), never commits.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from connectors.exceptions import StateStoreError
 __all__ = ["Changelog", "pack_entry"]
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS xdcr_changelog (
+CREATE TABLE IF NOT EXISTS {t} (
     vbucket INTEGER NOT NULL, last_seqno INTEGER NOT NULL, first_seqno INTEGER NOT NULL,
     entries INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (vbucket, last_seqno));
-CREATE TABLE IF NOT EXISTS xdcr_changelog_floor (vbucket INTEGER PRIMARY KEY, floor INTEGER NOT NULL)
+CREATE TABLE IF NOT EXISTS {t}_floor (vbucket INTEGER PRIMARY KEY, floor INTEGER NOT NULL)
 """
 
 #: an entry of a segment: seqno, key length, version length; then the version (``DocVersion.pack``), the key
@@ -60,22 +63,28 @@ def _entries(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
 
 
 class Changelog(MutationLog):
-    def __init__(self, conn: sqlite3.Connection, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    records_priors = False
+
+    def __init__(self, conn: sqlite3.Connection, max_entries: int = DEFAULT_MAX_ENTRIES, *,
+                 table: str = "xdcr_changelog") -> None:
+        if not table.isidentifier():
+            raise ValueError(f"changelog table name {table!r} is not an identifier")
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.conn = conn
         self.max_entries = max_entries
+        self.table = table
         #: vbucket -> the keys it held when :meth:`clear` wiped it (what a rebuild from zero must tombstone)
         self.cleared: dict[int, list[bytes]] = {}
         # caches (reloaded from the table when missing): entries above the floor, highest seqno appended
         self._above: dict[int, int] = {}
         self._last: dict[int, int] = {}
         try:
-            for stmt in _SCHEMA.split(";"):
+            for stmt in _SCHEMA.format(t=table).split(";"):
                 if stmt.strip():
                     conn.execute(stmt)
         except sqlite3.Error as e:
-            raise StateStoreError(f"cannot create the XDCR changelog tables: {e}") from e
+            raise StateStoreError(f"cannot create the changelog tables {table}: {e}") from e
 
     # ------------------------------------------------------------------------------------------ writing
     def append(self, vbucket: int, first: int, last: int, entries: Sequence[bytes]) -> None:
@@ -86,10 +95,10 @@ class Changelog(MutationLog):
         try:
             if first <= self._last_seqno(vbucket):
                 self._truncate_above(vbucket, first - 1)
-            self.conn.execute("INSERT INTO xdcr_changelog VALUES (?, ?, ?, ?, ?)",
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
                               (vbucket, last, first, len(entries), b"".join(entries)))
         except sqlite3.Error as e:
-            raise StateStoreError(f"cannot write the XDCR changelog of vbucket {vbucket}: {e}") from e
+            raise StateStoreError(f"cannot write the changelog of vbucket {vbucket}: {e}") from e
         self._last[vbucket] = last
         if vbucket in self._above:
             self._above[vbucket] += len(entries)
@@ -105,7 +114,7 @@ class Changelog(MutationLog):
             if self._entries_above(vbucket) <= 2 * self.max_entries:
                 return 0
             acc, floor = 0, None
-            for last, n in self.conn.execute("SELECT last_seqno, entries FROM xdcr_changelog WHERE vbucket = ? "
+            for last, n in self.conn.execute(f"SELECT last_seqno, entries FROM {self.table} WHERE vbucket = ? "
                                              "ORDER BY last_seqno DESC", (vbucket,)):
                 if acc >= self.max_entries:
                     floor = int(last)
@@ -115,19 +124,19 @@ class Changelog(MutationLog):
                 return 0
             newest: dict[bytes, tuple[int, bytes]] = {}
             total = 0
-            for (data,) in self.conn.execute("SELECT data FROM xdcr_changelog WHERE vbucket = ? AND last_seqno <= ? "
+            for (data,) in self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ? AND last_seqno <= ? "
                                              "ORDER BY last_seqno", (vbucket, floor)):
                 for seqno, key, version in _entries(data):
                     newest[key] = (seqno, version)
                     total += 1
             kept = sorted((sq, k, v) for k, (sq, v) in newest.items())
-            self.conn.execute("DELETE FROM xdcr_changelog WHERE vbucket = ? AND last_seqno <= ?", (vbucket, floor))
-            self.conn.execute("INSERT INTO xdcr_changelog VALUES (?, ?, ?, ?, ?)",
+            self.conn.execute(f"DELETE FROM {self.table} WHERE vbucket = ? AND last_seqno <= ?", (vbucket, floor))
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
                               (vbucket, floor, kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept)))
-            self.conn.execute("INSERT INTO xdcr_changelog_floor VALUES (?, ?) ON CONFLICT(vbucket) DO UPDATE SET "
+            self.conn.execute(f"INSERT INTO {self.table}_floor VALUES (?, ?) ON CONFLICT(vbucket) DO UPDATE SET "
                               "floor = max(floor, excluded.floor)", (vbucket, floor))
         except sqlite3.Error as e:
-            raise StateStoreError(f"cannot compact the XDCR changelog of vbucket {vbucket}: {e}") from e
+            raise StateStoreError(f"cannot compact the changelog of vbucket {vbucket}: {e}") from e
         self._above[vbucket] = acc
         return total - len(kept)
 
@@ -136,10 +145,10 @@ class Changelog(MutationLog):
         in :attr:`cleared`."""
         try:
             self.cleared[vbucket] = self.keys(vbucket)
-            self.conn.execute("DELETE FROM xdcr_changelog WHERE vbucket = ?", (vbucket,))
-            self.conn.execute("DELETE FROM xdcr_changelog_floor WHERE vbucket = ?", (vbucket,))
+            self.conn.execute(f"DELETE FROM {self.table} WHERE vbucket = ?", (vbucket,))
+            self.conn.execute(f"DELETE FROM {self.table}_floor WHERE vbucket = ?", (vbucket,))
         except sqlite3.Error as e:
-            raise StateStoreError(f"cannot clear the XDCR changelog of vbucket {vbucket}: {e}") from e
+            raise StateStoreError(f"cannot clear the changelog of vbucket {vbucket}: {e}") from e
         self._above.pop(vbucket, None)
         self._last.pop(vbucket, None)
 
@@ -149,7 +158,7 @@ class Changelog(MutationLog):
         try:
             self._truncate_above(vbucket, seqno)
         except sqlite3.Error as e:
-            raise StateStoreError(f"cannot truncate the XDCR changelog of vbucket {vbucket}: {e}") from e
+            raise StateStoreError(f"cannot truncate the changelog of vbucket {vbucket}: {e}") from e
 
     def rewind(self, vbucket: int, seqno: int) -> None:
         """The vbucket resumes from an older position (a checkpoint the target still holds, docs/xdcr.md
@@ -172,16 +181,16 @@ class Changelog(MutationLog):
         """Drop the entries above ``seqno``; returns them (seqno order)."""
         dropped: list[tuple[int, bytes, bytes]] = []
         kept: list[tuple[int, bytes, bytes]] = []
-        rows = self.conn.execute("SELECT data FROM xdcr_changelog WHERE vbucket = ? AND last_seqno > ? "
+        rows = self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ? AND last_seqno > ? "
                                  "ORDER BY last_seqno", (vbucket, seqno)).fetchall()
         if not rows:
             return dropped
         for (data,) in rows:
             for e in _entries(data):
                 (dropped if e[0] > seqno else kept).append(e)
-        self.conn.execute("DELETE FROM xdcr_changelog WHERE vbucket = ? AND last_seqno > ?", (vbucket, seqno))
+        self.conn.execute(f"DELETE FROM {self.table} WHERE vbucket = ? AND last_seqno > ?", (vbucket, seqno))
         if kept:  # the part of a segment that straddles ``seqno``
-            self.conn.execute("INSERT INTO xdcr_changelog VALUES (?, ?, ?, ?, ?)",
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
                               (vbucket, kept[-1][0], kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept)))
         self._above.pop(vbucket, None)
         self._last.pop(vbucket, None)
@@ -189,25 +198,25 @@ class Changelog(MutationLog):
 
     # ------------------------------------------------------------------------------------------ reading
     def floor(self, vbucket: int) -> int:
-        row = self.conn.execute("SELECT floor FROM xdcr_changelog_floor WHERE vbucket = ?", (vbucket,)).fetchone()
+        row = self.conn.execute(f"SELECT floor FROM {self.table}_floor WHERE vbucket = ?", (vbucket,)).fetchone()
         return 0 if row is None else int(row[0])
 
     def entries(self, vbucket: int) -> int:
-        row = self.conn.execute("SELECT COALESCE(SUM(entries), 0) FROM xdcr_changelog WHERE vbucket = ?",
+        row = self.conn.execute(f"SELECT COALESCE(SUM(entries), 0) FROM {self.table} WHERE vbucket = ?",
                                 (vbucket,)).fetchone()
         return int(row[0])
 
     def keys(self, vbucket: int) -> list[bytes]:
         """Every key the vbucket's changelog holds a version of (sorted)."""
         out: set[bytes] = set()
-        for (data,) in self.conn.execute("SELECT data FROM xdcr_changelog WHERE vbucket = ?", (vbucket,)):
+        for (data,) in self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ?", (vbucket,)):
             out.update(k for _, k, _ in _entries(data))
         return sorted(out)
 
     def versions(self, vbucket: int) -> dict[bytes, tuple[int, bytes]]:
         """key -> (seqno, packed version) of each key's newest version in the changelog."""
         out: dict[bytes, tuple[int, bytes]] = {}
-        for (data,) in self.conn.execute("SELECT data FROM xdcr_changelog WHERE vbucket = ? ORDER BY last_seqno",
+        for (data,) in self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ? ORDER BY last_seqno",
                                          (vbucket,)):
             for seqno, key, version in _entries(data):
                 out[key] = (seqno, version)
@@ -224,7 +233,7 @@ class Changelog(MutationLog):
             changed = {k for _, k, _ in self._truncate_above(vbucket, seqno)}
             found: dict[bytes, Undo] = {}
             if changed:
-                cur = self.conn.execute("SELECT data FROM xdcr_changelog WHERE vbucket = ? AND last_seqno <= ? "
+                cur = self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ? AND last_seqno <= ? "
                                         "ORDER BY last_seqno DESC", (vbucket, seqno))
                 for (data,) in cur:
                     for sq, key, version in reversed(list(_entries(data))):
@@ -234,14 +243,14 @@ class Changelog(MutationLog):
                         break
                 cur.close()
         except sqlite3.Error as e:
-            raise StateStoreError(f"cannot read the XDCR changelog of vbucket {vbucket}: {e}") from e
+            raise StateStoreError(f"cannot read the changelog of vbucket {vbucket}: {e}") from e
         return [found.get(k) or Undo(k, None, 0) for k in sorted(changed)]
 
     # ------------------------------------------------------------------------------------------ caches
     def _last_seqno(self, vbucket: int) -> int:
         last = self._last.get(vbucket)
         if last is None:
-            row = self.conn.execute("SELECT MAX(last_seqno) FROM xdcr_changelog WHERE vbucket = ?",
+            row = self.conn.execute(f"SELECT MAX(last_seqno) FROM {self.table} WHERE vbucket = ?",
                                     (vbucket,)).fetchone()
             last = self._last[vbucket] = 0 if row[0] is None else int(row[0])
         return last
@@ -249,7 +258,7 @@ class Changelog(MutationLog):
     def _entries_above(self, vbucket: int) -> int:
         n = self._above.get(vbucket)
         if n is None:
-            row = self.conn.execute("SELECT COALESCE(SUM(entries), 0) FROM xdcr_changelog WHERE vbucket = ? AND "
+            row = self.conn.execute(f"SELECT COALESCE(SUM(entries), 0) FROM {self.table} WHERE vbucket = ? AND "
                                     "last_seqno > ?", (vbucket, self.floor(vbucket))).fetchone()
             n = self._above[vbucket] = int(row[0])
         return n
@@ -259,8 +268,8 @@ class Changelog(MutationLog):
         of the source-mirror layout is migrated so)."""
         kept = sorted(versions)
         if kept:
-            self.conn.execute("INSERT INTO xdcr_changelog VALUES (?, ?, ?, ?, ?)",
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
                               (vbucket, floor, kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept)))
-        self.conn.execute("INSERT OR REPLACE INTO xdcr_changelog_floor VALUES (?, ?)", (vbucket, floor))
+        self.conn.execute(f"INSERT OR REPLACE INTO {self.table}_floor VALUES (?, ?)", (vbucket, floor))
         self._above.pop(vbucket, None)
         self._last.pop(vbucket, None)

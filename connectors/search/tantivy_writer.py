@@ -1,0 +1,297 @@
+"""The tantivy backend with its writer in a process of its own (docs/search.md "Performance").
+
+The indexer's consumer thread (decoding, the document store) and the building of tantivy documents both need
+CPython's GIL: in one process they run one after the other. :class:`TantivyWriterProcess` keeps the same
+:class:`~connectors.search.backend.IndexBackend` behaviour as :class:`~connectors.search.tantivy_backend.
+TantivyBackend` but runs the writer -- ``TantivyBackend.apply`` and ``commit`` -- in a child process
+(``python -m connectors.search.tantivy_writer``, a fresh interpreter: never a fork of a process running
+librdkafka's threads), fed one generation at a time over a pipe (pickled tuples); the indexer's commit thread
+only sends and waits. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
+indexer's process (a reader reloaded after every commit the child acknowledged): a commit's documents and its
+checkpoint are still seen together.
+
+Crash semantics: the child reads its requests from its stdin and exits at end of file -- when the indexer
+closes it or dies (even killed -9), dropping whatever it applied and did not commit, and its writer lock with it.
+A child that starts while an older one still holds the writer lock waits for it (``LOCK_WAIT`` seconds). When the
+child dies under a running indexer (killed, out of memory), the request in progress fails with
+:class:`WriterProcessDied` -- a backend failure: the indexer reports it, keeps the changes in its document store
+and retries with backoff -- and the next request starts a new child, which resumes from the last commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Final, NamedTuple, cast
+
+from connectors.exceptions import ConnectorError
+from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexOp, SearchResult
+from connectors.search.mapping import DocumentMapping
+from connectors.search.tantivy_backend import WRITER_HEAP, TantivyBackend
+
+__all__ = ["LOCK_WAIT", "TantivyWriterProcess", "WriterProcessDied"]
+
+log = logging.getLogger(__name__)
+
+#: seconds a new writer process waits for the writer lock an older one (still exiting) holds
+LOCK_WAIT: Final = 30.0
+#: seconds the indexer waits for the writer process to exit when closing it
+CLOSE_WAIT: Final = 30.0
+#: at most this many keys are tracked to skip the deletes of keys never indexed (some 150 MB); above it every
+#: upsert deletes the key's previous version first
+MAX_TRACKED_KEYS: Final = 1_000_000
+_LEN = struct.Struct(">Q")
+
+
+class _UpsertRow(NamedTuple):
+    """An :class:`~connectors.search.backend.Upsert`'s fields (what ``TantivyBackend.apply`` reads)."""
+
+    key: str
+    vbucket: int
+    seqno: int
+    value: bytes
+
+
+class WriterProcessDied(ConnectorError):
+    """The tantivy writer process exited under a request (what it applied and did not commit is lost)."""
+
+
+def _send(f: IO[bytes], msg: Any) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_LEN.pack(len(data)))
+    f.write(data)
+    f.flush()
+
+
+def _recv(f: IO[bytes]) -> Any:
+    head = f.read(_LEN.size)
+    if len(head) < _LEN.size:
+        raise EOFError
+    n = _LEN.unpack(head)[0]
+    data = f.read(n)
+    if len(data) < n:
+        raise EOFError
+    return pickle.loads(data)
+
+
+class TantivyWriterProcess:
+    """:class:`~connectors.search.backend.IndexBackend` on a tantivy index in ``path``, its writer in a child
+    process (module docstring). The child starts at once; the first request waits until it is ready."""
+
+    def __init__(self, path: str | Path, mapping: DocumentMapping, *, heap: int = WRITER_HEAP) -> None:
+        self.path = Path(path)
+        self.mapping = mapping
+        self.heap = heap
+        self._lock = threading.Lock()  # one request at a time on the pipe
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False
+        self._reader: TantivyBackend | None = None
+        self._closed = False
+        self._start()
+
+    # ------------------------------------------------------------------------------------ the child
+    def _start(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "connectors.search.tantivy_writer"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self._ready = False
+        assert self._proc.stdin is not None
+        _send(self._proc.stdin, (str(self.path), self.mapping, self.heap))
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process (None: not running)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _died(self) -> WriterProcessDied:
+        proc = self._proc
+        code = None
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(5)
+            for f in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    if f is not None:
+                        f.close()
+        self._proc = None
+        self._ready = False
+        return WriterProcessDied(f"the tantivy writer process of {self.path} exited (code {code}): what it applied "
+                                 f"since its last commit is lost")
+
+    def _request(self, msg: Any) -> Any:
+        """Send ``msg`` to the child (started again if it died) and return its answer."""
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"the tantivy writer of {self.path} is closed")
+            if self._proc is None:
+                self._start()
+            proc = self._proc
+            assert proc is not None and proc.stdin is not None and proc.stdout is not None
+            try:
+                if not self._ready:
+                    self._answer(_recv(proc.stdout))
+                    self._ready = True
+                    if self._reader is None:
+                        self._reader = TantivyBackend(self.path, self.mapping, writer=False)
+                    else:
+                        self._reader.reload()
+                if msg is None:
+                    return None
+                _send(proc.stdin, msg)
+                return self._answer(_recv(proc.stdout))
+            except (EOFError, OSError) as e:
+                raise self._died() from e
+
+    @staticmethod
+    def _answer(reply: tuple[str, Any]) -> Any:
+        status, value = reply
+        if status == "error":
+            raise ConnectorError(f"tantivy writer: {value}")
+        return value
+
+    def _ensure_ready(self) -> TantivyBackend:
+        if self._reader is None or not self._ready:
+            self._request(None)
+        assert self._reader is not None
+        return self._reader
+
+    # --------------------------------------------------------------------------------- IndexBackend
+    def apply(self, ops: Sequence[IndexOp]) -> ApplyStats:
+        return self.apply_rows([(op.key, None if isinstance(op, Delete) else op.value, op.vbucket, op.seqno)
+                                for op in ops])
+
+    def apply_rows(self, rows: Sequence[tuple[Any, ...]]) -> ApplyStats:
+        """:meth:`apply` of ``(key, value, vbucket, seqno, ...)`` tuples (value None: a delete) -- the indexer's
+        store rows as they are, pickled as plain tuples."""
+        return ApplyStats(*self._request(("apply", rows)))
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        self._request(("commit", checkpoint.to_json()))
+        assert self._reader is not None
+        self._reader.reload()
+
+    def checkpoint(self) -> Checkpoint | None:
+        return self._ensure_ready().checkpoint()
+
+    def reset(self) -> None:
+        self._request(("reset", None))
+        assert self._reader is not None
+        self._reader.reload()
+
+    def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
+        return self._ensure_ready().search(query, limit, offset)
+
+    def keys(self) -> dict[str, tuple[int, int, dict[str, Any]]]:
+        """Every indexed document: key -> (vbucket, seqno, stored fields) (tests, ``dcpgw index`` checks)."""
+        return self._ensure_ready().keys()
+
+    def kill(self) -> None:
+        """Kill the writer process at once, as a crash would (tests: nothing applied since its commit stays)."""
+        proc = self._proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        """Drop what was applied and not committed, and let the child exit (its writer lock goes with it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            proc, self._proc = self._proc, None
+            if proc is None:
+                return
+            for f in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    if f is not None:
+                        f.close()
+            try:
+                proc.wait(CLOSE_WAIT)
+            except subprocess.TimeoutExpired:
+                log.warning("the tantivy writer process %d did not exit: killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+
+
+# ---------------------------------------------------------------------------------------- the child
+def _open_writer(path: str, mapping: DocumentMapping, heap: int) -> TantivyBackend:
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            return TantivyBackend(path, mapping, heap=heap)
+        except ValueError as e:
+            # an older writer (a previous indexer process, still exiting) holds the lock
+            if "LockBusy" not in str(e) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+
+
+def serve(inp: IO[bytes], out: IO[bytes]) -> None:
+    """The child's loop: requests from ``inp`` until its end, answers to ``out``."""
+    path, mapping, heap = _recv(inp)
+    try:
+        backend = _open_writer(path, mapping, heap)
+    except Exception as e:
+        _send(out, ("error", f"{type(e).__name__}: {e}"))
+        return
+    _send(out, ("ready", None))
+    # the keys the index may hold, while the writer knows them all (it started on an empty index and nothing
+    # failed since): a key it never added is not in the index, its delete is skipped (docs/search.md
+    # "Performance"); None once unknown
+    present: set[str] | None = set() if backend.documents() == 0 else None
+    try:
+        while True:
+            try:
+                what, arg = _recv(inp)
+            except EOFError:
+                return  # the indexer closed the pipe or died: drop what is not committed
+            try:
+                if what == "apply":
+                    # upserts as named tuples: TantivyBackend.apply reads their fields (a frozen dataclass
+                    # costs more to build than the tantivy document)
+                    ops = [Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1])
+                           for r in arg]
+                    st = backend.apply(cast(list[IndexOp], ops), present=present)
+                    if present is not None and len(present) > MAX_TRACKED_KEYS:
+                        present = None
+                    value: Any = (st.indexed, st.deleted, st.binary_skipped, st.field_rejected, st.rejected)
+                elif what == "commit":
+                    backend.commit(Checkpoint.from_json(arg))
+                    value = None
+                elif what == "reset":
+                    present = None
+                    backend.reset()
+                    present = set()
+                    value = None
+                else:
+                    raise ValueError(f"unknown request {what!r}")
+            except Exception as e:
+                present = None  # what the writer holds is no longer known for sure
+                _send(out, ("error", f"{type(e).__name__}: {e}"))
+            else:
+                _send(out, ("ok", value))
+    finally:
+        backend.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # the pipes as raw binary files; nothing else may write to stdout
+    inp = os.fdopen(sys.stdin.fileno(), "rb", buffering=1 << 20, closefd=False)
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb", buffering=1 << 16)
+    sys.stdout = sys.stderr
+    with contextlib.suppress(BrokenPipeError):
+        serve(inp, out)
+
+
+if __name__ == "__main__":
+    main()

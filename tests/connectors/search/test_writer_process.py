@@ -1,0 +1,185 @@
+"""The tantivy writer in a process of its own (connectors/search/tantivy_writer.py, docs/search.md
+"Performance"): killed -9 under a running indexer, the failure is reported and the index still ends equal to the
+source; the child exits when its indexer goes; a new writer waits for an old one's lock; a rollback undone from
+the changelog (connectors/client/changelog.py) in a store written before it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connectors.exceptions import ConnectorError
+from connectors.search.backend import Checkpoint, Delete, Upsert
+from connectors.search.indexer import CHANGELOG_TABLE, SearchIndexer
+from connectors.search.mapping import DocumentMapping
+from connectors.search.tantivy_writer import TantivyWriterProcess, WriterProcessDied
+from tests.connectors.search.helpers import expected_index, index_contents
+from tests.harness import write
+
+MAPPING = DocumentMapping.dynamic_default()
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # a zombie of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(") ")[-1].startswith("Z"):
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def test_writer_killed_9_is_reported_and_the_index_ends_equal(harness: Any, tmp_path: Path) -> None:
+    h = harness(nvb=4)
+    write(h.bucket, 120)
+    h.settle()
+    d = tmp_path / "ix"
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d, commit_docs=10, batch_size=20) as ix:
+        assert isinstance(ix.backend, TantivyWriterProcess)
+        assert ix.backend.checkpoint() is None  # (waits until the writer is ready)
+        pid = ix.backend.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        ix.catch_up()
+        assert ix.stats.sync_failures >= 1  # reported (then retried with a new writer process)
+        assert ix.backend.pid != pid
+        assert ix.backend_error is None
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+    # killed between two commits of a later run: the next start resumes exactly
+    write(h.bucket, 60, start=120)
+    h.settle()
+    ix = SearchIndexer(h.broker.bootstrap_servers, h.topic, d, commit_docs=10, batch_size=20)
+    try:
+        assert isinstance(ix.backend, TantivyWriterProcess)
+        ix.backend.kill()
+        with pytest.raises(WriterProcessDied, match="exited"):
+            ix.backend.apply([Upsert("x", 0, 1, b'{"a": 1}')])
+    finally:
+        ix.close()
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
+        ix.catch_up()
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+
+
+def test_the_writer_exits_with_its_parent_and_a_new_one_waits_for_the_lock(tmp_path: Path) -> None:
+    b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    b.apply([Upsert("a", 0, 1, b'{"n": 1}')])
+    b.commit(Checkpoint(1, {}, MAPPING.id))
+    b.apply([Upsert("b", 0, 2, b'{"n": 2}')])  # applied, never committed
+    pid = b.pid
+    assert pid is not None
+    # a second writer on the same index while the first holds the lock: it waits, then gets it
+    got: list[Any] = []
+    second = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    t = threading.Thread(target=lambda: got.append(second.checkpoint()))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and not got  # still waiting for the lock
+    # the parent's end of the pipe closes (as when the indexer dies): the child exits, dropping "b"
+    b.close()
+    assert _gone(pid)
+    t.join(30)
+    assert got and got[0] is not None and got[0].generation == 1
+    assert set(second.keys()) == {"a"}
+    second.close()
+
+
+def test_writer_that_cannot_open_the_index_fails_every_request(tmp_path: Path) -> None:
+    p = tmp_path / "t"
+    p.write_text("not a directory")
+    b = TantivyWriterProcess(p, MAPPING)
+    try:
+        with pytest.raises(ConnectorError, match="tantivy writer"):
+            b.checkpoint()
+    finally:
+        b.close()
+    with pytest.raises(ConnectorError, match="closed"):
+        b.apply([])
+
+
+def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_documents(harness: Any,
+                                                                                tmp_path: Path) -> None:
+    """A store of the mutation-log layout (no changelog table) starts each vbucket's changelog from its
+    documents at its position: a later rollback is exact."""
+    h = harness(nvb=4, rollback_mitigation=False)
+    write(h.bucket, 80)
+    h.bucket.flush_all()
+    h.settle()
+    d = tmp_path / "ix"
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
+        ix.catch_up()
+    conn = sqlite3.connect(d / "store.sqlite")
+    conn.execute(f"DROP TABLE {CHANGELOG_TABLE}")
+    conn.execute(f"DROP TABLE {CHANGELOG_TABLE}_floor")
+    conn.commit()
+    conn.close()
+    # overwrite persisted documents and add new ones in memory only: published, indexed, then lost
+    for i in range(0, 120, 3):
+        h.bucket.set(f"k{i}", json.dumps({"lost": i}).encode())
+    h.bucket.delete("k1")
+    h.publish_unpersisted()
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
+        assert ix.conn.execute(f"SELECT count(*) FROM {CHANGELOG_TABLE}").fetchone()[0] >= 1  # adopted
+        ix.catch_up()
+        assert any(f.get("lost") is not None for _vb, f in index_contents(ix).values())
+    h.crash_engine()
+    write(h.bucket, 10, start=1000)
+    h.bucket.flush_all()
+    h.settle()
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
+        ix.catch_up()
+        assert ix.stats.rollbacks > 0
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_skipped_deletes_never_leave_two_versions(tmp_path: Path, restart: bool) -> None:
+    """A fresh index's writer skips the deletes of keys it never added; every replaced or deleted key is
+    still deleted -- in one batch, across batches, after a failed request, and after a restart on a non-empty
+    index (which deletes every key again)."""
+    b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    try:
+        b.apply([Upsert("a", 0, 1, b'{"v": 1}'), Upsert("b", 0, 2, b'{"v": 1}'), Upsert("a", 0, 3, b'{"v": 2}')])
+        b.commit(Checkpoint(1, {}, MAPPING.id))
+        if restart:
+            b.close()
+            b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+        b.apply([Upsert("b", 0, 4, b'{"v": 2}'), Delete("a", 0, 5), Upsert("c", 0, 6, b'{"v": 1}')])
+        b.commit(Checkpoint(2, {}, MAPPING.id))
+        with pytest.raises(ConnectorError):
+            b.apply_rows([("d", b'{"v": 1}', 0, 7), ("bad",)])  # a request the writer fails
+        b.apply([Upsert("a", 0, 8, b'{"v": 3}'), Upsert("c", 0, 9, b'{"v": 2}')])
+        b.commit(Checkpoint(3, {}, MAPPING.id))
+        got = {k: (seq, f) for k, (_vb, seq, f) in b.keys().items()}
+        assert got == {"a": (8, {"v": 3}), "b": (4, {"v": 2}), "c": (9, {"v": 2})}
+        assert b.search("*", 10).total == 3
+    finally:
+        b.close()
+
+
+def test_an_index_directory_the_writer_cannot_open_fails_the_indexer_at_start(harness: Any, tmp_path: Path) -> None:
+    h = harness(nvb=2)
+    write(h.bucket, 5)
+    h.settle()
+    d = tmp_path / "ix"
+    d.mkdir()
+    (d / "tantivy").write_text("not a directory")
+    with pytest.raises(ConnectorError, match="tantivy writer"):
+        SearchIndexer(h.broker.bootstrap_servers, h.topic, d)
+    (d / "tantivy").unlink()
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:  # the store was closed: it opens again
+        ix.catch_up()
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
