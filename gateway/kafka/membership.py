@@ -46,6 +46,9 @@ DEFAULT_SESSION_TIMEOUT_MS: Final = 10_000
 LEASE_FRACTION: Final = 1 / 3
 #: a fail-stop member's producer queue is kept short, so that records rarely wait long in it
 FENCED_QUEUE_MAX_KBYTES: Final = 16 * 1024
+#: the JoinGroup rebalance timeout (librdkafka ``max.poll.interval.ms``, its default): a conforming coordinator
+#: completes a join within it, removing the members that did not re-join
+REBALANCE_TIMEOUT_MS: Final = 300_000
 #: OffsetCommit answers that say this member is no longer in the group's current generation
 _EXPELLED: Final = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION,
                               KafkaError.FENCED_INSTANCE_ID})
@@ -207,7 +210,7 @@ class Membership:
                  handoff: VBucketHandoff, recover: Callable[[list[int]], Any], *,
                  partitions: int | None = None, session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
                  member_name: str = "dcpgw", change_timeout: float | None = 120.0, fail_stop: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 join_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if not group:
             raise GatewayError("the group name must not be empty")
         self.client_config = client_config
@@ -240,6 +243,13 @@ class Membership:
         self.fenced: str | None = None
         self._assigned: list[int] = []
         self._next_check = 0.0
+        #: a member without an assignment gives up after this long (docs/kafka-compat.md "noida-db: consumer
+        #: groups": a coordinator that never expels a dead member never completes the next join); by default the
+        #: bound a conforming coordinator keeps: the rebalance timeout plus the session timeout
+        self.join_timeout_s = (join_timeout_s if join_timeout_s is not None
+                               else (REBALANCE_TIMEOUT_MS + session_timeout_ms) / 1000)
+        #: ``clock`` time since which this member waits for an assignment (None: it has one)
+        self.waiting_since: float | None = None
 
     def start(self) -> None:
         self.partitions = ensure_members_topic(self.client_config, self.topic, self.partitions)
@@ -253,6 +263,7 @@ class Membership:
     def _on_assign(self, c: Consumer, parts: list[TopicPartition]) -> None:
         vbs = self._vbuckets(parts)
         self.generations += 1
+        self.waiting_since = None
         # the SyncGroup answer that carried this assignment confirms the generation
         self.lease_until = self.clock() + self.lease_s
         self._assigned = [p.partition for p in parts if p.partition is not None]
@@ -276,6 +287,7 @@ class Membership:
         owned = set(self.owned)
         vbs = [vb for vb in self._vbuckets(parts) if vb in owned]
         log.info("group %s: %d vbuckets revoked", self.group, len(vbs))
+        self.waiting_since = self.clock()  # eager protocol: a re-join follows
         if vbs:
             try:
                 self.handoff.revoke(vbs, self.change_timeout)
@@ -290,6 +302,7 @@ class Membership:
         # The group expelled this member (it was silent longer than the session timeout): others may already
         # stream these vbuckets. Stop at once (docs/scale-out.md "Fencing").
         log.warning("group %s: this member lost its assignment (session timeout)", self.group)
+        self.waiting_since = self.clock()
         if self.fail_stop:
             self._fence("the group expelled this member (session timeout): its assignment is lost")
             return
@@ -328,6 +341,16 @@ class Membership:
         self.lease_until = t0 + self.lease_s
         return True
 
+    def _check_join(self) -> None:
+        """A member must never run without an assignment silently: raise once the join has waited longer than
+        ``join_timeout_s`` (docs/scale-out.md "Brokers")."""
+        since = self.waiting_since
+        if since is not None and self.clock() - since > self.join_timeout_s:
+            raise GatewayError(
+                f"group {self.group}: no assignment from the group coordinator in {self.join_timeout_s:.0f} s: "
+                "its rebalance never completed (a coordinator that does not expel a member silent past "
+                "session.timeout.ms, e.g. noida-db, docs/kafka-compat.md); this member publishes nothing")
+
     def lease_expired(self) -> bool:
         """A fail-stop member must stop publishing: fenced, or its generation unconfirmed past the lease."""
         return self.fenced is not None or self.clock() >= self.lease_until
@@ -341,13 +364,16 @@ class Membership:
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "auto.offset.reset": "latest",
+                "max.poll.interval.ms": REBALANCE_TIMEOUT_MS,
                 "client.id": self.member_name,
             }, group_id=self.group)
             self._consumer = c
             c.subscribe([members_topic_name(self.topic)], on_assign=self._on_assign, on_revoke=self._on_revoke,
                         on_lost=self._on_lost)
+            self.waiting_since = self.clock()
             while not self._stop.is_set():
                 c.poll(0.1)  # the coordination topic holds no records: this serves the group protocol
+                self._check_join()
                 if self.fail_stop and self.owned and self.fenced is None:
                     now = self.clock()
                     # every tenth of the session timeout, and at once when the loop waits for the lease (e.g. after

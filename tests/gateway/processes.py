@@ -4,23 +4,32 @@ topic against its engine."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
 from engine import Bucket, BucketConfig
-from gateway.broker import Broker, EmbeddedTansuBroker
-from gateway.invariants import check_partition
+from gateway.broker import Broker, EmbeddedTansuBroker, ExternalBroker
+from gateway.invariants import check_partition, data_positions
 from tests.credentials import ADMIN_PASSWORD, ADMIN_PASSWORD_ENV, auth_headers
 from tests.gateway.kafka_util import TopicReplica, read_topic
 
@@ -200,6 +209,76 @@ def verify(broker: Broker, data_dir: Path, bucket: str, nvb: int = NVB, *, topic
         b.close()
 
 
+# ------------------------------------------------------------------------------------------ dcpgw gateway
+ASSIGNED = re.compile(r"group \S+: assigned \d+ coordination partitions, (\d+) vbuckets")
+
+
+class Member:
+    """One ``dcpgw gateway`` process, its log in a file."""
+
+    def __init__(self, env: dict[str, str], source: str, group: str, log: Path) -> None:
+        self.log = log
+        self.f = log.open("w")
+        self.proc = subprocess.Popen([*CLI, "gateway", "--source", source, "--group", group], env=env, cwd=ROOT,
+                                     stdout=self.f, stderr=subprocess.STDOUT, text=True)
+
+    def assignments(self) -> list[int]:
+        """vbucket counts of every assignment this member logged, oldest first."""
+        return [int(m.group(1)) for m in ASSIGNED.finditer(self.log.read_text())]
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                return -9
+        return self.proc.returncode
+
+
+
+def member_env(broker: Broker, prefix: str) -> dict[str, str]:
+    return {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_TOPIC_PREFIX": prefix,
+            "DCPGW_BUCKET": "default", "DCPGW_GROUP_SESSION_TIMEOUT_MS": "6000", "DCPGW_GROUP_PARTITIONS": "4",
+            "DCPGW_CREATE_TOPIC_PARTITIONS": "8", "DCPGW_CHECKPOINT_INTERVAL_S": "0.2"}
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float, tick: Callable[[], None] | None = None,
+             members: list[Member] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            logs = "\n".join(m.log.read_text()[-3000:] for m in members or [])
+            raise AssertionError(f"timed out: {what}\n{logs}")
+        if tick is not None:
+            tick()
+        time.sleep(0.05)
+
+
+def check_member_topic(broker: Broker, topic: str, want: Any, members: list[Member], partitions: int = 8) -> None:
+    """The end state of a group's topic: its replay equals ``want`` (the engine's actives, waited for), every
+    partition passes the invariants checker and no document change is published twice."""
+
+    def caught_up() -> bool:
+        replica = TopicReplica()
+        replica.apply_all(read_topic(broker.bootstrap_servers, topic))
+        return bool(replica.state() == want)
+
+    wait_for(caught_up, "the topic's replay equals the engine", 90, None, members)
+    recs = read_topic(broker.bootstrap_servers, topic)
+    for part in range(partitions):
+        mine = [(o, r) for p, o, r in recs if p == part]
+        check_partition(mine)
+        dup = [k for k, n in data_positions(mine).items() if n > 1]
+        assert not dup, dup[:5]
+
+
 # ------------------------------------------------------------------------------------------ brokers
 @contextmanager
 def private_broker() -> Iterator[EmbeddedTansuBroker]:
@@ -212,3 +291,60 @@ def private_broker() -> Iterator[EmbeddedTansuBroker]:
         if broker.paused:
             broker.resume()
         broker.stop()
+
+
+def _noida_binary() -> Path:
+    if importlib.util.find_spec("noida_db") is None:
+        pytest.skip("noida-db is not installed (pip install -e '.[dev]')")
+    from importlib.resources import files
+
+    binary = Path(str(files("noida_db").joinpath("noida-db")))
+    if not binary.is_file():
+        pytest.skip(f"noida-db has no binary for this platform ({binary})")
+    binary.chmod(0o755)
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def noida_broker() -> Iterator[Broker]:
+    """A noida-db server (docs/kafka-compat.md "noida-db") with only its Kafka service, on a free loopback port,
+    its data in a temporary dir; skips the test, with the reason, where noida-db is not installed or cannot
+    run here."""
+    binary = _noida_binary()
+    data = Path(tempfile.mkdtemp(prefix="dcpgw-noida-"))
+    port = _free_port()
+    with open(data / "noida.log", "wb") as log:
+        proc = subprocess.Popen([str(binary), "start", "--only", "kafka", "--kafka-port", str(port),
+                                 "--data-dir", str(data / "d")], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        bootstrap = f"127.0.0.1:{port}"
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                pytest.skip(f"noida-db did not start (exit {proc.returncode}): "
+                            f"{(data / 'noida.log').read_text()[-500:]}")
+            try:
+                admin.list_topics(timeout=1)
+                break
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    pytest.skip("noida-db's Kafka service did not answer within 30 s")
+                time.sleep(0.1)
+        yield ExternalBroker(bootstrap)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(data, ignore_errors=True)

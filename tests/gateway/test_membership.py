@@ -92,6 +92,24 @@ def test_lease_expires_on_the_injected_clock_and_when_fenced() -> None:
     assert m.lease_expired() and m.fenced == "expelled" and m.owned == []
 
 
+def test_join_timeout_on_the_injected_clock() -> None:
+    """docs/scale-out.md "A join that never completes": by default the rebalance timeout plus the session
+    timeout; a member waiting longer for an assignment raises an error naming the cause, one that has one never."""
+    now = [50.0]
+    m = Membership({"bootstrap.servers": "127.0.0.1:1"}, "t", "g", 16, VBucketHandoff(), lambda vbs: {},
+                   session_timeout_ms=6000, clock=lambda: now[0])
+    assert m.join_timeout_s == pytest.approx(306.0)
+    m._check_join()  # not joining yet
+    m.waiting_since = now[0]
+    now[0] += 306.0
+    m._check_join()
+    now[0] += 0.1
+    with pytest.raises(GatewayError, match="no assignment from the group coordinator in 306 s"):
+        m._check_join()
+    m.waiting_since = None  # an assignment arrived
+    m._check_join()
+
+
 def test_members_topic_name() -> None:
     assert members_topic_name("dcp.default") == "dcp.default.members"
 

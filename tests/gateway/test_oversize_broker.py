@@ -11,13 +11,7 @@ where noida-db is not installed or cannot run on this machine."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,10 +19,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient
 
-from gateway.broker import Broker, ExternalBroker
+from gateway.broker import Broker
 from gateway.resume import ensure_topics
 from gateway.service import GatewayService
 from schemas.records import RecordType
@@ -43,63 +35,16 @@ from tests.gateway.oversize_harness import (
     run,
     settled,
 )
+from tests.gateway.processes import noida_broker
 
 pytestmark = pytest.mark.slow
 
 
-def _noida_binary() -> Path:
-    if importlib.util.find_spec("noida_db") is None:
-        pytest.skip("noida-db is not installed (pip install -e '.[dev]')")
-    from importlib.resources import files
-
-    binary = Path(str(files("noida_db").joinpath("noida-db")))
-    if not binary.is_file():
-        pytest.skip(f"noida-db has no binary for this platform ({binary})")
-    binary.chmod(0o755)
-    return binary
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def noida() -> Iterator[Broker]:
-    """A noida-db server with only its Kafka service, on a free loopback port, its data in a temporary dir."""
-    binary = _noida_binary()
-    data = Path(tempfile.mkdtemp(prefix="dcpgw-noida-"))
-    port = _free_port()
-    with open(data / "noida.log", "wb") as log:
-        proc = subprocess.Popen([str(binary), "start", "--only", "kafka", "--kafka-port", str(port),
-                                 "--data-dir", str(data / "d")], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        bootstrap = f"127.0.0.1:{port}"
-        admin = AdminClient({"bootstrap.servers": bootstrap})
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                pytest.skip(f"noida-db did not start (exit {proc.returncode}): "
-                            f"{(data / 'noida.log').read_text()[-500:]}")
-            try:
-                admin.list_topics(timeout=1)
-                break
-            except KafkaException:
-                if time.monotonic() > deadline:
-                    pytest.skip("noida-db's Kafka service did not answer within 30 s")
-                time.sleep(0.1)
-        yield ExternalBroker(bootstrap)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(data, ignore_errors=True)
+    """A noida-db server with only its Kafka service (tests/gateway/processes.py)."""
+    with noida_broker() as broker:
+        yield broker
 
 
 def _small_topic(broker: Broker, bucket: str) -> None:

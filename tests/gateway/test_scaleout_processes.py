@@ -10,52 +10,28 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
-from gateway.invariants import check_partition, data_positions
 from tests.engine.process_model import actives_state
 from tests.gateway.kafka_util import TopicReplica, read_topic
-from tests.gateway.processes import CLEAN_ENV, CLI, ROOT, dcpgw
+from tests.gateway.processes import (
+    ASSIGNED,
+    CLEAN_ENV,
+    Member,
+    check_member_topic,
+    dcpgw,
+    member_env,
+    wait_for,
+)
 
 NVB = 16
-ASSIGNED = re.compile(r"group \S+: assigned \d+ coordination partitions, (\d+) vbuckets")
-
-
-class Member:
-    """One ``dcpgw gateway`` process, its log in a file."""
-
-    def __init__(self, env: dict[str, str], source: str, group: str, log: Path) -> None:
-        self.log = log
-        self.f = log.open("w")
-        self.proc = subprocess.Popen([*CLI, "gateway", "--source", source, "--group", group], env=env, cwd=ROOT,
-                                     stdout=self.f, stderr=subprocess.STDOUT, text=True)
-
-    def assignments(self) -> list[int]:
-        """vbucket counts of every assignment this member logged, oldest first."""
-        return [int(m.group(1)) for m in ASSIGNED.finditer(self.log.read_text())]
-
-    def kill9(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                return -9
-        return self.proc.returncode
 
 
 @pytest.fixture(params=[(1, 0), (2, 1)], ids=["one-node", "two-nodes-one-replica"])
@@ -67,24 +43,6 @@ def engine_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proc
         yield c
     finally:
         c.close(clean=False)
-
-
-def member_env(broker: Broker, prefix: str) -> dict[str, str]:
-    return {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_TOPIC_PREFIX": prefix,
-            "DCPGW_BUCKET": "default", "DCPGW_GROUP_SESSION_TIMEOUT_MS": "6000", "DCPGW_GROUP_PARTITIONS": "4",
-            "DCPGW_CREATE_TOPIC_PARTITIONS": "8", "DCPGW_CHECKPOINT_INTERVAL_S": "0.2"}
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float, tick: Callable[[], None] | None = None,
-             members: list[Member] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            logs = "\n".join(m.log.read_text()[-3000:] for m in members or [])
-            raise AssertionError(f"timed out: {what}\n{logs}")
-        if tick is not None:
-            tick()
-        time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -130,18 +88,7 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
         assert written[0] > 100
         want = actives_state(engine_node)
 
-        def caught_up() -> bool:
-            replica = TopicReplica()
-            replica.apply_all(read_topic(kafka_broker.bootstrap_servers, topic))
-            return replica.state() == want
-
-        wait_for(caught_up, "the topic's replay equals the engine", 90, None, members)
-        recs = read_topic(kafka_broker.bootstrap_servers, topic)
-        for part in range(8):
-            mine = [(o, r) for p, o, r in recs if p == part]
-            check_partition(mine)
-            dup = [k for k, n in data_positions(mine).items() if n > 1]
-            assert not dup, dup[:5]
+        check_member_topic(kafka_broker, topic, want, members)
     finally:
         codes = [m.stop() for m in members]
     assert codes == [0, 0], [m.log.read_text()[-2000:] for m in members]
@@ -198,18 +145,7 @@ def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
         wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
         want = actives_state(c)
 
-        def caught_up() -> bool:
-            replica = TopicReplica()
-            replica.apply_all(read_topic(kafka_broker.bootstrap_servers, topic))
-            return replica.state() == want
-
-        wait_for(caught_up, "the topic's replay equals the engine", 90, None, members)
-        recs = read_topic(kafka_broker.bootstrap_servers, topic)
-        for part in range(8):
-            mine = [(o, r) for p, o, r in recs if p == part]
-            check_partition(mine)
-            dup = [k for k, n in data_positions(mine).items() if n > 1]
-            assert not dup, dup[:5]
+        check_member_topic(kafka_broker, topic, want, members)
     finally:
         if paused:
             os.kill(b.proc.pid, signal.SIGCONT)
