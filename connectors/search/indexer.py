@@ -10,7 +10,9 @@ Two stores, one order:
    NULL) until the backend has committed it. Every row carries the *generation* it was written in.
 2. **The index backend** (tantivy by default): after the store committed, the rows of the generations the backend
    has not committed yet are applied to it and committed with a :class:`~connectors.search.backend.Checkpoint`
-   (the generation and the per-vbucket positions of the store at that moment) -- atomically in tantivy's case.
+   (the generation and the per-vbucket positions of the store at that moment) -- atomically in tantivy's case. The
+   tantivy writer process gets each store commit's rows as soon as it happened (streamed, no answer awaited), and
+   the generation's commit after them; the other backends get a generation at a time.
    Then the generation moves on and the synced tombstones are purged.
 
 A crash anywhere leaves the backend at a committed generation at or below the store's; on start the rows above

@@ -5,8 +5,8 @@ CPython's GIL: in one process they run one after the other. :class:`TantivyWrite
 :class:`~connectors.search.backend.IndexBackend` behaviour as :class:`~connectors.search.tantivy_backend.
 TantivyBackend` but runs the writer -- ``TantivyBackend.apply`` and ``commit`` -- in a child process
 (``python -m connectors.search.tantivy_writer``, a fresh interpreter: never a fork of a process running
-librdkafka's threads), fed one generation at a time over a pipe (pickled tuples); the indexer's commit thread
-only sends and waits. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
+librdkafka's threads), fed over a pipe (pickled tuples): the indexer's commit thread streams each store commit's
+rows to it without waiting (:meth:`TantivyWriterProcess.stream_rows`), then the generation's commit. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
 indexer's process (a reader reloaded after every commit the child acknowledged): a commit's documents and its
 checkpoint are still seen together.
 
