@@ -548,6 +548,8 @@ class SearchIndexer:
             dt = time.perf_counter() - t0
         except BaseException as e:
             job.error = e
+            if isinstance(self.backend, TantivyWriterProcess):
+                self.backend.take_stats()  # (the retry applies the generation again: counted then)
             return
         st = self.stats
         st.add(applied)
