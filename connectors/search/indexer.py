@@ -10,7 +10,9 @@ Two stores, one order:
    NULL) until the backend has committed it. Every row carries the *generation* it was written in.
 2. **The index backend** (tantivy by default): after the store committed, the rows of the generations the backend
    has not committed yet are applied to it and committed with a :class:`~connectors.search.backend.Checkpoint`
-   (the generation and the per-vbucket positions of the store at that moment) -- atomically in tantivy's case.
+   (the generation and the per-vbucket positions of the store at that moment) -- atomically in tantivy's case. The
+   tantivy writer process gets each store commit's rows as soon as it happened (streamed, no answer awaited), and
+   the generation's commit after them; the other backends get a generation at a time.
    Then the generation moves on and the synced tombstones are purged.
 
 A crash anywhere leaves the backend at a committed generation at or below the store's; on start the rows above
@@ -64,6 +66,9 @@ STORE_CACHE_KIB: Final = 64 * 1024
 #: copying the pages into the file and syncing it -- every ~15 000 indexed documents, in the consumer's thread);
 #: 16384 pages of 4 KiB: the WAL grows to 64 MiB between checkpoints
 STORE_WAL_PAGES: Final = 16384
+#: chunks of streamed rows handed to the commit thread and not sent to the writer yet, at most: above it the
+#: consumer's next store commits add to the chunk it sends later (the consumer never waits for the writer)
+MAX_QUEUED_CHUNKS: Final = 3
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
@@ -111,6 +116,15 @@ class _Commit:
     #: set when a commit handed to the commit thread is done (None: committed in the consumer's thread)
     done: threading.Event | None = None
     error: BaseException | None = None
+    #: the rows were streamed to the backend already (``rows``: only for the tombstone purge)
+    streamed: bool = False
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """Rows of committed store transactions streamed to the writer before their generation's commit."""
+
+    rows: list[Row]
 
 
 @dataclass(slots=True)
@@ -235,7 +249,16 @@ class SearchIndexer:
         self._sync_lock = threading.Lock()
         #: the backend commit in progress (at most one), and whether commits may still start (not when closing)
         self._inflight: _Commit | None = None
-        self._jobs: queue.SimpleQueue[_Commit | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Commit | _Chunk | None] = queue.SimpleQueue()
+        #: streaming (the tantivy writer process; docs/search.md "Performance"): after every store commit its
+        #: rows go to the writer at once, the generation's commit follows them; the other backends get a
+        #: generation at a time. ``_unsent``: rows committed in the store and not handed to the commit thread
+        self._streaming = isinstance(backend, TantivyWriterProcess)
+        self._unsent: list[Row] = []
+        self._queued_chunks = 0
+        #: a streamed chunk of the current generation failed (commit thread only): the generation's commit fails
+        #: with it, the later chunks before it are skipped
+        self._stream_error: BaseException | None = None
         self._worker: threading.Thread | None = None
         self._closing = False
         self._changed = threading.Condition()
@@ -284,6 +307,7 @@ class SearchIndexer:
         # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
         # told apart, so the next sync reads the committed rows instead
         self._pending = {}
+        self._unsent = []
         self._recover = True
         self.changelog.forget_cached()
 
@@ -319,6 +343,8 @@ class SearchIndexer:
             pending[k] = r
         # changes are in seqno order: the last change of a key wins
         self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
+        if self._streaming:
+            self._unsent += rows
         self.changelog.append(vb, changes[0].seqno, changes[-1].seqno, entries)
         self.stats.changes += len(rows)
 
@@ -335,6 +361,8 @@ class SearchIndexer:
                               (gen, rb.vbucket))
             for k in keys:
                 self._pending[k] = (k, None, rb.vbucket, 0, gen)
+                if self._streaming:
+                    self._unsent.append(self._pending[k])
             log.warning("search index: vbucket %d rolled back beyond the mutation log: its %d documents are "
                         "removed and indexed again from the topic", rb.vbucket, len(keys))
             return
@@ -349,6 +377,8 @@ class SearchIndexer:
                 self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)",
                                   (k, value, rb.vbucket, u.prior_seqno, gen))
                 self._pending[k] = (k, value, rb.vbucket, u.prior_seqno, gen)
+            if self._streaming:
+                self._unsent.append(self._pending[k])
 
     def _on_oversize(self, o: Oversize) -> None:
         self.stats.oversize += 1
@@ -359,6 +389,8 @@ class SearchIndexer:
     def _after_flush(self, idle: bool) -> None:
         if self._closing:
             return
+        if self._unsent and self._queued_chunks < MAX_QUEUED_CHUNKS:
+            self._stream()
         job = self._inflight
         if job is not None:
             if job.done is not None and not job.done.is_set():
@@ -392,6 +424,7 @@ class SearchIndexer:
             self.stats.sync_failures += 1
             self.backend_error = f"{type(e).__name__}: {e}"
             self._pending = {}
+            self._unsent = []
             self._recover = True
             self._retry_at = now + min(MAX_RETRY_BACKOFF, 0.5 * 2 ** min(self._failures, 10))
             self._failures += 1
@@ -399,6 +432,24 @@ class SearchIndexer:
                         "document store, retrying in %.1f s", self.backend_error, self._retry_at - now)
             return False
         return True
+
+    def _stream(self) -> None:
+        """Hand the rows committed in the store since the last hand-over to the commit thread, which sends them
+        to the writer without waiting for it (docs/search.md "Performance"). Only rows of committed store
+        transactions: the consumer's flush committed them (an abandoned event's rows never get here)."""
+        rows, self._unsent = self._unsent, []
+        if self._recover:
+            return  # the next commit reads everything above the backend's generation from the store
+        with self._changed:
+            self._queued_chunks += 1
+        self._ensure_worker()
+        self._jobs.put(_Chunk(rows))
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            # one thread for every background commit (starting one per commit waits for it to be scheduled)
+            self._worker = threading.Thread(target=self._commit_loop, name="dcpgw-index-commit", daemon=True)
+            self._worker.start()
 
     def positions(self) -> dict[int, ConsumerPosition]:
         """The store's committed per-vbucket positions."""
@@ -426,6 +477,13 @@ class SearchIndexer:
         generation are committed first; rows written from now on belong to the next generation."""
         if self.conn.in_transaction:
             self.store.flush()
+        streamed = self._streaming and not self._recover
+        if self._streaming:
+            # the generation's last rows before its commit (after the others, in the commit thread's order);
+            # a commit waits in that thread too
+            background = True
+            if self._unsent:
+                self._stream()
         gen = self.gen
         if self._recover:
             rows: list[Row] = [
@@ -437,25 +495,34 @@ class SearchIndexer:
         store_pos = self.positions()
         positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
         job = _Commit(Checkpoint(gen, positions, self.mapping.id), rows,
-                      {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover)
+                      {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover, streamed=streamed)
         self._pending = {}
         self._recover = False
         self.gen = gen + 1
         if background:
             job.done = threading.Event()
             self._inflight = job
-            if self._worker is None:
-                # one thread for every background commit (starting one per commit waits for it to be scheduled)
-                self._worker = threading.Thread(target=self._commit_loop, name="dcpgw-index-commit", daemon=True)
-                self._worker.start()
+            self._ensure_worker()
             self._jobs.put(job)
         else:
             self._commit(job)
         return job
 
     def _commit_loop(self) -> None:
-        """The commit thread: the background commits handed to it, one at a time, until None."""
+        """The commit thread: the streamed chunks and background commits handed to it, in order, until None."""
         while (job := self._jobs.get()) is not None:
+            if isinstance(job, _Chunk):
+                try:
+                    if self._stream_error is None:
+                        b = self.backend
+                        assert isinstance(b, TantivyWriterProcess)
+                        b.stream_rows(job.rows)
+                except BaseException as e:
+                    self._stream_error = e  # the generation's commit fails with it (nothing is committed)
+                finally:
+                    with self._changed:
+                        self._queued_chunks -= 1
+                continue
             try:
                 self._commit(job)
             finally:
@@ -468,11 +535,21 @@ class SearchIndexer:
         try:
             t0 = time.perf_counter()
             b = self.backend
-            applied = b.apply_rows(job.rows) if isinstance(b, TantivyWriterProcess) else b.apply(_ops(job.rows))
-            self.backend.commit(job.checkpoint)
+            if isinstance(b, TantivyWriterProcess):
+                err, self._stream_error = self._stream_error, None
+                if err is not None and not job.recover:  # (a recovery applies everything above the commit again)
+                    raise err
+                applied = ApplyStats() if job.streamed else b.apply_rows(job.rows)
+                b.commit(job.checkpoint)
+                applied.add(b.take_stats())
+            else:
+                applied = b.apply(_ops(job.rows))
+                b.commit(job.checkpoint)
             dt = time.perf_counter() - t0
         except BaseException as e:
             job.error = e
+            if isinstance(self.backend, TantivyWriterProcess):
+                self.backend.take_stats()  # (the retry applies the generation again: counted then)
             return
         st = self.stats
         st.add(applied)

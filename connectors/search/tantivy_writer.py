@@ -5,8 +5,8 @@ CPython's GIL: in one process they run one after the other. :class:`TantivyWrite
 :class:`~connectors.search.backend.IndexBackend` behaviour as :class:`~connectors.search.tantivy_backend.
 TantivyBackend` but runs the writer -- ``TantivyBackend.apply`` and ``commit`` -- in a child process
 (``python -m connectors.search.tantivy_writer``, a fresh interpreter: never a fork of a process running
-librdkafka's threads), fed one generation at a time over a pipe (pickled tuples); the indexer's commit thread
-only sends and waits. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
+librdkafka's threads), fed over a pipe (pickled tuples): the indexer's commit thread streams each store commit's
+rows to it without waiting (:meth:`TantivyWriterProcess.stream_rows`), then the generation's commit. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
 indexer's process (a reader reloaded after every commit the child acknowledged): a commit's documents and its
 checkpoint are still seen together.
 
@@ -38,7 +38,7 @@ from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexOp, S
 from connectors.search.mapping import DocumentMapping
 from connectors.search.tantivy_backend import WRITER_HEAP, TantivyBackend
 
-__all__ = ["LOCK_WAIT", "TantivyWriterProcess", "WriterProcessDied"]
+__all__ = ["LOCK_WAIT", "MAX_UNANSWERED", "TantivyWriterProcess", "WriterProcessDied"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ CLOSE_WAIT: Final = 30.0
 #: at most this many keys are tracked to skip the deletes of keys never indexed (some 150 MB); above it every
 #: upsert deletes the key's previous version first
 MAX_TRACKED_KEYS: Final = 1_000_000
+#: streamed applies (:meth:`TantivyWriterProcess.stream_rows`) sent and not answered yet, at most: the next one
+#: waits for the oldest answer (the child always has the next chunk in its pipe, and its answers never fill theirs)
+MAX_UNANSWERED: Final = 2
 _LEN = struct.Struct(">Q")
 
 
@@ -96,6 +99,9 @@ class TantivyWriterProcess:
         self._ready = False
         self._reader: TantivyBackend | None = None
         self._closed = False
+        #: streamed applies whose answer is not read yet, and what the answered ones did since :meth:`take_stats`
+        self._unanswered = 0
+        self._streamed = ApplyStats()
         self._start()
 
     # ------------------------------------------------------------------------------------ the child
@@ -123,11 +129,14 @@ class TantivyWriterProcess:
                         f.close()
         self._proc = None
         self._ready = False
+        self._unanswered = 0
         return WriterProcessDied(f"the tantivy writer process of {self.path} exited (code {code}): what it applied "
                                  f"since its last commit is lost")
 
-    def _request(self, msg: Any) -> Any:
-        """Send ``msg`` to the child (started again if it died) and return its answer."""
+    def _request(self, msg: Any, *, wait: bool = True) -> Any:
+        """Send ``msg`` to the child (started again if it died) and return its answer -- after the answers of
+        the streamed applies before it. ``wait`` False (a streamed apply): return once sent, with at most
+        ``MAX_UNANSWERED`` answers outstanding; a failed one raises from a later request."""
         with self._lock:
             if self._closed:
                 raise ConnectorError(f"the tantivy writer of {self.path} is closed")
@@ -145,10 +154,23 @@ class TantivyWriterProcess:
                         self._reader.reload()
                 if msg is None:
                     return None
+                if not wait:
+                    self._drain(proc.stdout, MAX_UNANSWERED - 1)
+                    _send(proc.stdin, msg)
+                    self._unanswered += 1
+                    return None
+                self._drain(proc.stdout, 0)
                 _send(proc.stdin, msg)
                 return self._answer(_recv(proc.stdout))
             except (EOFError, OSError) as e:
                 raise self._died() from e
+
+    def _drain(self, f: IO[bytes], limit: int) -> None:
+        """Read the streamed applies' answers until at most ``limit`` are outstanding (the first failure raises)."""
+        while self._unanswered > limit:
+            reply = _recv(f)
+            self._unanswered -= 1
+            self._streamed.add(ApplyStats(*self._answer(reply)))
 
     @staticmethod
     def _answer(reply: tuple[str, Any]) -> Any:
@@ -172,6 +194,20 @@ class TantivyWriterProcess:
         """:meth:`apply` of ``(key, value, vbucket, seqno, ...)`` tuples (value None: a delete) -- the indexer's
         store rows as they are, pickled as plain tuples."""
         return ApplyStats(*self._request(("apply", rows)))
+
+    def stream_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """:meth:`apply_rows` without waiting for the child (docs/search.md "Performance": the indexer streams
+        each store commit's rows as it happens): at most ``MAX_UNANSWERED`` chunks unanswered, then it waits for
+        the oldest. A failed chunk raises from the next request -- :meth:`commit` at the latest, which therefore
+        never commits a checkpoint whose rows the child did not all apply (nor a child started again after one
+        died: its applies are lost with it, and the request that finds it dead raises)."""
+        self._request(("apply", rows), wait=False)
+
+    def take_stats(self) -> ApplyStats:
+        """What the answered streamed applies did since the last call."""
+        with self._lock:
+            st, self._streamed = self._streamed, ApplyStats()
+        return st
 
     def commit(self, checkpoint: Checkpoint) -> None:
         self._request(("commit", checkpoint.to_json()))
