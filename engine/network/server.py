@@ -272,6 +272,8 @@ class NodeServer:
         self.bad_frames = 0
         #: vbucket -> (seqno, vbuuid, its "vb:vbuuid:seqno" entry) of the last ``stats vbucket-persisted``
         self._persisted_entries: dict[int, tuple[int, int, str]] = {}
+        #: that stat's last answer, until the next :meth:`kick` (every flush, write and state change kicks)
+        self._persisted_text: str | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -333,6 +335,7 @@ class NodeServer:
 
     def kick(self) -> None:
         """Wake every DCP connection: something may be ready to send."""
+        self._persisted_text = None  # whatever changed (a flush, a state, a rollback...) may move the table
         for c in self.conns:
             if c.producer is not None:
                 c.wake.set()
@@ -710,7 +713,10 @@ class NodeServer:
 
     def _persisted_table(self) -> str:
         """``stats vbucket-persisted``'s value. Polled by every attached gateway up to 50 times a second
-        (docs/scale-out.md), so each vbucket's entry is formatted again only when its vbuuid or seqno moved."""
+        (docs/scale-out.md): members polling between two flushes share one answer, and each vbucket's entry is
+        formatted again only when its vbuuid or seqno moved."""
+        if self._persisted_text is not None:
+            return self._persisted_text
         active, replica = VBucketState.ACTIVE, VBucketState.REPLICA
         cache = self._persisted_entries
         out: list[str] = []
@@ -727,7 +733,8 @@ class NodeServer:
             if c is None or c[0] != seqno or c[1] != uuid:
                 c = cache[v.id] = (seqno, uuid, f"{v.id}:{uuid}:{seqno}")
             out.append(c[2])
-        return " ".join(out)
+        text = self._persisted_text = " ".join(out)
+        return text
 
     async def _set_replication(self, f: Frame) -> None:
         try:
