@@ -380,3 +380,48 @@ def test_persistence_polling_of_attached_nodes_agrees_with_observe_by_seqno(tmp_
             src.close()
     finally:
         c.close(clean=False)
+
+
+def test_persistence_polling_refreshes_without_waiting_for_the_node(tmp_path: Path) -> None:
+    """Once a node's table is known, ``AttachedNodesSource`` refreshes it without waiting: past the poll
+    interval it asks and keeps the table it has; the answer replaces it on a later call (its age counted from
+    the request). A stat group the node does not know raises InvalidArgument from the poll."""
+    from engine.exceptions import InvalidArgument
+    from engine.network.remote import StatsPoll
+    from gateway.source import AttachedNodesSource
+
+    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB)
+    now = [100.0]
+    try:
+        c.stop_persistence("n0")
+        c.write("k0", b'{"v": 1}')
+        node = c.node("n0")
+        src = AttachedNodesSource([f"{node.host}:{node.port}"], "t", 1 << 20, persistence_poll_interval=0.02,
+                                  clock=lambda: now[0])
+        src.open()
+        try:
+            vb = next(v for v in range(NVB) if src.high_seqno(v))
+            uuid = src.failover_log(vb)[0].vbuuid
+            assert src.persisted_everywhere(vb, uuid) == 0  # the first table: asked and waited for
+            c.client("n0").flush()
+            assert src.persisted_everywhere(vb, uuid) == 0  # within the interval: the same table
+            now[0] += 0.05
+            assert src.persisted_everywhere(vb, uuid) == 0  # past it: asked, the old table meanwhile
+            deadline = time.monotonic() + 30
+            while src.persisted_everywhere(vb, uuid) != 1:  # the answer arrives on a later call
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert src.persisted_everywhere(vb, uuid + 1) == 0
+        finally:
+            src.close()
+        poll = StatsPoll(node.host, node.port, "no-such-group")
+        poll.send(0.0)
+        deadline = time.monotonic() + 30
+        with pytest.raises(InvalidArgument):
+            while poll.answer() is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert poll.sent_at is None
+        poll.close()
+    finally:
+        c.close(clean=False)
