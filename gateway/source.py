@@ -29,7 +29,7 @@ from engine.cluster.local import Cluster
 from engine.cluster.manager import ClusterManager
 from engine.kv.vbucket import VBucketState
 from engine.network.process_cluster import ProcessCluster
-from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode, StatsPoll, connect
+from engine.network.remote import NodeUnavailable, RemoteDcpProducer, RemoteNode, connect
 
 #: items per SQLite transaction when the publisher flushes the bucket before a DCP step (rollback mitigation)
 MITIGATION_FLUSH_ITEMS = 16_384
@@ -419,8 +419,6 @@ class AttachedNodesSource:
         #: does not know the stat group (it is observed per vbucket)
         self.persistence_poll_interval = persistence_poll_interval
         self._persisted: dict[str, tuple[float, dict[int, tuple[int, int]] | None]] = {}
-        #: per node, the poll that refreshes a known table without waiting for the node's answer
-        self._polls: dict[str, StatsPoll] = {}
 
     @property
     def num_vbuckets(self) -> int:
@@ -553,48 +551,21 @@ class AttachedNodesSource:
         """Nothing: the nodes flush on their own, and mitigation checks persistence itself."""
 
     def _persisted_table(self, name: str) -> dict[int, tuple[int, int]] | None:
-        """The node's (vbuuid, persisted seqno) per vbucket, at most ``persistence_poll_interval`` old plus one
-        round trip (refreshed without waiting once known); None when the node does not answer ``stats
-        vbucket-persisted`` (an older node: observe per vbucket)."""
+        """The node's (vbuuid, persisted seqno) per vbucket, at most ``persistence_poll_interval`` old; None
+        when the node does not answer ``stats vbucket-persisted`` (an older node: observe per vbucket)."""
         now = self.clock()
         have = self._persisted.get(name)
         if have is not None and (have[1] is None or now - have[0] < self.persistence_poll_interval):
             return have[1]
-        if have is not None and self.persistence_poll_interval > 0:
-            # Refresh without blocking the publisher's loop on the node's (busy) loop: the answer to the request
-            # sent last time if it arrived (its age counts from the request), else ask now and keep using the
-            # table a little longer -- older persisted seqnos only hold back more (java-dcp-client polls
-            # every 100 ms). An answer that takes more than a second: asked again below, waiting for it.
-            poll = self._polls.get(name)
-            if poll is None:
-                node = self.nodes[name]
-                poll = self._polls[name] = StatsPoll(node.host, node.port, "vbucket-persisted",
-                                                    timeout=node.timeout)
-            try:
-                sent = poll.sent_at
-                got = poll.answer()
-                if got is not None and sent is not None:
-                    return self._store_persisted(name, sent, got)
-                if poll.sent_at is None:
-                    poll.send(now)
-                    return have[1]
-                if now - poll.sent_at < 1.0:
-                    return have[1]
-            except (TemporaryFailure, OSError, InvalidArgument):
-                pass
-            poll.close()
         try:
             raw = self.nodes[name].stats("vbucket-persisted")
         except InvalidArgument:
             self._persisted[name] = (now, None)
             return None
-        return self._store_persisted(name, now, raw)
-
-    def _store_persisted(self, name: str, at: float, raw: dict[str, str]) -> dict[int, tuple[int, int]]:
         # "vb:vbuuid:seqno" entries separated by spaces, parsed in one pass (polled up to every 20 ms)
         fields = map(int, raw.get("vbuckets", "").replace(":", " ").split())
         table = {vb: (uuid, seqno) for vb, uuid, seqno in zip(fields, fields, fields, strict=True)}
-        self._persisted[name] = (at, table)
+        self._persisted[name] = (now, table)
         return table
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
@@ -640,9 +611,6 @@ class AttachedNodesSource:
         self._names.clear()
         for node in self.nodes.values():
             node.close()
-        for poll in self._polls.values():
-            poll.close()
-        self._polls.clear()
 
 
 #: what the publisher streams from

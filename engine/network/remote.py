@@ -133,7 +133,7 @@ class _Connection:
         try:
             self.sock.settimeout(self.timeout if timeout is None else timeout)
             data = self.sock.recv(_RECV)
-        except (TimeoutError, BlockingIOError):  # timeout 0: a non-blocking read
+        except TimeoutError:
             return False
         except OSError as e:
             self.close()
@@ -372,58 +372,6 @@ class RemoteNode:
                 self._conn = None
 
 
-class StatsPoll:
-    """One stats group of a node, polled without waiting for the answer, on a connection of its own:
-    :meth:`send` asks, :meth:`answer` returns the whole answer once it arrived (None until then). An attached
-    gateway polls persistence this way (``stats vbucket-persisted``, docs/scale-out.md), so its loop keeps
-    publishing while the node's loop is busy flushing or pushing DCP."""
-
-    def __init__(self, host: str, port: int, group: str, *, timeout: float = 30.0) -> None:
-        self.host, self.port, self.group, self.timeout = host, port, group, timeout
-        self._conn: _Connection | None = None
-        self._opaque: int | None = None
-        self._got: dict[str, str] = {}
-        #: when the request in flight was sent (its answer is at least that old), None when idle
-        self.sent_at: float | None = None
-
-    def send(self, now: float) -> None:
-        """Ask (unless a request is in flight)."""
-        if self._opaque is not None:
-            return
-        conn = self._conn
-        if conn is None or conn.closed:
-            conn = self._conn = _Connection(self.host, self.port, self.timeout)
-        self._opaque = next(conn.opaques)
-        self._got = {}
-        self.sent_at = now
-        conn.send(request(Opcode.STAT, key=self.group.encode(), opaque=self._opaque))
-
-    def answer(self) -> dict[str, str] | None:
-        """The answer to the request in flight if it arrived whole, without waiting; None otherwise. The node's
-        errors raise typed (e.g. :class:`InvalidArgument` for a stat group it does not know)."""
-        conn = self._conn
-        if self._opaque is None or conn is None:
-            return None
-        conn.fill(0.0)
-        for f in conn.buf.frames():
-            if f.is_request or f.opaque != self._opaque:
-                continue
-            if f.status != Status.SUCCESS:
-                self._opaque = self.sent_at = None
-                raise error_from(f)
-            if f.key:
-                self._got[f.key.decode()] = f.value.decode()
-                continue
-            self._opaque = self.sent_at = None  # the empty key ends the stats
-            return self._got
-        return None
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._opaque = self.sent_at = None
-
-
 @dataclass
 class RemoteStream:
     """A stream open on a :class:`RemoteDcpProducer` (the opaque its messages carry)."""
@@ -634,4 +582,4 @@ def connect(address: str, **kwargs: Any) -> RemoteNode:
     return RemoteNode(host or "127.0.0.1", int(port), **kwargs)
 
 
-__all__ = ["NodeObserve", "NodeUnavailable", "RemoteDcpProducer", "RemoteNode", "RemoteStream", "StatsPoll", "connect"]
+__all__ = ["NodeObserve", "NodeUnavailable", "RemoteDcpProducer", "RemoteNode", "RemoteStream", "connect"]
