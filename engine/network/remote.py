@@ -38,6 +38,7 @@ from engine.kv.conflict_resolution import ItemMeta
 from engine.kv.durability import Durability
 from engine.kv.item import Item
 from engine.kv.vbucket import GetResult, MutationResult, VBucketInfo, VBucketState
+from engine.network.dcp_batch import DcpFrameBuffer
 from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
@@ -57,7 +58,6 @@ from engine.network.protocol import (
     Opcode,
     ProtocolError,
     conflict_error,
-    decode_dcp_message,
     decode_failover_log,
     decode_get_meta_extras,
     encode_durability_frame,
@@ -117,13 +117,24 @@ class _Connection:
         out = list(self.buf.frames())
         if out:
             return out
+        if not self.fill(timeout):
+            return []
+        try:
+            return list(self.buf.frames())
+        except ProtocolError:
+            self.close()
+            raise
+
+    def fill(self, timeout: float | None) -> bool:
+        """Wait at most ``timeout`` for data (None: the connection timeout), then buffer it and whatever else
+        the socket holds; False when nothing arrived in time."""
         if self.closed:
             raise NodeUnavailable(f"connection to {self.host}:{self.port} is closed")
         try:
             self.sock.settimeout(self.timeout if timeout is None else timeout)
             data = self.sock.recv(_RECV)
         except TimeoutError:
-            return []
+            return False
         except OSError as e:
             self.close()
             raise NodeUnavailable(f"{self.host}:{self.port}: {e}") from e
@@ -144,11 +155,7 @@ class _Connection:
         except OSError as e:
             self.close()
             raise NodeUnavailable(f"{self.host}:{self.port}: {e}") from e
-        try:
-            return list(self.buf.frames())
-        except ProtocolError:
-            self.close()
-            raise
+        return True
 
     def close(self) -> None:
         if not self.closed:
@@ -391,8 +398,12 @@ class RemoteDcpProducer:
         self.buffer_size = buffer_size
         self.poll_timeout = poll_timeout
         self.streams: dict[int, RemoteStream] = {}
-        self._pending: deque[Message] = deque()
+        #: vbucket -> the opaque of its open stream (what the batch decoder matches pushed frames against)
+        self._opaques: dict[int, int] = {}
+        self._pending: list[Message] = []
         self._conn = _Connection(host, port, timeout)
+        # pushed DCP frames decoded in one pass (engine/network/dcp_batch.py: docs/scale-out.md)
+        self._conn.buf = DcpFrameBuffer()
         self.items_received = 0
         self.sync_writes = False
         self._call(Opcode.DCP_OPEN, key=name.encode(), extras=OPEN_EXTRAS.pack(0, DCP_OPEN_PRODUCER))
@@ -406,21 +417,25 @@ class RemoteDcpProducer:
     def closed(self) -> bool:
         return self._conn.closed
 
-    def _accept(self, frames: list[Frame]) -> Frame | None:
-        """Queue pushed DCP messages; return a response frame if one is among ``frames`` (there is at most
-        one outstanding request)."""
-        answer = None
-        for f in frames:
-            if f.is_request:
-                if f.opcode == Opcode.DCP_NOOP:
-                    continue
-                s = self.streams.get(f.vbucket)
-                if s is None or s.opaque != f.opaque:
-                    continue  # the tail of a stream this connection no longer has
-                self._pending.append(decode_dcp_message(f))
-            else:
-                answer = f
-        return answer
+    def _receive(self, timeout: float | None) -> tuple[bool, Frame | None]:
+        """Queue the pushed DCP messages of the open streams (the tail of a stream this connection no longer
+        has and DCP noops are dropped), waiting at most ``timeout`` for data when no whole frame is buffered.
+        Returns (whether anything arrived, the last response frame received: there is at most one outstanding
+        request)."""
+        conn = self._conn
+        buf = conn.buf
+        assert isinstance(buf, DcpFrameBuffer)
+        try:
+            frames, answer = buf.take_dcp(self._opaques, self._pending)
+            if frames:
+                return True, answer
+            if not conn.fill(timeout):
+                return False, None
+            _frames, answer = buf.take_dcp(self._opaques, self._pending)
+        except ProtocolError:
+            conn.close()
+            raise
+        return True, answer
 
     def _call(self, opcode: int, *, vbucket: int = 0, key: bytes = b"", extras: bytes = b"",
               value: bytes = b"") -> tuple[Frame, int]:
@@ -429,11 +444,10 @@ class RemoteDcpProducer:
         opaque = next(self._conn.opaques)
         self._conn.send(request(opcode, key=key, extras=extras, value=value, vbucket=vbucket, opaque=opaque))
         while True:
-            frames = self._conn.read(None)
-            if not frames:
+            arrived, f = self._receive(None)
+            if not arrived:
                 self._conn.close()
                 raise NodeUnavailable(f"{self.name}: no answer to opcode 0x{opcode:02x}")
-            f = self._accept(frames)
             if f is not None and f.opaque == opaque:
                 if f.status != Status.SUCCESS:
                     raise error_from(f, vbucket)
@@ -457,14 +471,14 @@ class RemoteDcpProducer:
         opq = next(self._conn.opaques)
         # Register before sending: pushed messages for the stream may follow the OK in the same read.
         self.streams[vbucket] = RemoteStream(vbucket, opq)
+        self._opaques[vbucket] = opq
         try:
             self._conn.send(request(Opcode.DCP_STREAM_REQ, extras=ex, value=val, vbucket=vbucket, opaque=opq))
             while True:
-                frames = self._conn.read(None)
-                if not frames:
+                arrived, f = self._receive(None)
+                if not arrived:
                     self._conn.close()
                     raise NodeUnavailable(f"{self.name}: no answer to a stream request")
-                f = self._accept(frames)
                 if f is not None and f.opaque == opq:
                     if f.status != Status.SUCCESS:
                         raise error_from(f, vbucket)
@@ -472,6 +486,7 @@ class RemoteDcpProducer:
         except BaseException:
             if self.streams.get(vbucket) is not None and self.streams[vbucket].opaque == opq:
                 del self.streams[vbucket]
+                del self._opaques[vbucket]
             raise
 
     def step(self, max_messages: int = 4096) -> list[Message]:
@@ -479,20 +494,23 @@ class RemoteDcpProducer:
         if self._conn.closed:
             return []
         if not self._pending:
-            f = self._accept(self._conn.read(self.poll_timeout))
+            _arrived, f = self._receive(self.poll_timeout)
             if f is not None:
                 raise ProtocolError(f"{self.name}: unexpected response opcode 0x{f.opcode:02x}")
-        out: list[Message] = []
         pending = self._pending
-        while pending and len(out) < max_messages:
-            m = pending.popleft()
-            if type(m) is StreamEnd:
-                s = self.streams.get(m.vbucket)
-                if s is not None:
+        if len(pending) <= max_messages:
+            out, self._pending = pending, []
+        else:
+            out = pending[:max_messages]
+            del pending[:max_messages]
+        items = len(out)
+        for m in out:  # one type check a message, no queue operations
+            if type(m) is not Item:
+                items -= 1
+                if type(m) is StreamEnd and m.vbucket in self.streams:
                     del self.streams[m.vbucket]
-            elif type(m) is Item:
-                self.items_received += 1
-            out.append(m)
+                    del self._opaques[m.vbucket]
+        self.items_received += items
         return out
 
     def control(self, key: str, value: str) -> None:
@@ -522,8 +540,9 @@ class RemoteDcpProducer:
     def discard_stream(self, vbucket: int) -> None:
         """Forget a stream closed at the consumer's request and what was received of it."""
         self.streams.pop(vbucket, None)
+        self._opaques.pop(vbucket, None)
         if any(m.vbucket == vbucket for m in self._pending):
-            self._pending = deque(m for m in self._pending if m.vbucket != vbucket)
+            self._pending = [m for m in self._pending if m.vbucket != vbucket]
 
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         f, _ = self._call(Opcode.DCP_GET_FAILOVER_LOG, vbucket=vbucket)
@@ -552,6 +571,7 @@ class RemoteDcpProducer:
     def close(self) -> None:
         """Disconnect: the node ends every stream of this connection."""
         self.streams.clear()
+        self._opaques.clear()
         self._pending.clear()
         self._conn.close()
 

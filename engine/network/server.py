@@ -54,6 +54,7 @@ from engine.kv.data_dir import DataDirLock, DataDirLocked
 from engine.kv.durability import SyncWrite
 from engine.kv.item import Item
 from engine.kv.vbucket import VBucketState
+from engine.network.dcp_batch import encode_dcp_batch
 from engine.network.protocol import (
     CODE_STATES,
     DCP_OPEN_PRODUCER,
@@ -73,7 +74,6 @@ from engine.network.protocol import (
     ProtocolError,
     decode_failover_log,
     decode_framing,
-    encode_dcp_message,
     encode_failover_log,
     error_response,
     frame_from,
@@ -270,6 +270,10 @@ class NodeServer:
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self.bad_frames = 0
+        #: vbucket -> (seqno, vbuuid, its "vb:vbuuid:seqno" entry) of the last ``stats vbucket-persisted``
+        self._persisted_entries: dict[int, tuple[int, int, str]] = {}
+        #: that stat's last answer, until the next :meth:`kick` (every flush, write and state change kicks)
+        self._persisted_text: str | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -331,6 +335,7 @@ class NodeServer:
 
     def kick(self) -> None:
         """Wake every DCP connection: something may be ready to send."""
+        self._persisted_text = None  # whatever changed (a flush, a state, a rollback...) may move the table
         for c in self.conns:
             if c.producer is not None:
                 c.wake.set()
@@ -399,7 +404,7 @@ class NodeServer:
                 if msgs:
                     opq = conn.opaques
                     sync = p.sync_writes
-                    w.write(b"".join(encode_dcp_message(m, opq.get(m.vbucket, 0), sync=sync) for m in msgs))
+                    w.write(encode_dcp_batch(msgs, opq, sync=sync))  # one buffer, one write per batch
                     await w.drain()
                     continue
                 conn.wake.clear()
@@ -689,11 +694,7 @@ class NodeServer:
             # complete snapshot persisted) for every active and replica vbucket, in one stat "vbuckets" whose
             # value is "<vb>:<vbuuid>:<seqno>" separated by spaces (one frame, not one per vbucket): a gateway
             # attached to running nodes polls persistence for rollback mitigation with it (docs/scale-out.md)
-            active, replica = VBucketState.ACTIVE, VBucketState.REPLICA
-            stats = {"vbuckets": " ".join(
-                f"{v.id}:{v.failover.entries[0].vbuuid}:"
-                f"{v.persisted_seqno if v.state is active else v.snapshot_persisted}"
-                for v in b.vbuckets() if v.state is active or v.state is replica)}
+            stats = {"vbuckets": self._persisted_table()}
         elif group == "replication":
             stats = {}
             for src, link in sorted(self.links.items()):
@@ -709,6 +710,31 @@ class NodeServer:
                for k, v in stats.items()]
         out.append(response(f.opcode, opaque=f.opaque))  # memcached: an empty key ends the stats
         return b"".join(out)
+
+    def _persisted_table(self) -> str:
+        """``stats vbucket-persisted``'s value. Polled by every attached gateway up to 50 times a second
+        (docs/scale-out.md): members polling between two flushes share one answer, and each vbucket's entry is
+        formatted again only when its vbuuid or seqno moved."""
+        if self._persisted_text is not None:
+            return self._persisted_text
+        active, replica = VBucketState.ACTIVE, VBucketState.REPLICA
+        cache = self._persisted_entries
+        out: list[str] = []
+        for v in self.bucket.vbuckets():
+            state = v.state
+            if state is active:
+                seqno = v.persisted_seqno
+            elif state is replica:
+                seqno = v.snapshot_persisted
+            else:
+                continue
+            uuid = v.failover.latest.vbuuid
+            c = cache.get(v.id)
+            if c is None or c[0] != seqno or c[1] != uuid:
+                c = cache[v.id] = (seqno, uuid, f"{v.id}:{uuid}:{seqno}")
+            out.append(c[2])
+        text = self._persisted_text = " ".join(out)
+        return text
 
     async def _set_replication(self, f: Frame) -> None:
         try:

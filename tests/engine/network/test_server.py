@@ -309,3 +309,41 @@ def test_expiration_is_streamed(spawn) -> None:
     exp = got[-1]  # the mutation may be de-duplicated away in the open checkpoint
     assert isinstance(exp, Item) and (exp.seqno, exp.op.name, exp.key, exp.value) == (2, "EXPIRATION", k.encode(), None)
     p.close()
+
+
+def test_vbucket_persisted_stat_follows_flushes_and_state_changes(spawn) -> None:
+    """``stats vbucket-persisted`` (answered from a cache between two changes, docs/scale-out.md) always equals
+    OBSERVE_SEQNO: after writes that are not persisted, after a flush, and after a vbucket changes state."""
+    node = spawn()
+    c = node.require()
+
+    def table() -> dict[int, tuple[int, int]]:
+        out = {}
+        for e in c.stats("vbucket-persisted")["vbuckets"].split():
+            vb, uuid, seqno = map(int, e.split(":"))
+            out[vb] = (uuid, seqno)
+        return out
+
+    def observed() -> dict[int, tuple[int, int]]:
+        out = {}
+        for vb in range(NVB):
+            if c.vbucket_state(vb) is VBucketState.ACTIVE:
+                uuid = c.failover_log(vb)[0].vbuuid
+                out[vb] = (uuid, c.observe_seqno(vb, uuid).persisted_seqno)
+        return out
+
+    c.stop_persistence()
+    for vb in range(NVB):
+        for k in keys_on(vb, 2):
+            c.set(k, b"1", vbucket=vb)
+    assert table() == table() == observed() and all(seqno == 0 for _u, seqno in table().values())
+    c.flush()
+    assert table() == observed() and all(seqno == 2 for _u, seqno in table().values())
+    c.set_vbucket_state(1, VBucketState.REPLICA)
+    t = table()
+    assert 1 in t and t[1][1] == c.vbucket_info(1).snapshot_persisted
+    c.set_vbucket_state(2, VBucketState.DEAD)
+    assert 2 not in table()
+    c.set(keys_on(0, 3)[2], b"2", vbucket=0)
+    c.flush()
+    assert table()[0] == observed()[0] == (c.failover_log(0)[0].vbuuid, 3)
