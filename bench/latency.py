@@ -90,8 +90,9 @@ class Run:
     latencies_ms: list[float]
     series: Series
     #: documents acknowledged per second between the 10th and the 90th percentile of acknowledgement times
-    #: (the saturation run's rate without its start and its drain; 0.0 when not measured)
-    mid_rate: float = 0.0
+    #: (the saturation run's rate without its start and its drain; None when not measured, or when a short run's
+    #: acknowledgements all came in one delivery report batch)
+    mid_rate: float | None = None
     #: the raw producer's ProduceRequests over the run (librdkafka statistics; 0 when not counted)
     produce_requests: int = 0
 
@@ -203,7 +204,7 @@ def saturated(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, 
     sample(done, force=True)
     g.close()
     lo, hi = pct(acked_at, 10), pct(acked_at, 90)
-    return Run(n / el, done, series, 0.8 * n / (hi - lo) if hi > lo else 0.0)
+    return Run(n / el, done, series, 0.8 * n / (hi - lo) if hi > lo else None)
 
 
 def bulk(conf: dict[str, Any], client: dict[str, Any], base: Path, n: int, nvb: int = NVB,
@@ -387,7 +388,7 @@ def main() -> None:
             figure("gateway.cluster_lag_p99_ms", pct(con, 99), "ms", pct(coff, 99), None, "lower")
         print(json.dumps({"info": "latency", "docs": args.docs, "vbuckets": args.vbuckets,
                           "steady_rate": round(half, 1), "writes_per_mode": len(on),
-                          "max_ingest_mid_run": round(sat.mid_rate, 1),
+                          "max_ingest_mid_run": None if sat.mid_rate is None else round(sat.mid_rate, 1),
                           "raw_records_per_produce_request": round(len(raw) / raw_requests, 2)
                           if raw_requests else None,
                           "broker_cpu_ms_per_produce_request": round(raw_broker_cpu * 1000 / raw_requests, 3)

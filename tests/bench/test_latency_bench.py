@@ -42,7 +42,8 @@ def test_latency_prints_the_lag_percentiles_against_the_raw_producer() -> None:
     assert info["steady_rate"] == pytest.approx(figs["gateway.max_ingest"]["value"] / 2, rel=0.01)
     # what the floor is made of: the saturation run without its start and drain, the raw producer's records per
     # ProduceRequest, the embedded broker's CPU per request (None on a broker this process did not start)
-    assert info["max_ingest_mid_run"] > 0
+    # (None when a short run's acknowledgements all came in one batch: no middle to time)
+    assert info["max_ingest_mid_run"] is None or info["max_ingest_mid_run"] > 0
     assert info["raw_records_per_produce_request"] > 0
     assert "broker_cpu_ms_per_produce_request" in info
 
