@@ -4,13 +4,11 @@ topic against its engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,7 @@ from confluent_kafka.admin import AdminClient
 from engine import Bucket, BucketConfig
 from gateway.broker import Broker, EmbeddedTansuBroker, ExternalBroker
 from gateway.invariants import check_partition, data_positions
+from tests.connectors.noida_es import free_port, noida_binary
 from tests.credentials import ADMIN_PASSWORD, ADMIN_PASSWORD_ENV, auth_headers
 from tests.gateway.kafka_util import TopicReplica, read_topic
 
@@ -293,32 +292,14 @@ def private_broker() -> Iterator[EmbeddedTansuBroker]:
         broker.stop()
 
 
-def _noida_binary() -> Path:
-    if importlib.util.find_spec("noida_db") is None:
-        pytest.skip("noida-db is not installed (pip install -e '.[dev]')")
-    from importlib.resources import files
-
-    binary = Path(str(files("noida_db").joinpath("noida-db")))
-    if not binary.is_file():
-        pytest.skip(f"noida-db has no binary for this platform ({binary})")
-    binary.chmod(0o755)
-    return binary
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def noida_broker() -> Iterator[Broker]:
     """A noida-db server (docs/kafka-compat.md "noida-db") with only its Kafka service, on a free loopback port,
     its data in a temporary dir; skips the test, with the reason, where noida-db is not installed or cannot
     run here."""
-    binary = _noida_binary()
+    binary = noida_binary()
     data = Path(tempfile.mkdtemp(prefix="dcpgw-noida-"))
-    port = _free_port()
+    port = free_port()
     with open(data / "noida.log", "wb") as log:
         proc = subprocess.Popen([str(binary), "start", "--only", "kafka", "--kafka-port", str(port),
                                  "--data-dir", str(data / "d")], stdin=subprocess.DEVNULL, stdout=log,
