@@ -186,7 +186,7 @@ def test_target_converges_to_the_source_over_random_histories(kafka_broker: Brok
 
 #: the long campaign's size (40 ran when the replicator landed: 104 rollbacks crossed, 115 documents restored);
 #: CI runs fewer so the suite stays within its time budget
-MANY = int(os.environ.get("XDCR_CONVERGENCE_EXAMPLES", "16"))
+MANY = int(os.environ.get("XDCR_CONVERGENCE_EXAMPLES", "8"))
 
 
 @pytest.mark.slow
