@@ -175,3 +175,48 @@ def test_release_cache_keeps_data_and_a_closed_store_says_so(tmp_path) -> None:
     st.close()
     with pytest.raises(StorageError, match="page cache"):
         st.release_cache()
+
+
+def test_wal_is_checkpointed_by_the_background_thread(tmp_path) -> None:
+    """engine/kv/storage.py: flushes no longer checkpoint the WAL inside their COMMIT (the automatic checkpoint
+    only bounds the WAL at AUTOCHECKPOINT_PAGES); past CHECKPOINT_BYTES of flushed rows a thread of the store
+    checkpoints it, and close() ends that thread."""
+    import threading
+    import time
+
+    from engine.kv.storage import AUTOCHECKPOINT_PAGES, CHECKPOINT_BYTES
+
+    st = Storage(tmp_path / "s.sqlite3")
+    assert int(st._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0]) == AUTOCHECKPOINT_PAGES
+    value = b"x" * 1000
+    rows = [(0, i, b"k%d" % i, value, 0, 0, i, 1, 0, 0) for i in range(1, 200)]
+    st.flush(rows, [], [], written=[sum(len(r[2]) + len(r[3]) for r in rows)])
+    assert st.wal_checkpoints == 0 and st._checkpointer is None  # below the threshold: no thread yet
+    n = CHECKPOINT_BYTES // 1000 + 1
+    rows = [(0, i, b"k%d" % i, value, 0, 0, i, 1, 0, 0) for i in range(200, 200 + n)]
+    st.flush(rows, [], [], written=[sum(len(r[2]) + len(r[3]) for r in rows)])
+    deadline = time.monotonic() + 10
+    while st.wal_checkpoints == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.wal_checkpoints >= 1
+    assert any(t.name == "wal-checkpoint:s.sqlite3" for t in threading.enumerate())
+    st.close()
+    assert not any(t.name == "wal-checkpoint:s.sqlite3" for t in threading.enumerate())
+    reopened = Storage(tmp_path / "s.sqlite3")
+    assert reopened.count(0) == 199 + n
+    reopened.close()
+
+
+def test_flusher_counts_the_bytes_it_writes_for_the_checkpointer(make_bucket) -> None:
+    """The flusher tells the store how many key + value bytes it wrote (4,500 rows of 1 KB: past
+    CHECKPOINT_BYTES; counted as 256 bytes a row they would not be), so the WAL is checkpointed."""
+    import time
+
+    b = make_bucket(num_vbuckets=4)
+    for i in range(4500):
+        b.set(f"k{i}", b"v" * 1000)
+    b.flush_all()
+    deadline = time.monotonic() + 10
+    while b.storage.wal_checkpoints == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.storage.wal_checkpoints >= 1
