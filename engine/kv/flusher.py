@@ -18,22 +18,18 @@ from engine.kv.stored_value import HAS_SYNC, HEADER, HEADER_SIZE, NO_VALUE, unpa
 from engine.kv.vbucket import VBucket
 
 
-def _rows(batches: list[tuple[int, list[bytes], list[Item | bytes]]], superseded: list[tuple[int, int, int]],
-          written: list[int]) -> Iterator[Row]:
+def _rows(batches: list[tuple[int, list[bytes], list[Item | bytes]]], superseded: list[tuple[int, int, int]]) -> Iterator[Row]:
     """The rows of ``batches`` (a vbucket and the entries read from its checkpoints), made as SQLite takes them
     -- a stored value straight from its header, no Item in between, so a batch of a quarter million items leaves
     no quarter million objects behind (docs/engine.md "Item layout and memory") -- and the "superseded" marks
-    they imply, appended to ``superseded`` on the way; once consumed, the bytes of the stored values and keys
-    are appended to ``written`` (when to checkpoint the WAL, engine/kv/storage.py)."""
+    they imply, appended to ``superseded`` on the way."""
     head = HEADER.unpack_from
     h = HEADER_SIZE
     add = superseded.append
-    size = 0
     for vbid, keys, entries in batches:
         for key, e in zip(keys, entries, strict=True):
             if type(e) is bytes:
                 seqno, cas, rev, prev, flags, exp, dt, bits = head(e)
-                size += len(e)
                 if not bits & (HAS_SYNC | NO_VALUE):
                     yield (vbid, seqno, key, e[h:], flags, exp, cas, rev, dt, bits)
                     if prev:
@@ -42,7 +38,6 @@ def _rows(batches: list[tuple[int, list[bytes], list[Item | bytes]]], superseded
                 it = unpack(key, e, vbid)
             else:
                 it = e  # type: ignore[assignment]
-                size += h + len(it.value or b"")
             sync = it.sync  # prepared << 2 | level (engine/kv/item.py)
             yield (vbid, it.seqno, it.key, it.value, it.flags, it.expiry, it.cas, it.rev_seqno, it.datatype,
                    it.op.value | (sync & 3) << 4)
@@ -50,8 +45,6 @@ def _rows(batches: list[tuple[int, list[bytes], list[Item | bytes]]], superseded
                 add((it.seqno, vbid, it.prev_seqno))
             if sync > 3:  # a commit / abort supersedes its prepare on disk (docs/durability.md)
                 add((it.seqno, vbid, sync >> 2))
-        size += sum(map(len, keys))
-    written.append(size)
 
 
 class Flusher:
@@ -114,9 +107,8 @@ class Flusher:
             else:
                 vb.persisted_snap = (first, last)
             records.append(vbucket_record(vb))
-        written: list[int] = []
         try:
-            self.storage.flush(_rows(batches, superseded, written), superseded, records, boundaries, written)
+            self.storage.flush(_rows(batches, superseded), superseded, records, boundaries)
         except Exception:
             for vb, saved, old, _first, _last in touched:
                 cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]

@@ -16,20 +16,12 @@ Layout: one database per bucket.
 
 Every flush is one transaction: a disk snapshot with its seqno range (docs/engine.md "Snapshots, de-duplication and
 consistency").
-
-WAL checkpoints (copying committed WAL frames into the database file) run on a background thread with a
-connection of its own (:class:`_Checkpointer`), not inside the flusher's COMMIT: SQLite's automatic checkpoint
-made every fourth-megabyte commit copy and sync the WAL on the flushing thread (docs/engine.md "Data path"). A
-checkpoint is one SQLite call, so the thread runs without the GIL; it moves no persistence point (a transaction
-is persisted once its COMMIT returned, as before).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import sqlite3
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,95 +138,24 @@ class VBucketRecord:
         )
 
 
-log = logging.getLogger(__name__)
-
-#: WAL bytes written by flushes after which the background thread checkpoints (SQLite's own automatic
-#: checkpoint threshold: 1000 pages of 4 KiB)
-CHECKPOINT_BYTES: Final = 1000 * 4096
-#: the flushing connection's own automatic checkpoint, in WAL pages: only a bound on the WAL in case the
-#: background checkpoints fall behind or many writes other than flushes come in between (64 MiB)
-AUTOCHECKPOINT_PAGES: Final = 16_384
-
-
-class _Checkpointer:
-    """Checkpoints the WAL of ``path`` on a thread of its own, with a connection of its own, when woken.
-
-    ``PRAGMA wal_checkpoint(PASSIVE)`` copies what was committed to the database file without blocking the
-    writer or its readers; it never changes what is persisted. A failure (disk full...) is logged and counted;
-    the frames stay in the WAL, and the next checkpoint (or the writer's automatic one) tries again."""
-
-    def __init__(self, path: Path, synchronous: str) -> None:
-        self.path = path
-        self.synchronous = synchronous
-        self.checkpoints = 0
-        self.errors = 0
-        self.last_error: str | None = None
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"wal-checkpoint:{path.name}", daemon=True)
-        self._thread.start()
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def _run(self) -> None:
-        try:
-            db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as e:
-            self.errors += 1
-            self.last_error = str(e)
-            log.warning("WAL checkpointer for %s: cannot connect (%s); the writer checkpoints itself", self.path, e)
-            return
-        try:
-            db.execute(f"PRAGMA synchronous={self.synchronous}")
-            while True:
-                self._wake.wait()
-                self._wake.clear()
-                if self._stopping:
-                    return
-                try:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                    self.checkpoints += 1
-                except sqlite3.Error as e:
-                    self.errors += 1
-                    self.last_error = str(e)
-                    log.warning("WAL checkpoint of %s failed (retried on the next one): %s", self.path, e)
-        finally:
-            db.close()
-
-    def stop(self) -> None:
-        """Finish the checkpoint under way, if any, and end the thread (before the writer's connection closes,
-        so that its close, the last one, checkpoints what is left and removes the WAL as before)."""
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
-
-
 #: SQLite's page cache of a storage connection, KiB: a fixed amount per bucket, not per item (docs/performance.md
 #: "Engine"); :meth:`Storage.release_cache` hands it back
 PAGE_CACHE_KIB: Final = 65536
 
 
 class Storage:
-    """The bucket's SQLite store. Single-threaded: owned by the bucket (only WAL checkpoints run on a thread of
-    their own, :class:`_Checkpointer`)."""
+    """The bucket's SQLite store. Single-threaded: owned by the bucket."""
 
     def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise StorageError(f"invalid sqlite synchronous mode {synchronous!r}")
         self.path = path
-        self.synchronous = synchronous.upper()
-        #: the background WAL checkpointer (started by the first flush that needs it) and the WAL bytes flushed
-        #: since it was last woken
-        self._checkpointer: _Checkpointer | None = None
-        self._wal_bytes = 0
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
             self._db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
-            self._db.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
             _migrate(self._db, path)
             self._db.executescript(_SCHEMA)
         except StorageError:
@@ -279,15 +200,11 @@ class Storage:
         superseded: Sequence[tuple[int, int, int]],
         states: Iterable[VBucketRecord],
         boundaries: Sequence[tuple[int, int]] = (),
-        written: Sequence[int] = (),
     ) -> None:
         """Persist one batch atomically: new rows, superseded marks ``(newer_seqno, vb, old_seqno)``, states
         and replica snapshot boundaries ``(vb, end_seqno)``. ``rows`` may be an iterator that fills
-        ``superseded`` as it goes (the flusher's): it is consumed first. ``written``: the bytes of the rows'
-        keys and values (the flusher's iterator appends them once consumed), which decide when the WAL is
-        checkpointed; without them the rows count 256 bytes each."""
+        ``superseded`` as it goes (the flusher's): it is consumed first."""
         db = self._db
-        changes = db.total_changes
         try:
             db.execute("BEGIN")
             db.executemany(_INSERT, rows)
@@ -301,18 +218,6 @@ class Storage:
             if db.in_transaction:
                 db.execute("ROLLBACK")
             raise StorageError(f"flush failed: {e}") from e
-        self._wal_bytes += sum(written) if written else 256 * (db.total_changes - changes)
-        if self._wal_bytes >= CHECKPOINT_BYTES:
-            self._wal_bytes = 0
-            ck = self._checkpointer
-            if ck is None:
-                ck = self._checkpointer = _Checkpointer(self.path, self.synchronous)
-            ck.wake()
-
-    @property
-    def wal_checkpoints(self) -> int:
-        """WAL checkpoints the background thread completed."""
-        return 0 if self._checkpointer is None else self._checkpointer.checkpoints
 
     # ------------------------------------------------------------------ reads
     def scan(self, vb: int, after: int, upto: int, limit: int) -> list[Row]:
@@ -434,10 +339,6 @@ class Storage:
         return int(hmax), int(tmax)
 
     def close(self) -> None:
-        ck = self._checkpointer
-        if ck is not None:
-            self._checkpointer = None
-            ck.stop()
         try:
             self._db.close()
         except sqlite3.Error as e:  # pragma: no cover - close failure is unusual
