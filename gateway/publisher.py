@@ -608,66 +608,80 @@ class Publisher:
         backlog = self._backlog
         blocked = self._blocked
         large_bytes = self.large_record_bytes
+        data_fields = enc.data_fields
         now = time.monotonic()  # one hand-over time per batch (oldest_unacked_age)
-        for m in msgs:
-            if failed and m.vbucket in failed:
-                # the vbucket's stream was stopped (oversize_policy=fail): the tail it had already sent
-                self._buffer_ack_vb(m.vbucket, m.dcp_size)
-                continue
-            if type(m) is Item:
-                vb = m.vbucket
-                pos = sent[vb]
-                size = m.dcp_size
-                if filtering and not kf(m.key):
-                    self.items_filtered += 1
-                    pos.seqno = m.seqno
-                    done = m.seqno >= pos.snap_end
-                    if done:
-                        pos.complete_if_done()
-                    self._produce(vb, None, size, pos.copy() if done else None)
+        # records_sent / bytes_sent of the hot path, counted here and added once (finally: also when an error
+        # leaves the loop); the FIFO of the last partition produced to (a FIFO is never removed from _inflight)
+        sent_n = sent_bytes = 0
+        last_part = -1
+        last_q: deque[_Inflight] = deque()
+        try:
+            for m in msgs:
+                if failed and m.vbucket in failed:
+                    # the vbucket's stream was stopped (oversize_policy=fail): the tail it had already sent
+                    self._buffer_ack_vb(m.vbucket, m.dcp_size)
                     continue
-                rec = enc.data(m, pos.vbuuid, pos.snap_start, pos.snap_end)
-                seqno = m.seqno
-                if seqno >= pos.snap_end:
-                    pos.on_data(seqno)
-                    after = pos.copy()
-                else:
-                    pos.seqno = seqno  # on_data inside a snapshot: only the seqno moves (gateway/resume.py)
-                    after = None
-                value = rec.value
-                part = vb % nparts
-                if not backlog and not (blocked and part in blocked) and (
-                        value is None or len(value) <= large_bytes):
-                    try:
-                        produce(topic, value, rec.key, partition=part, headers=rec.headers)
-                    except (BufferError, KafkaException):
-                        pass  # the general path produces it again and handles the refusal / full queue
-                    else:
-                        self.records_sent += 1
-                        self.bytes_sent += len(value or b"") + len(rec.key or b"")
-                        q = inflight.get(part)
-                        if q is None:
-                            q = inflight[part] = deque()
-                        q.append(_Inflight(vb, size, after, False, owner[vb], None, None, 0, now))
+                if type(m) is Item:
+                    vb = m.vbucket
+                    pos = sent[vb]
+                    size = m.dcp_size
+                    if filtering and not kf(m.key):
+                        self.items_filtered += 1
+                        pos.seqno = m.seqno
+                        done = m.seqno >= pos.snap_end
+                        if done:
+                            pos.complete_if_done()
+                        self._produce(vb, None, size, pos.copy() if done else None)
                         continue
-                self._produce(vb, rec, size, after, m, (pos.vbuuid, pos.snap_start, pos.snap_end))
-            elif type(m) is SnapshotMarker:
-                vb = m.vbucket
-                pos = sent[vb]
-                pos.on_snapshot(m.start, m.end)
-                rec = enc.snapshot(m, pos.vbuuid)
-                self._produce(vb, rec, m.dcp_size, None)
-            else:
-                assert isinstance(m, StreamEnd)
-                vb = m.vbucket
-                pos = sent[vb]
-                self.streaming.discard(vb)
-                rec = enc.stream_end(m, pos.vbuuid, pos.seqno, pos.snap_start, pos.snap_end)
-                self._produce(vb, rec, m.dcp_size, None)
-                self._event("stream_end", vb, int(m.reason))
-                if self.is_cluster:
-                    # STATE_CHANGED (failover), ROLLBACK, DISCONNECTED...: reload the map and re-request.
-                    self._detach(vb)
+                    key, value, headers = data_fields(m, pos.vbuuid, pos.snap_start, pos.snap_end)
+                    seqno = m.seqno
+                    if seqno >= pos.snap_end:
+                        pos.on_data(seqno)
+                        after = pos.copy()
+                    else:
+                        pos.seqno = seqno  # on_data inside a snapshot: only the seqno moves (gateway/resume.py)
+                        after = None
+                    part = vb % nparts
+                    if not backlog and not (blocked and part in blocked) and (
+                            value is None or len(value) <= large_bytes):
+                        try:
+                            produce(topic, value, key, partition=part, headers=headers)
+                        except (BufferError, KafkaException):
+                            pass  # the general path produces it again and handles the refusal / full queue
+                        else:
+                            sent_n += 1
+                            sent_bytes += len(value or b"") + len(key)
+                            if part != last_part:
+                                # the items of one snapshot come one after the other: one FIFO lookup per run
+                                last_part = part
+                                q = inflight.get(part)
+                                if q is None:
+                                    q = inflight[part] = deque()
+                                last_q = q
+                            last_q.append(_Inflight(vb, size, after, False, owner[vb], None, None, 0, now))
+                            continue
+                    self._produce(vb, KafkaRecord(key, value, headers), size, after, m,
+                                  (pos.vbuuid, pos.snap_start, pos.snap_end))
+                elif type(m) is SnapshotMarker:
+                    vb = m.vbucket
+                    pos = sent[vb]
+                    pos.on_snapshot(m.start, m.end)
+                    rec = enc.snapshot(m, pos.vbuuid)
+                    self._produce(vb, rec, m.dcp_size, None)
+                else:
+                    assert isinstance(m, StreamEnd)
+                    vb = m.vbucket
+                    pos = sent[vb]
+                    self.streaming.discard(vb)
+                    rec = enc.stream_end(m, pos.vbuuid, pos.seqno, pos.snap_start, pos.snap_end)
+                    self._produce(vb, rec, m.dcp_size, None)
+                    self._event("stream_end", vb, int(m.reason))
+                    if self.is_cluster:
+                        # STATE_CHANGED (failover), ROLLBACK, DISCONNECTED...: reload the map and re-request.
+                        self._detach(vb)
+        finally:
+            self.records_sent += sent_n
+            self.bytes_sent += sent_bytes
 
     def _produce(
         self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None,

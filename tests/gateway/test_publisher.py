@@ -65,6 +65,11 @@ def test_publishes_every_vbucket_into_its_partition(harness) -> None:
     assert types[RecordType.SNAPSHOT] >= NVB
     live = sum(1 for i in range(300) if i % 5)
     assert len(h.bucket.state_snapshot()) == live
+    # the hot path counts what it produced per batch (Publisher._publish): every record of the topic, and more
+    # bytes than the data records' keys and document bodies (Avro adds its fields)
+    assert h.pub.records_sent == h.pub.records_acked == len(recs)
+    body = sum(len(r.key) + len(r.value or b"") for _p, _o, r in recs if r.is_data)
+    assert body > 0 and h.pub.bytes_sent > body
     for vb in range(NVB):
         st = h.pub.status(vb)
         assert st["acknowledged_seqno"] == st["engine_high_seqno"] and st["lag"] == 0

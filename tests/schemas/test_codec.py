@@ -350,6 +350,26 @@ def test_hand_rolled_avro_equals_fastavro(
                                             d.cas, d.flags, d.expiry, d.datatype, d.snap_start, d.snap_end)
 
 
+
+@settings(max_examples=200, deadline=None)
+@given(base=u64s, deltas=st.lists(st.one_of(st.integers(0, 2**14), st.integers(0, 2**30), st.integers(0, U64)),
+                                  min_size=1, max_size=20))
+def test_one_encoder_equals_fastavro_over_a_sequence_of_cas_values(base: int, deltas: list[int]) -> None:
+    """RecordEncoder.data_fields remembers the varint of the CAS above its low 28 bits from one record to the next
+    (close CAS values share it): one encoder over a sequence of CAS values, near and far apart, writes exactly
+    what fastavro writes for each, and data() is data_fields() as a KafkaRecord."""
+    enc = RecordEncoder()
+    cas = base
+    for d in deltas:
+        cas = (cas + d) % (U64 + 1)
+        item = Item(b"k", b"v", 3, 7, 1, cas)
+        rec = enc.data(item, 5, 1, 9)
+        buf = io.BytesIO()
+        schemaless_writer(buf, CHANGE_EVENT_SCHEMA, avro_record(item, 5, 1, 9))
+        assert rec.value == b"\xc3\x01" + CHANGE_EVENT_FINGERPRINT + buf.getvalue()
+        assert enc.data_fields(item, 5, 1, 9) == (rec.key, rec.value, rec.headers)
+
+
 def test_read_change_value_rejects_what_is_not_a_well_formed_change_event() -> None:
     enc = RecordEncoder()
     rec = enc.data(mutation(), 5, 40, 45)
