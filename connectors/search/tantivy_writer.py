@@ -4,8 +4,8 @@ The indexer's consumer thread (decoding, the document store) and the building of
 CPython's GIL: in one process they run one after the other. :class:`TantivyWriterProcess` keeps the same
 :class:`~connectors.search.backend.IndexBackend` behaviour as :class:`~connectors.search.tantivy_backend.
 TantivyBackend` but runs the writer -- ``TantivyBackend.apply`` and ``commit`` -- in a child process
-(``python -m connectors.search.tantivy_writer``, a fresh interpreter: never a fork of a process running
-librdkafka's threads), fed over a pipe (pickled tuples): the indexer's commit thread streams each store commit's
+(a fresh interpreter running this module's :func:`main`, without ``site`` and on the parent's import path:
+never a fork of a process running librdkafka's threads), fed over a pipe (pickled tuples): the indexer's commit thread streams each store commit's
 rows to it without waiting (:meth:`TantivyWriterProcess.stream_rows`), then the generation's commit. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
 indexer's process (a reader reloaded after every commit the child acknowledged): a commit's documents and its
 checkpoint are still seen together.
@@ -68,6 +68,18 @@ class WriterProcessDied(ConnectorError):
     """The tantivy writer process exited under a request (what it applied and did not commit is lost)."""
 
 
+#: the child's command line: ``-S`` -- no ``site`` (its start-up, and the editable install's import hook, are a
+#: third of the child's start before it is ready, which the indexer's constructor waits for); the import path
+#: is the parent's instead, headed by the directory of this very ``connectors`` package -- not the working
+#: directory's -- so the child always runs the parent's code
+_CHILD_CODE: Final = "import sys; sys.path[0:1] = sys.argv[1:]; from connectors.search.tantivy_writer import main; main()"
+_PACKAGE_ROOT: Final = str(Path(__file__).resolve().parents[2])
+
+
+def _child_command() -> list[str]:
+    return [sys.executable, "-S", "-c", _CHILD_CODE, _PACKAGE_ROOT, *[p for p in sys.path if p and p != _PACKAGE_ROOT]]
+
+
 def _send(f: IO[bytes], msg: Any) -> None:
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     f.write(_LEN.pack(len(data)))
@@ -106,8 +118,7 @@ class TantivyWriterProcess:
 
     # ------------------------------------------------------------------------------------ the child
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "connectors.search.tantivy_writer"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self._ready = False
         assert self._proc.stdin is not None
         _send(self._proc.stdin, (str(self.path), self.mapping, self.heap))

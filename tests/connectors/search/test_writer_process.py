@@ -183,3 +183,20 @@ def test_an_index_directory_the_writer_cannot_open_fails_the_indexer_at_start(ha
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:  # the store was closed: it opens again
         ix.catch_up()
         assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+
+
+def test_the_writer_process_runs_the_parents_code_from_any_working_directory(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child is started without ``site`` on the parent's import path, headed by this ``connectors`` package:
+    a ``connectors`` package in the working directory (another checkout) is not what it runs."""
+    other = tmp_path / "cwd" / "connectors"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('the working directory\\'s connectors package')\n")
+    monkeypatch.chdir(other.parent)
+    b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    try:
+        b.apply([Upsert("a", 0, 1, b'{"v": 1}')])
+        b.commit(Checkpoint(1, {}, MAPPING.id))
+        assert b.keys() == {"a": (0, 1, {"v": 1})}
+    finally:
+        b.close()
