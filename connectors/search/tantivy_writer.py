@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Final, NamedTuple, cast
+from typing import IO, Any, Final, NamedTuple
 
 from connectors.exceptions import ConnectorError
 from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexOp, SearchResult
@@ -53,6 +53,9 @@ MAX_TRACKED_KEYS: Final = 1_000_000
 #: waits for the oldest answer (the child always has the next chunk in its pipe, and its answers never fill theirs)
 MAX_UNANSWERED: Final = 2
 _LEN = struct.Struct(">Q")
+#: the head of a changelog segment's entry: :data:`connectors.client.changelog.ENTRY_HEAD` (not imported: it
+#: would add the client's modules to the child's start-up)
+ENTRY_HEAD: Final = struct.Struct(">QHI")
 
 
 class _UpsertRow(NamedTuple):
@@ -207,7 +210,10 @@ class TantivyWriterProcess:
         return ApplyStats(*self._request(("apply", rows)))
 
     def stream_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
-        """:meth:`apply_rows` without waiting for the child (docs/search.md "Performance": the indexer streams
+        """:meth:`apply_rows` without waiting for the child -- its items rows, or changelog segments ``(vbucket,
+        data)`` (``data``: entries packed by :func:`connectors.client.changelog.pack_entry`, a version
+        ``b"\x01" + body`` or ``b"\x00"`` for a deletion, as the indexer's changelog holds them), applied in
+        order (docs/search.md "Performance": the indexer streams
         each store commit's rows as it happens): at most ``MAX_UNANSWERED`` chunks unanswered, then it waits for
         the oldest. A failed chunk raises from the next request -- :meth:`commit` at the latest, which therefore
         never commits a checkpoint whose rows the child did not all apply (nor a child started again after one
@@ -282,6 +288,34 @@ def _open_writer(path: str, mapping: DocumentMapping, heap: int) -> TantivyBacke
             time.sleep(0.1)
 
 
+def _ops(items: Sequence[tuple[Any, ...]]) -> list[IndexOp]:
+    """The operations of an apply request: rows ``(key, value -- None: a delete --, vbucket, seqno, ...)`` and
+    changelog segments ``(vbucket, data)`` (:meth:`TantivyWriterProcess.stream_rows`), in order. Upserts as
+    named tuples: ``TantivyBackend.apply`` reads their fields (a frozen dataclass costs more to build than the
+    tantivy document)."""
+    ops: list[Any] = []
+    op = ops.append
+    unpack, size = ENTRY_HEAD.unpack_from, ENTRY_HEAD.size
+    for r in items:
+        if len(r) != 2:
+            op(Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1]))
+            continue
+        vb, data = r
+        pos, end = 0, len(data)
+        while pos < end:
+            seqno, klen, vlen = unpack(data, pos)
+            pos += size
+            v = pos
+            pos += vlen
+            key = data[pos:pos + klen].decode("utf-8", "surrogateescape")
+            pos += klen
+            if data[v] == 1:  # b"\x01" + the body
+                op(_UpsertRow(key, vb, seqno, data[v + 1:v + vlen]))
+            else:
+                op(Delete(key, vb, seqno))
+    return ops
+
+
 def serve(inp: IO[bytes], out: IO[bytes]) -> None:
     """The child's loop: requests from ``inp`` until its end, answers to ``out``."""
     path, mapping, heap = _recv(inp)
@@ -303,11 +337,8 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
                 return  # the indexer closed the pipe or died: drop what is not committed
             try:
                 if what == "apply":
-                    # upserts as named tuples: TantivyBackend.apply reads their fields (a frozen dataclass
-                    # costs more to build than the tantivy document)
-                    ops = [Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1])
-                           for r in arg]
-                    st = backend.apply(cast(list[IndexOp], ops), present=present)
+                    ops = _ops(arg)
+                    st = backend.apply(ops, present=present)
                     if present is not None and len(present) > MAX_TRACKED_KEYS:
                         present = None
                     value: Any = (st.indexed, st.deleted, st.binary_skipped, st.field_rejected, st.rejected)
