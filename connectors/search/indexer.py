@@ -69,6 +69,8 @@ STORE_WAL_PAGES: Final = 16384
 #: chunks of streamed rows handed to the commit thread and not sent to the writer yet, at most: above it the
 #: consumer's next store commits add to the chunk it sends later (the consumer never waits for the writer)
 MAX_QUEUED_CHUNKS: Final = 3
+#: records the consumer fetches and decodes at most while the constructor waits for the writer process to start
+PREFETCH_RECORDS: Final = 50_000
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
@@ -268,6 +270,14 @@ class SearchIndexer:
         self._closing = False
         self._changed = threading.Condition()
         try:
+            if isinstance(backend, TantivyWriterProcess):
+                # while the writer process starts (a fresh interpreter, tantivy, the index: most of this
+                # constructor's time), the consumer fetches and decodes the first records; nothing is applied
+                # before the backend's checkpoint is known (docs/search.md "Performance")
+                first = self.consumer.records_consumed
+                while (not backend.started() and self.consumer.records_consumed - first < PREFETCH_RECORDS
+                       and self.consumer.prefetch(0.005)):
+                    pass
             # (the tantivy writer process reports here when it cannot open the index)
             cp = self.backend.checkpoint()
         except BaseException:

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -192,6 +193,16 @@ class TantivyWriterProcess:
         if status == "error":
             raise ConnectorError(f"tantivy writer: {value}")
         return value
+
+    def started(self) -> bool:
+        """The child answered its start (ready, or failed to open the index: the next request says which), or
+        exited; False while it is still starting (never waits). The indexer decodes its first records meanwhile
+        (docs/search.md "Performance")."""
+        with self._lock:
+            proc = self._proc
+            if self._ready or proc is None or proc.stdout is None:
+                return True
+            return bool(select.select([proc.stdout], [], [], 0)[0])
 
     def _ensure_ready(self) -> TantivyBackend:
         if self._reader is None or not self._ready:

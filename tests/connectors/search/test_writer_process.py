@@ -228,3 +228,24 @@ def test_streamed_changelog_segments_apply_as_their_rows(tmp_path: Path) -> None
             "z": (3, 4, {"v": 0}), "bé": (3, 6, {"v": 2}), "c": (3, 8, {"v": 3})}
     finally:
         b.close()
+
+
+def test_the_consumer_decodes_while_the_writer_process_starts(harness: Any, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The constructor waits for the writer process's start (its checkpoint) and meanwhile fetches and decodes
+    the first records -- nothing applied: the index still ends equal to the source; the wait stops at
+    ``PREFETCH_RECORDS``."""
+    from connectors.search import indexer as indexer_module
+
+    h = harness(nvb=4)
+    write(h.bucket, 150)
+    h.settle()
+    real = TantivyWriterProcess.started
+    monkeypatch.setattr(TantivyWriterProcess, "started", lambda self: False)  # (a slow start)
+    monkeypatch.setattr(indexer_module, "PREFETCH_RECORDS", 40)
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, tmp_path / "ix", batch_size=20) as ix:
+        assert 40 <= ix.consumer.records_consumed < 40 + 20
+        assert ix.stats.changes == 0 and ix.store.partition_offsets() == {}
+        monkeypatch.setattr(TantivyWriterProcess, "started", real)
+        ix.catch_up()
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
