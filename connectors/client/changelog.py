@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior, Undo
 from connectors.exceptions import StateStoreError
 
-__all__ = ["Changelog", "pack_entry"]
+__all__ = ["ENTRY_HEAD", "Changelog", "pack_entry", "segment_entries"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t} (
@@ -43,11 +43,18 @@ CREATE TABLE IF NOT EXISTS {t}_floor (vbucket INTEGER PRIMARY KEY, floor INTEGER
 """
 
 #: an entry of a segment: seqno, key length, version length; then the version (``DocVersion.pack``), the key
-_HEAD = struct.Struct(">QHI")
+ENTRY_HEAD = _HEAD = struct.Struct(">QHI")
 
 
 def pack_entry(seqno: int, key: bytes, version: bytes) -> bytes:
+    """One entry of a segment (a caller building a whole segment may join ``ENTRY_HEAD.pack(seqno, len(key),
+    len(version))``, the version's pieces and the key instead: the same bytes)."""
     return _HEAD.pack(seqno, len(key), len(version)) + version + key
+
+
+def segment_entries(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
+    """(seqno, key, version) of each entry of a segment's ``data``, in seqno order."""
+    return _entries(data)
 
 
 def _entries(data: bytes) -> Iterator[tuple[int, bytes, bytes]]:
@@ -90,18 +97,23 @@ class Changelog(MutationLog):
     def append(self, vbucket: int, first: int, last: int, entries: Sequence[bytes]) -> None:
         """One snapshot's changes (``pack_entry`` each, seqno order, seqnos ``first`` .. ``last``). A snapshot
         delivered again (seqnos at or below what the vbucket holds) replaces what it covers."""
-        if not entries:
-            return
+        if entries:
+            self.append_segment(vbucket, first, last, len(entries), b"".join(entries))
+
+    def append_segment(self, vbucket: int, first: int, last: int, count: int, data: bytes) -> None:
+        """:meth:`append` of a segment packed by the caller: ``count`` entries, ``data`` their ``pack_entry``
+        bytes joined (the indexer builds it in one pass with its store rows, and streams the same bytes to
+        its writer process)."""
         try:
             if first <= self._last_seqno(vbucket):
                 self._truncate_above(vbucket, first - 1)
             self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
-                              (vbucket, last, first, len(entries), b"".join(entries)))
+                              (vbucket, last, first, count, data))
         except sqlite3.Error as e:
             raise StateStoreError(f"cannot write the changelog of vbucket {vbucket}: {e}") from e
         self._last[vbucket] = last
         if vbucket in self._above:
-            self._above[vbucket] += len(entries)
+            self._above[vbucket] += count
 
     def record(self, vbucket: int, changes: Iterable[tuple[int, bytes]], priors: Mapping[bytes, Prior]) -> int:
         """Nothing: the versions are appended by the replicator (:meth:`append`)."""

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from connectors.client.changelog import Changelog, pack_entry
+from connectors.client.changelog import ENTRY_HEAD, Changelog
 from connectors.client.consumer import (
     DEFAULT_BATCH_SIZE,
     ChangeStreamConsumer,
@@ -69,6 +69,8 @@ STORE_WAL_PAGES: Final = 16384
 #: chunks of streamed rows handed to the commit thread and not sent to the writer yet, at most: above it the
 #: consumer's next store commits add to the chunk it sends later (the consumer never waits for the writer)
 MAX_QUEUED_CHUNKS: Final = 3
+#: records the consumer fetches and decodes at most while the constructor waits for the writer process to start
+PREFETCH_RECORDS: Final = 50_000
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
@@ -97,6 +99,9 @@ def _k(key: bytes) -> str:
 #: on the consumer's thread; the commit thread turns them into :class:`IndexOp`s, or hands them as they are to a
 #: backend that takes rows -- :meth:`TantivyWriterProcess.apply_rows`)
 Row = tuple[str, bytes | None, int, int, int]
+#: what is streamed to the writer process: store rows, or a snapshot's changelog segment as (vbucket, its bytes)
+#: -- the writer reads the changes from the segment (no tuples per change pickled by the commit thread)
+Streamed = Row | tuple[int, bytes]
 
 
 def _ops(rows: Sequence[Row]) -> list[IndexOp]:
@@ -122,9 +127,10 @@ class _Commit:
 
 @dataclass(slots=True)
 class _Chunk:
-    """Rows of committed store transactions streamed to the writer before their generation's commit."""
+    """Rows and segments of committed store transactions streamed to the writer before their generation's
+    commit."""
 
-    rows: list[Row]
+    rows: list[Streamed]
 
 
 @dataclass(slots=True)
@@ -252,9 +258,10 @@ class SearchIndexer:
         self._jobs: queue.SimpleQueue[_Commit | _Chunk | None] = queue.SimpleQueue()
         #: streaming (the tantivy writer process; docs/search.md "Performance"): after every store commit its
         #: rows go to the writer at once, the generation's commit follows them; the other backends get a
-        #: generation at a time. ``_unsent``: rows committed in the store and not handed to the commit thread
+        #: generation at a time. ``_unsent``: rows and changelog segments committed in the store and not handed
+        #: to the commit thread
         self._streaming = isinstance(backend, TantivyWriterProcess)
-        self._unsent: list[Row] = []
+        self._unsent: list[Streamed] = []
         self._queued_chunks = 0
         #: a streamed chunk of the current generation failed (commit thread only): the generation's commit fails
         #: with it, the later chunks before it are skipped
@@ -263,6 +270,14 @@ class SearchIndexer:
         self._closing = False
         self._changed = threading.Condition()
         try:
+            if isinstance(backend, TantivyWriterProcess):
+                # while the writer process starts (a fresh interpreter, tantivy, the index: most of this
+                # constructor's time), the consumer fetches and decodes the first records; nothing is applied
+                # before the backend's checkpoint is known (docs/search.md "Performance")
+                first = self.consumer.records_consumed
+                while (not backend.started() and self.consumer.records_consumed - first < PREFETCH_RECORDS
+                       and self.consumer.prefetch(0.005)):
+                    pass
             # (the tantivy writer process reports here when it cannot open the index)
             cp = self.backend.checkpoint()
         except BaseException:
@@ -320,8 +335,11 @@ class SearchIndexer:
         if not changes:
             return
         rows: list[Row] = []
-        entries: list[bytes] = []
-        row, entry = rows.append, entries.append
+        # the changelog segment's bytes in the same pass (pack_entry's bytes, joined once): the store's
+        # changelog row and, streamed as they are, the writer process's input (docs/search.md "Performance")
+        parts: list[bytes] = []
+        row, part = rows.append, parts.append
+        head = ENTRY_HEAD.pack
         pending = self._pending
         if not pending:
             self._first_pending = self.clock()
@@ -333,19 +351,24 @@ class SearchIndexer:
             seqno = c.seqno
             if c.type is not mutation:  # a deletion or expiration
                 r: Row = (k, None, vb, seqno, gen)
-                entry(pack_entry(seqno, key, _GONE))
+                part(head(seqno, len(key), 1))
+                part(_GONE)
             else:
                 value = c.value
                 assert value is not None
                 r = (k, value, vb, seqno, gen)
-                entry(pack_entry(seqno, key, _LIVE + value))
+                part(head(seqno, len(key), len(value) + 1))
+                part(_LIVE)
+                part(value)
+            part(key)
             row(r)
             pending[k] = r
         # changes are in seqno order: the last change of a key wins
         self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
+        data = b"".join(parts)
         if self._streaming:
-            self._unsent += rows
-        self.changelog.append(vb, changes[0].seqno, changes[-1].seqno, entries)
+            self._unsent.append((vb, data))
+        self.changelog.append_segment(vb, changes[0].seqno, changes[-1].seqno, len(rows), data)
         self.stats.changes += len(rows)
 
     def _on_rollback(self, rb: RollbackInstruction) -> None:

@@ -4,8 +4,8 @@ The indexer's consumer thread (decoding, the document store) and the building of
 CPython's GIL: in one process they run one after the other. :class:`TantivyWriterProcess` keeps the same
 :class:`~connectors.search.backend.IndexBackend` behaviour as :class:`~connectors.search.tantivy_backend.
 TantivyBackend` but runs the writer -- ``TantivyBackend.apply`` and ``commit`` -- in a child process
-(``python -m connectors.search.tantivy_writer``, a fresh interpreter: never a fork of a process running
-librdkafka's threads), fed over a pipe (pickled tuples): the indexer's commit thread streams each store commit's
+(a fresh interpreter running this module's :func:`main`, without ``site`` and on the parent's import path:
+never a fork of a process running librdkafka's threads), fed over a pipe (pickled tuples): the indexer's commit thread streams each store commit's
 rows to it without waiting (:meth:`TantivyWriterProcess.stream_rows`), then the generation's commit. Searches, :meth:`checkpoint` and :meth:`keys` read the same index directory in the
 indexer's process (a reader reloaded after every commit the child acknowledged): a commit's documents and its
 checkpoint are still seen together.
@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
@@ -31,7 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Final, NamedTuple, cast
+from typing import IO, Any, Final, NamedTuple
 
 from connectors.exceptions import ConnectorError
 from connectors.search.backend import ApplyStats, Checkpoint, Delete, IndexOp, SearchResult
@@ -53,6 +54,9 @@ MAX_TRACKED_KEYS: Final = 1_000_000
 #: waits for the oldest answer (the child always has the next chunk in its pipe, and its answers never fill theirs)
 MAX_UNANSWERED: Final = 2
 _LEN = struct.Struct(">Q")
+#: the head of a changelog segment's entry: :data:`connectors.client.changelog.ENTRY_HEAD` (not imported: it
+#: would add the client's modules to the child's start-up)
+ENTRY_HEAD: Final = struct.Struct(">QHI")
 
 
 class _UpsertRow(NamedTuple):
@@ -66,6 +70,18 @@ class _UpsertRow(NamedTuple):
 
 class WriterProcessDied(ConnectorError):
     """The tantivy writer process exited under a request (what it applied and did not commit is lost)."""
+
+
+#: the child's command line: ``-S`` -- no ``site`` (its start-up, and the editable install's import hook, are a
+#: third of the child's start before it is ready, which the indexer's constructor waits for); the import path
+#: is the parent's instead, headed by the directory of this very ``connectors`` package -- not the working
+#: directory's -- so the child always runs the parent's code
+_CHILD_CODE: Final = "import sys; sys.path[0:1] = sys.argv[1:]; from connectors.search.tantivy_writer import main; main()"
+_PACKAGE_ROOT: Final = str(Path(__file__).resolve().parents[2])
+
+
+def _child_command() -> list[str]:
+    return [sys.executable, "-S", "-c", _CHILD_CODE, _PACKAGE_ROOT, *[p for p in sys.path if p and p != _PACKAGE_ROOT]]
 
 
 def _send(f: IO[bytes], msg: Any) -> None:
@@ -106,8 +122,7 @@ class TantivyWriterProcess:
 
     # ------------------------------------------------------------------------------------ the child
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "connectors.search.tantivy_writer"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         self._ready = False
         assert self._proc.stdin is not None
         _send(self._proc.stdin, (str(self.path), self.mapping, self.heap))
@@ -179,6 +194,16 @@ class TantivyWriterProcess:
             raise ConnectorError(f"tantivy writer: {value}")
         return value
 
+    def started(self) -> bool:
+        """The child answered its start (ready, or failed to open the index: the next request says which), or
+        exited; False while it is still starting (never waits). The indexer decodes its first records meanwhile
+        (docs/search.md "Performance")."""
+        with self._lock:
+            proc = self._proc
+            if self._ready or proc is None or proc.stdout is None:
+                return True
+            return bool(select.select([proc.stdout], [], [], 0)[0])
+
     def _ensure_ready(self) -> TantivyBackend:
         if self._reader is None or not self._ready:
             self._request(None)
@@ -196,7 +221,10 @@ class TantivyWriterProcess:
         return ApplyStats(*self._request(("apply", rows)))
 
     def stream_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
-        """:meth:`apply_rows` without waiting for the child (docs/search.md "Performance": the indexer streams
+        """:meth:`apply_rows` without waiting for the child -- its items rows, or changelog segments ``(vbucket,
+        data)`` (``data``: entries packed by :func:`connectors.client.changelog.pack_entry`, a version
+        ``b"\x01" + body`` or ``b"\x00"`` for a deletion, as the indexer's changelog holds them), applied in
+        order (docs/search.md "Performance": the indexer streams
         each store commit's rows as it happens): at most ``MAX_UNANSWERED`` chunks unanswered, then it waits for
         the oldest. A failed chunk raises from the next request -- :meth:`commit` at the latest, which therefore
         never commits a checkpoint whose rows the child did not all apply (nor a child started again after one
@@ -271,6 +299,34 @@ def _open_writer(path: str, mapping: DocumentMapping, heap: int) -> TantivyBacke
             time.sleep(0.1)
 
 
+def _ops(items: Sequence[tuple[Any, ...]]) -> list[IndexOp]:
+    """The operations of an apply request: rows ``(key, value -- None: a delete --, vbucket, seqno, ...)`` and
+    changelog segments ``(vbucket, data)`` (:meth:`TantivyWriterProcess.stream_rows`), in order. Upserts as
+    named tuples: ``TantivyBackend.apply`` reads their fields (a frozen dataclass costs more to build than the
+    tantivy document)."""
+    ops: list[Any] = []
+    op = ops.append
+    unpack, size = ENTRY_HEAD.unpack_from, ENTRY_HEAD.size
+    for r in items:
+        if len(r) != 2:
+            op(Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1]))
+            continue
+        vb, data = r
+        pos, end = 0, len(data)
+        while pos < end:
+            seqno, klen, vlen = unpack(data, pos)
+            pos += size
+            v = pos
+            pos += vlen
+            key = data[pos:pos + klen].decode("utf-8", "surrogateescape")
+            pos += klen
+            if data[v] == 1:  # b"\x01" + the body
+                op(_UpsertRow(key, vb, seqno, data[v + 1:v + vlen]))
+            else:
+                op(Delete(key, vb, seqno))
+    return ops
+
+
 def serve(inp: IO[bytes], out: IO[bytes]) -> None:
     """The child's loop: requests from ``inp`` until its end, answers to ``out``."""
     path, mapping, heap = _recv(inp)
@@ -292,11 +348,8 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
                 return  # the indexer closed the pipe or died: drop what is not committed
             try:
                 if what == "apply":
-                    # upserts as named tuples: TantivyBackend.apply reads their fields (a frozen dataclass
-                    # costs more to build than the tantivy document)
-                    ops = [Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1])
-                           for r in arg]
-                    st = backend.apply(cast(list[IndexOp], ops), present=present)
+                    ops = _ops(arg)
+                    st = backend.apply(ops, present=present)
                     if present is not None and len(present) > MAX_TRACKED_KEYS:
                         present = None
                     value: Any = (st.indexed, st.deleted, st.binary_skipped, st.field_rejected, st.rejected)

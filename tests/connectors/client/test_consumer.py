@@ -571,3 +571,92 @@ def test_run_raises_the_young_gc_threshold_only_while_it_runs(
     finally:
         gc.set_threshold(*before)
     assert seen and set(seen) == {GC_YOUNG_THRESHOLD if app_threshold else 0}
+
+
+def _snapshot_docs(c: ChangeStreamConsumer) -> dict[bytes, tuple[bytes, int]]:
+    docs: dict[bytes, tuple[bytes, int]] = {}
+
+    def on_snapshot(s: Snapshot) -> None:
+        for ch in s.changes:
+            if ch.deleted:
+                docs.pop(ch.key, None)
+            else:
+                assert ch.value is not None
+                docs[ch.key] = (ch.value, ch.vbucket)
+
+    c.run(on_snapshot, lambda r: None, until_caught_up=True)
+    return docs
+
+
+def test_prefetch_decodes_without_applying_and_the_events_follow_unchanged(harness: Any, tmp_path: Path) -> None:
+    """prefetch() fills the event queue -- no event opened, nothing saved -- and the events handed out after it
+    are those without it; a consumer closed after prefetching resumes from where it was."""
+    h = harness(nvb=4)
+    write(h.bucket, 200)
+    h.settle()
+    db = tmp_path / "s.sqlite"
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=db) as c:
+        deadline = time.monotonic() + 30
+        while c.records_consumed == 0 and time.monotonic() < deadline:
+            assert c.prefetch(0.1)
+        assert c.records_consumed > 0 and c._queue and c._open is None
+        assert c.store.partition_offsets() == {}  # nothing confirmed
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=db) as c:
+        while c.records_consumed < 200 and c.prefetch(0.1):
+            pass
+        assert _snapshot_docs(c) == h.bucket.state_snapshot()
+
+
+def test_a_decode_error_met_by_prefetch_is_raised_where_it_would_have_been(harness: Any) -> None:
+    h = harness(nvb=2)
+    write(h.bucket, 10)
+    h.settle()
+    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    p.produce(h.topic, key=b"x", value=b"junk", partition=1, headers=[("dcp.type", b"nonsense")])
+    p.flush(10)
+    write(h.bucket, 10, start=10)
+    h.settle()
+    seen: list[DeadLetter] = []
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, dead_letter=seen.append) as c:
+        deadline = time.monotonic() + 30
+        while c.prefetch(0.1) and time.monotonic() < deadline:
+            pass
+        assert len(seen) == 1  # met (and copied to the dead-letter destination) by the prefetch
+        assert not c.caught_up()  # the error is still to come
+        assert not c.prefetch(0.1)  # nothing more before it is raised
+        with pytest.raises(DecodeError):
+            next(c.events(until_caught_up=True))
+        docs = _snapshot_docs(c)  # then the stream continues after the bad record
+    assert len(seen) == 1
+    assert docs == h.bucket.state_snapshot()
+
+
+def test_a_fresh_manual_assignment_starts_at_the_partitions_first_offsets(harness: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The partitions read from their start are assigned at their first offsets (asked for in one request),
+    not at OFFSET_BEGINNING; when that request fails they keep OFFSET_BEGINNING. Either way every record is
+    read."""
+    h = harness(nvb=2)
+    write(h.bucket, 20)
+    h.settle()
+    assigned: list[list[int]] = []
+    real_assign = Consumer.assign
+
+    class Recording(Consumer):  # (confluent_kafka's Consumer cannot be patched in place)
+        def assign(self, partitions: list[TopicPartition]) -> None:
+            assigned.append([tp.offset for tp in partitions])
+            real_assign(self, partitions)
+
+    monkeypatch.setattr(consumer_module, "Consumer", Recording)
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
+        assert _snapshot_docs(c) == h.bucket.state_snapshot()
+    assert assigned == [[0, 0]]
+
+    class Failing:
+        def __init__(self, conf: Any) -> None:
+            raise consumer_module.KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    monkeypatch.setattr(consumer_module, "AdminClient", Failing)
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
+        assert _snapshot_docs(c) == h.bucket.state_snapshot()
+    assert assigned[1] == [consumer_module.OFFSET_BEGINNING] * 2

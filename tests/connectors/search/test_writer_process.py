@@ -183,3 +183,69 @@ def test_an_index_directory_the_writer_cannot_open_fails_the_indexer_at_start(ha
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:  # the store was closed: it opens again
         ix.catch_up()
         assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+
+
+def test_the_writer_process_runs_the_parents_code_from_any_working_directory(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child is started without ``site`` on the parent's import path, headed by this ``connectors`` package:
+    a ``connectors`` package in the working directory (another checkout) is not what it runs."""
+    other = tmp_path / "cwd" / "connectors"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("raise ImportError('the working directory\\'s connectors package')\n")
+    monkeypatch.chdir(other.parent)
+    b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    try:
+        b.apply([Upsert("a", 0, 1, b'{"v": 1}')])
+        b.commit(Checkpoint(1, {}, MAPPING.id))
+        assert b.keys() == {"a": (0, 1, {"v": 1})}
+    finally:
+        b.close()
+
+
+def test_streamed_changelog_segments_apply_as_their_rows(tmp_path: Path) -> None:
+    """The indexer streams a snapshot's changelog segment (vbucket, its packed entries) instead of its rows:
+    the writer applies each entry in order -- ``b"\\x01" + body`` an upsert, ``b"\\x00"`` a delete -- mixed
+    with plain rows (a rollback's), keys decoded from UTF-8 as the store's."""
+    from connectors.client.changelog import ENTRY_HEAD as CHANGELOG_HEAD
+    from connectors.client.changelog import pack_entry, segment_entries
+    from connectors.search import tantivy_writer
+
+    assert tantivy_writer.ENTRY_HEAD.format == CHANGELOG_HEAD.format
+    seg = b"".join([pack_entry(5, b"a", b'\x01{"v": 1}'), pack_entry(6, "bé".encode(), b'\x01{"v": 2}'),
+                    pack_entry(7, b"a", b"\x00"), pack_entry(8, b"c", b'\x01{"v": 3}')])
+    assert [sq for sq, _, _ in segment_entries(seg)] == [5, 6, 7, 8]
+    ops = tantivy_writer._ops([("z", b'{"v": 0}', 3, 4, 1), (3, seg), ("z", None, 3, 9, 1)])
+    assert [(type(o).__name__, o.key, o.vbucket, o.seqno, getattr(o, "value", None)) for o in ops] == [
+        ("_UpsertRow", "z", 3, 4, b'{"v": 0}'), ("_UpsertRow", "a", 3, 5, b'{"v": 1}'),
+        ("_UpsertRow", "bé", 3, 6, b'{"v": 2}'), ("Delete", "a", 3, 7, None),
+        ("_UpsertRow", "c", 3, 8, b'{"v": 3}'), ("Delete", "z", 3, 9, None)]
+    b = TantivyWriterProcess(tmp_path / "t", MAPPING)
+    try:
+        b.stream_rows([("z", b'{"v": 0}', 3, 4, 1), (3, seg)])
+        b.commit(Checkpoint(1, {}, MAPPING.id))
+        assert b.take_stats().indexed == 4
+        assert {k: (vb, sq, f) for k, (vb, sq, f) in b.keys().items()} == {
+            "z": (3, 4, {"v": 0}), "bé": (3, 6, {"v": 2}), "c": (3, 8, {"v": 3})}
+    finally:
+        b.close()
+
+
+def test_the_consumer_decodes_while_the_writer_process_starts(harness: Any, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The constructor waits for the writer process's start (its checkpoint) and meanwhile fetches and decodes
+    the first records -- nothing applied: the index still ends equal to the source; the wait stops at
+    ``PREFETCH_RECORDS``."""
+    from connectors.search import indexer as indexer_module
+
+    h = harness(nvb=4)
+    write(h.bucket, 150)
+    h.settle()
+    real = TantivyWriterProcess.started
+    monkeypatch.setattr(TantivyWriterProcess, "started", lambda self: False)  # (a slow start)
+    monkeypatch.setattr(indexer_module, "PREFETCH_RECORDS", 40)
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, tmp_path / "ix", batch_size=20) as ix:
+        assert 40 <= ix.consumer.records_consumed < 40 + 20
+        assert ix.stats.changes == 0 and ix.store.partition_offsets() == {}
+        monkeypatch.setattr(TantivyWriterProcess, "started", real)
+        ix.catch_up()
+        assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
