@@ -147,20 +147,15 @@ class GroupMember:
         self._renewed_at = self._answered_at = None
         return True
 
-    def _resume_recovered(self) -> bool:
-        """Resume the vbuckets of a delivery recovery from their partitions' tails once settled (blocking Kafka
-        reads on the loop's thread, as brief as a restart's). True when there is nothing (left) to wait for."""
-        if not self._recovering:
-            return True
-        if not self._settled():
-            return False
+    def _resume_recovered(self) -> None:
+        """Resume the vbuckets of a delivery recovery from their partitions' tails, once :meth:`_settled`
+        (blocking Kafka reads on the loop's thread, as long as a restart's)."""
         vbs = sorted(self._recovering)
         positions = self._recover(vbs)
         self._recovering.clear()
         self.publisher.add_vbuckets(positions)
         log.info("group %s: %d vbuckets resumed from their partitions' tails (delivery recovery %d)",
                  self.membership.group, len(vbs), self.recoveries)
-        return True
 
     def serve(self) -> None:
         self.handoff.serve(self._start_revoke, self._released, self._add)
@@ -198,9 +193,9 @@ class GroupMember:
         if (pub.assigned or self._recovering) and m.lease_expired():
             self.waits_for_lease += 1
             return True
-        if not self._resume_recovered():
-            pub.pump()  # no vbucket: the closed streams' tails are dropped
-            return True
+        if self._recovering and self._settled():
+            self._resume_recovered()
+            return True  # the replay took a while: the lease is checked again before anything is published
         try:
             pub.pump()
         except (DeliveryTimedOut, ProducerFailed) as e:
