@@ -63,6 +63,11 @@ class MemberExited(RuntimeError):
     """A gateway member of a scale-out run exited before the run completed."""
 
 
+def _last_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    return lines[-1].strip()[:300] if lines else ""
+
+
 def _recoveries(log: Path) -> int:
     """In-process delivery recoveries a member logged (docs/scale-out.md "Delivery within the lease")."""
     return len(_RECOVERED.findall(log.read_text(errors="replace"))) if log.exists() else 0
@@ -121,7 +126,12 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
             if all(cps.get(vb) is not None and cps[vb].seqno >= h for vb, h in highs.items() if h):
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError("the gateway group never caught up")
+                behind = [vb for vb, h in highs.items() if h and (cps.get(vb) is None or cps[vb].seqno < h)]
+                raise TimeoutError(
+                    f"the gateway group never caught up: {len(behind)} vbuckets' checkpoints behind the node's high "
+                    f"seqnos (e.g. {behind[:5]}); delivery recoveries "
+                    f"{[_recoveries(log) for _p, log in members]}; last member log lines: "
+                    + " | ".join(_last_line(log) for _p, log in members))
             _exited(members, "during the timed part")
             time.sleep(0.05)
         el = time.perf_counter() - t

@@ -33,7 +33,7 @@ from gateway.kafka.membership import (
 )
 from gateway.member import GroupMember
 from gateway.publisher import DeliveryBudget, Publisher
-from gateway.resume import ensure_topics
+from gateway.resume import CheckpointWriter, PublishPosition, ensure_topics
 from schemas.codec import RecordEncoder
 from schemas.records import ValueFormat
 from tests.gateway.kafka_util import TopicChecks
@@ -167,6 +167,21 @@ def test_delivery_recovery_waits_for_an_answer_sent_after_the_renewal_then_settl
     assert not m._released([1])
     now[0] += 0.1
     assert m._released([1]) and m._renewed_at is None and m._settled()
+
+
+def test_checkpoint_not_delivered_is_written_again() -> None:
+    """A member's checkpoint records time out with its lease (message.timeout.ms): a vbucket whose position does
+    not move afterwards would keep an old checkpoint for good, so the newest position goes back to pending."""
+    w = CheckpointWriter({"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 200}, "t")
+    w.write({3: PublishPosition(3, seqno=7), 5: PublishPosition(5, seqno=9)})
+    assert not w.pending and w.written == 2
+    w.write({5: PublishPosition(5, seqno=10)})
+    deadline = time.monotonic() + 10
+    while w.failed < 3 and time.monotonic() < deadline:
+        w._p.poll(0.1)  # nothing answers at 127.0.0.1:1: the records time out
+    assert w.failed == 3
+    assert {vb: p.seqno for vb, p in w.pending.items()} == {3: 7, 5: 10}  # the newest of each, once
+    w._p.purge()
 
 
 def test_members_topic_name() -> None:
