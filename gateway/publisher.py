@@ -1015,6 +1015,9 @@ class Publisher:
         if err is not None:
             self.errors += 1
             if err.code() in _RENEWABLE:
+                # never delivered (or possibly, and then found in the tail): its DCP bytes go back to the window,
+                # as for a record dropped by renew_producer()
+                self._discard(entry)
                 # one line per producer, not one per record (thousands time out together)
                 self.timed_out += 1
                 if self.timed_out > 1:
