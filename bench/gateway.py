@@ -133,7 +133,12 @@ def in_own_process(kind: str, conf: dict[str, Any], client: dict[str, Any], n: i
     """One timed run in a fresh ``python -m bench.gateway --run KIND`` process; its JSON result."""
     out = subprocess.run([sys.executable, "-m", "bench.gateway", "--run", kind, "--docs", str(n),
                           "--kafka", json.dumps({"producer": conf, "client": client}), "--work-dir", str(tmp),
-                          *(extra or [])], check=True, capture_output=True, text=True)
+                          *(extra or [])], capture_output=True, text=True)
+    if out.returncode != 0:
+        # one line: the run's own error (e.g. bench/scaleout.py: a gateway member exited during the timed part)
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        raise SystemExit(f"error: the {kind} run failed (exit status {out.returncode}): "
+                         f"{lines[-1].strip() if lines else 'no output'}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 

@@ -25,6 +25,7 @@ from gateway.resume import load_checkpoints
 NVB = 1024
 VALUE = b'{"name": "' + b"x" * 244 + b'"}'
 _ASSIGNED = re.compile(r"group \S+: assigned \d+ coordination partitions, (\d+) vbuckets")
+_RECOVERED = re.compile(r"vbuckets resume from their partitions' tails in this process")
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -45,6 +46,31 @@ def _peak_rss_mib(pid: int) -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _exited(members: list[tuple[subprocess.Popen[bytes], Path]], when: str) -> None:
+    """Raise (one line naming the member, its status and its last error line) when a member has exited: the
+    run cannot complete without it (its vbuckets wait a session timeout, or forever once none is left)."""
+    for j, (p, log) in enumerate(members):
+        if p.poll() is not None:
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            last = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "")
+            raise MemberExited(f"gateway member {j} (pid {p.pid}) exited with status {p.returncode} {when}: "
+                               f"{last.strip()[:500]} (log {log})")
+
+
+class MemberExited(RuntimeError):
+    """A gateway member of a scale-out run exited before the run completed."""
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def _recoveries(log: Path) -> int:
+    """In-process delivery recoveries a member logged (docs/scale-out.md "Delivery within the lease")."""
+    return len(_RECOVERED.findall(log.read_text(errors="replace"))) if log.exists() else 0
 
 
 def _last_assignment(log: Path) -> int | None:
@@ -87,9 +113,7 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
                     break
             else:
                 stable_since = None
-            for p, log in members:
-                if p.poll() is not None:
-                    raise RuntimeError(f"member exited {p.returncode}: {log.read_text()[-2000:]}")
+            _exited(members, "while the group settled")
             time.sleep(0.1)
         highs = {vb: cluster.client("n0").vbucket_info(vb).high_seqno for vb in range(NVB)}
         cpu0 = {p.pid: _cpu_s(p.pid) for p, _l in members}
@@ -102,7 +126,13 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
             if all(cps.get(vb) is not None and cps[vb].seqno >= h for vb, h in highs.items() if h):
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError("the gateway group never caught up")
+                behind = [vb for vb, h in highs.items() if h and (cps.get(vb) is None or cps[vb].seqno < h)]
+                raise TimeoutError(
+                    f"the gateway group never caught up: {len(behind)} vbuckets' checkpoints behind the node's high "
+                    f"seqnos (e.g. {behind[:5]}); delivery recoveries "
+                    f"{[_recoveries(log) for _p, log in members]}; last member log lines: "
+                    + " | ".join(_last_line(log) for _p, log in members))
+            _exited(members, "during the timed part")
             time.sleep(0.05)
         el = time.perf_counter() - t
         rss = {f"gateway{j}": _peak_rss_mib(p.pid) for j, (p, _l) in enumerate(members)}
@@ -110,7 +140,7 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
         cpu = sum(_cpu_s(p.pid) - cpu0[p.pid] for p, _l in members)
         return {"rate": n / el, "wall_s": el, "cpu_s": cpu, "engine_cpu_s": _cpu_s(node.pid or 0) - node_cpu0,
                 "rss_mib": max(v for name, v in rss.items() if name != "engine"), "rss_mib_per_process": rss,
-                "gateways": k}
+                "gateways": k, "delivery_recoveries": sum(_recoveries(log) for _p, log in members)}
     finally:
         for p, _l in members:
             if p.poll() is None:

@@ -31,10 +31,14 @@ from gateway.kafka.membership import (
     VBucketHandoff,
     fenced_producer_config,
 )
-from gateway.publisher import Publisher
+from gateway.publisher import DeliveryBudget, DeliveryTimedOut, ProducerFailed, Publisher
 from gateway.resume import CheckpointWriter, PublishPosition, load_checkpoints, replay_tail
 
 log = logging.getLogger(__name__)
+
+#: a member's records are to be delivered within this fraction of its producer's ``message.timeout.ms`` (the
+#: lease): :class:`~gateway.publisher.DeliveryBudget`'s target (docs/scale-out.md "Delivery within the lease")
+DELIVERY_TARGET_FRACTION = 0.25
 
 
 class GroupMember:
@@ -66,6 +70,16 @@ class GroupMember:
         #: loop rounds that published nothing because the lease was not confirmed yet
         self.waits_for_lease = 0
         self._next_cp = 0.0
+        #: in-process recoveries after records timed out in librdkafka (docs/scale-out.md "Delivery within the
+        #: lease"): how many, the vbuckets waiting to be resumed from their partitions' tails, when the producer
+        #: was renewed (``clock`` time) and when the coordinator was first seen answering after it
+        self.recoveries = 0
+        self._recovering: set[int] = set()
+        self._renewed_at: float | None = None
+        self._answered_at: float | None = None
+        #: after the coordinator answered a request sent after the renewal, how long records the broker received
+        #: before (possibly persisted: in flight when they timed out) are given to land before the tails are read
+        self.settle_s = max(1.0, self.membership.check_interval_s)
 
     # ------------------------------------------------------------------ the membership thread
     def _recover(self, vbuckets: list[int]) -> dict[int, PublishPosition]:
@@ -77,10 +91,14 @@ class GroupMember:
 
     # ------------------------------------------------------------------ the loop's thread
     def _start_revoke(self, vbuckets: list[int]) -> None:
+        self._recovering.difference_update(vbuckets)  # the next owner recovers them
         self.publisher.remove_vbuckets(vbuckets)
 
     def _released(self, vbuckets: list[int]) -> bool:
         if self.publisher.unacked(vbuckets):
+            return False
+        if self._renewed_at is not None and not self._settled():
+            # records of them that timed out in flight may still land: the next owner reads the tails after
             return False
         # their last acknowledged positions go to the checkpoint topic (never waits; a checkpoint that lands
         # after the next owner's is older, which only lengthens a later tail replay)
@@ -89,8 +107,55 @@ class GroupMember:
         return True
 
     def _add(self, positions: dict[int, PublishPosition]) -> None:
+        self._recovering.difference_update(positions)  # recovered by the membership thread, after the renewal
         self.publisher.add_vbuckets(positions)
         self.taken += len(positions)
+
+    # ------------------------------------------------------------------ delivery timeouts (in-process restart)
+    def _delivery_failed(self, e: DeliveryTimedOut | ProducerFailed) -> None:
+        """Records timed out in librdkafka (a busy or paused broker) while this member held its lease, or the
+        idempotent producer failed: what a restart would do, in-process. Every vbucket's stream is closed, the
+        producer's records are dropped (purged, never delivered late) and a new producer takes over; the
+        vbuckets are resumed from their partitions' tails once records that were in flight had time to land
+        (:meth:`_resume_recovered`). Acknowledged positions stay valid: their checkpoints are written."""
+        pub = self.publisher
+        vbs = sorted(pub.assigned)
+        pub.remove_vbuckets(vbs)
+        dropped = pub.renew_producer()
+        self.checkpoints.write(pub.take_checkpoints())
+        self._recovering.update(vbs)
+        self._renewed_at = self.clock()
+        self._answered_at = None
+        self.recoveries += 1
+        log.warning("group %s: %s; %d records dropped, %d vbuckets resume from their partitions' tails in this "
+                    "process (delivery recovery %d)", self.membership.group, e, dropped, len(vbs), self.recoveries)
+
+    def _settled(self) -> bool:
+        """True once records handed to the broker before the producer was renewed can no longer land: the
+        coordinator accepted a generation check sent after the renewal, and ``settle_s`` passed since."""
+        renewed = self._renewed_at
+        if renewed is None:
+            return True
+        m = self.membership
+        now = self.clock()
+        if self._answered_at is None:
+            if m.lease_until - m.lease_s < renewed:
+                return False  # no answer yet to a request sent after the renewal (the broker is still stalled)
+            self._answered_at = now
+        if now < self._answered_at + self.settle_s:
+            return False
+        self._renewed_at = self._answered_at = None
+        return True
+
+    def _resume_recovered(self) -> None:
+        """Resume the vbuckets of a delivery recovery from their partitions' tails, once :meth:`_settled`
+        (blocking Kafka reads on the loop's thread, as long as a restart's)."""
+        vbs = sorted(self._recovering)
+        positions = self._recover(vbs)
+        self._recovering.clear()
+        self.publisher.add_vbuckets(positions)
+        log.info("group %s: %d vbuckets resumed from their partitions' tails (delivery recovery %d)",
+                 self.membership.group, len(vbs), self.recoveries)
 
     def serve(self) -> None:
         self.handoff.serve(self._start_revoke, self._released, self._add)
@@ -125,10 +190,18 @@ class GroupMember:
         if m.fenced is not None:
             self.fenced = m.fenced
             raise MemberFenced(f"fenced, publishing nothing more: {m.fenced}")
-        if pub.assigned and m.lease_expired():
+        if (pub.assigned or self._recovering) and m.lease_expired():
             self.waits_for_lease += 1
             return True
-        pub.pump()
+        if self._recovering and self._settled():
+            self._resume_recovered()
+            return True  # the replay took a while: the lease is checked again before anything is published
+        try:
+            pub.pump()
+        except (DeliveryTimedOut, ProducerFailed) as e:
+            # docs/scale-out.md "Delivery within the lease": a busy broker does not end a member holding its lease
+            self._delivery_failed(e)
+            return True
         now = self.clock()
         if now >= self._next_cp:
             self.checkpoints.write(pub.take_checkpoints())
@@ -157,7 +230,6 @@ class GroupMember:
         cleanly, so the others take them over at once) and close."""
         self.start()
         try:
-            idle_poll = self.publisher.kafka.poll
             while True:
                 if stop.is_set():
                     self.leave()
@@ -165,7 +237,7 @@ class GroupMember:
                 if not self.step():
                     break
                 if self.publisher.records_sent == before:
-                    idle_poll(0.005)
+                    self.publisher.kafka.poll(0.005)  # the current producer: a delivery recovery renews it
         finally:
             self.finish()
 
@@ -212,15 +284,17 @@ def run_attached_member(settings: GatewaySettings, bootstrap_servers: str, addre
     limit = topic_record_limit(client, topic, needed)
     large = max(1, DEFAULT_LARGE_RECORD_BYTES if limit is None else min(limit, needed) - 1024)
 
-    # a member's records never wait in its producer past its lease (docs/scale-out.md "Fencing")
+    # a member's records never wait in its producer past its lease (docs/scale-out.md "Fencing"), and it hands
+    # librdkafka only what the broker delivers well within it ("Delivery within the lease")
     producer_conf = fenced_producer_config(producer_conf, s.group_session_timeout_ms)
+    target_s = int(producer_conf["message.timeout.ms"]) / 1000 * DELIVERY_TARGET_FRACTION
 
     def make(vbs: list[int]) -> Publisher:
         return Publisher(source, producer_conf, topic, partitions, RecordEncoder(ValueFormat(s.value_format)), {},
                          stream_from=s.stream_from, key_filter=KeyFilter(s.key_filter_prefix, s.key_filter_regex),
                          flow_control_bytes=s.flow_control_buffer_bytes, rollback_mitigation=s.rollback_mitigation,
                          connection_name=source.connection_name, oversize_policy=s.oversize_policy,
-                         large_record_bytes=large, vbuckets=vbs)
+                         large_record_bytes=large, vbuckets=vbs, delivery_budget=DeliveryBudget(target_s))
 
     member = GroupMember(make, client, producer_conf, topic, partitions, nvb, group,
                          member_partitions=min(s.group_partitions, nvb),

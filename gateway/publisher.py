@@ -111,12 +111,28 @@ class TopicLost(PublishError):
     to 0 (:class:`Publisher` with ``rollback_to_zero``)."""
 
 
+class DeliveryTimedOut(PublishError):
+    """Records waited in librdkafka past ``message.timeout.ms`` (a busy or paused broker) and were failed
+    locally (``_MSG_TIMED_OUT``), or the broker refused the producer's epoch or sequence afterwards (librdkafka
+    bumps the epoch of an idempotent producer whose in-flight records timed out). Records that were in flight
+    may still have been written (possibly persisted), so the acknowledged positions are the only safe ones: a
+    group member recovers
+    in-process from the partitions' tails (gateway/member.py, docs/scale-out.md "Delivery within the lease");
+    anywhere else the gateway stops as on any :class:`PublishError`."""
+
+
 class ProducerFailed(PublishError):
     """librdkafka's idempotent producer hit a fatal error (e.g. the broker lost its producer state: out-of-order
     sequence). The service opens a new publisher from the positions Kafka acknowledged (docs/reliability.md
     "Fault campaign")."""
 
 
+#: delivery errors after which a new producer resuming from the partitions' tails goes on, as a restart would
+#: (:class:`DeliveryTimedOut`): records timed out in librdkafka (message.timeout.ms), and the broker's answers
+#: to the requests of a producer whose epoch librdkafka bumped after in-flight records timed out
+_RENEWABLE: Final = frozenset({KafkaError._MSG_TIMED_OUT, KafkaError.PRODUCER_FENCED,
+                               KafkaError.INVALID_PRODUCER_EPOCH, KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+                               KafkaError.UNKNOWN_PRODUCER_ID})
 #: delivery errors that say the partition (or the whole topic) the gateway was producing to is gone
 _TOPIC_GONE: Final = frozenset({KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
                                 KafkaError.UNKNOWN_TOPIC_OR_PART})
@@ -140,6 +156,62 @@ class _Inflight:
     large: int = 0
     #: time.monotonic() when the record was handed to the publisher (age of the oldest unacknowledged record)
     t: float = 0.0
+
+
+class DeliveryBudget:
+    """How many records a publisher may leave in librdkafka (queued or in flight) so that each is delivered
+    within about ``target_s`` (docs/scale-out.md "Delivery within the lease"): the delivery rate measured over
+    the last ``interval_s`` times ``target_s``, between ``floor`` and ``ceiling`` records.
+
+    Measured on the records Kafka acknowledged: while records waited in librdkafka all through an interval the
+    broker was the bottleneck and the limit follows its rate, down as well as up; otherwise the rate says how
+    fast records came, not how fast the broker can take them, and the limit only grows. A delivery timeout
+    drops the limit to ``floor`` (:meth:`timed_out`). ``clock`` is injectable (tests)."""
+
+    def __init__(self, target_s: float, *, floor: int = 256, ceiling: int = 100_000, interval_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if target_s <= 0:
+            raise GatewayError(f"the delivery target must be positive, got {target_s}")
+        self.target_s = target_s
+        self.floor = floor
+        self.ceiling = max(floor, ceiling)
+        self.interval_s = interval_s
+        self.clock = clock
+        #: records allowed in librdkafka now
+        self.limit = min(self.ceiling, max(floor, 4 * floor))
+        #: the last measured delivery rate, records/s (None: not measured yet)
+        self.rate: float | None = None
+        #: rounds that stepped nothing because the limit was reached
+        self.waits = 0
+        self._t0: float | None = None
+        self._d0 = 0
+        self._min_queued = 0
+
+    def room(self, delivered: int, queued: int) -> int:
+        """Records that may be handed to librdkafka now, given the records acknowledged so far (``delivered``,
+        a running total) and those librdkafka holds (``queued``)."""
+        now = self.clock()
+        if self._t0 is None:
+            self._t0, self._d0, self._min_queued = now, delivered, queued
+        else:
+            self._min_queued = min(self._min_queued, queued)
+            dt = now - self._t0
+            if dt >= self.interval_s:
+                rate = (delivered - self._d0) / dt
+                self.rate = rate
+                want = min(self.ceiling, max(self.floor, int(rate * self.target_s)))
+                # always busy: the broker's pace; else only up (a quiet interval says nothing of the broker)
+                self.limit = want if self._min_queued > 0 else max(self.limit, want)
+                self._t0, self._d0, self._min_queued = now, delivered, queued
+        room = self.limit - queued
+        if room <= 0:
+            self.waits += 1
+        return room
+
+    def timed_out(self) -> None:
+        """Records timed out in librdkafka: start again from the floor."""
+        self.limit = self.floor
+        self._t0 = None
 
 
 class _QueueFull(Exception):
@@ -185,6 +257,7 @@ class Publisher:
         large_record_bytes: int = DEFAULT_LARGE_RECORD_BYTES,
         rollback_to_zero: bool = False,
         vbuckets: Iterable[int] | None = None,
+        delivery_budget: DeliveryBudget | None = None,
     ) -> None:
         self.source: DcpSource = make_source(source, connection_name, flow_control_bytes)
         self.is_cluster = self.source.is_cluster
@@ -201,16 +274,18 @@ class Publisher:
             raise GatewayError(f"oversize_policy must be 'skip' or 'fail', got {oversize_policy!r}")
         self.oversize_policy: OversizePolicy = oversize_policy
         self.large_record_bytes = large_record_bytes
-        # The producer must not keep the publisher alive (a reference cycle would leave librdkafka's threads
-        # running until a cyclic GC): its delivery callback holds a weak reference.
-        ref = weakref.ref(self)
-
-        def on_delivery(err: KafkaError | None, msg: Message) -> None:
-            pub = ref()
-            if pub is not None:
-                pub._on_delivery(err, msg)
-
-        self.kafka = kafka_producer(producer_config, on_delivery=on_delivery)
+        self._producer_config = producer_config
+        #: bumped by :meth:`renew_producer`: a replaced producer's delivery reports are ignored
+        self._producer_gen = 0
+        self.kafka = self._new_producer()
+        #: when set, records left in librdkafka are bounded so that each is delivered within its target
+        #: (a group member: well within the lease, docs/scale-out.md "Delivery within the lease")
+        self.delivery_budget = delivery_budget
+        #: records failed since the producer was (re)created with _MSG_TIMED_OUT (or an epoch error that follows
+        #: in-flight timeouts, _RENEWABLE): pump() then raises DeliveryTimedOut
+        self.timed_out = 0
+        #: producers replaced in-process (:meth:`renew_producer`)
+        self.producer_renewals = 0
         nvb = self.source.num_vbuckets
         #: the vbuckets this publisher streams (all unless ``vbuckets`` names a subset: one member of a group of
         #: gateway processes, docs/scale-out.md); :meth:`add_vbuckets` / :meth:`remove_vbuckets` change it
@@ -272,6 +347,19 @@ class Publisher:
         for vb, p in self.sent.items():
             part = partition_for(vb, num_partitions)
             self._last_offset[part] = max(self._last_offset.get(part, -1), p.offset)
+
+    def _new_producer(self) -> Any:
+        # The producer must not keep the publisher alive (a reference cycle would leave librdkafka's threads
+        # running until a cyclic GC): its delivery callback holds a weak reference.
+        ref = weakref.ref(self)
+        gen = self._producer_gen
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            pub = ref()
+            if pub is not None and pub._producer_gen == gen:
+                pub._on_delivery(err, msg)
+
+        return kafka_producer(self._producer_config, on_delivery=on_delivery)
 
     @property
     def bucket(self) -> Bucket:
@@ -476,14 +564,22 @@ class Publisher:
         """
         self._raise_lost()
         if self.error is not None:
-            raise PublishError(f"publishing stopped: {self.error}") from self.error
+            self._raise_error()
         self.kafka.poll(0)
         self._send_buffer_acks()  # also those of delivery reports a caller's own poll served
         self._raise_lost()  # a delivery report just served says the topic lost its log
         if self._refusals or self._blocked:
             self._after_poll()
         if self.error is not None:  # a delivery report just served said a record was lost
-            raise PublishError(f"publishing stopped: {self.error}") from self.error
+            self._raise_error()
+        budget = self.delivery_budget
+        if budget is not None:
+            # docs/scale-out.md "Delivery within the lease": hand librdkafka no more than the broker delivers
+            # within the target; the rest waits in the engine (DCP flow control), not in librdkafka's queue
+            room = budget.room(self.records_acked, len(self.kafka))
+            if room <= 0:
+                return 0
+            max_messages = min(max_messages, room)
         if self._backlog:
             # librdkafka's queue was full (broker slow or paused): hand it the waiting records first and
             # step DCP only once they are all in; never wait for room on this (the event loop's) thread.
@@ -500,6 +596,11 @@ class Publisher:
         if msgs:
             self._publish(msgs)
         return len(msgs)
+
+    def _raise_error(self) -> None:
+        err = self.error
+        cls = DeliveryTimedOut if self.timed_out else PublishError
+        raise cls(f"publishing stopped: {err}") from err
 
     def _raise_lost(self) -> None:
         if self.lost is not None:
@@ -927,7 +1028,16 @@ class Publisher:
             return
         if err is not None:
             self.errors += 1
-            self.error = KafkaException(err)
+            if err.code() in _RENEWABLE:
+                # never delivered (or possibly, and then found in the tail): its DCP bytes go back to the window,
+                # as for a record dropped by renew_producer()
+                self._discard(entry)
+                # one line per producer, not one per record (thousands time out together)
+                self.timed_out += 1
+                if self.timed_out > 1:
+                    return
+            if self.error is None:
+                self.error = KafkaException(err)
             log.error("record for vbucket %d not delivered: %s", entry.vbucket, err)
             return
         offset = msg.offset()
@@ -1075,6 +1185,47 @@ class Publisher:
         self._owner = [None] * len(self._owner)
         self._held.clear()
         self.source.close()
+
+    def renew_producer(self) -> int:
+        """Drop every record handed to librdkafka and not acknowledged, and go on with a new producer -- the
+        in-process equivalent of a restart after a :class:`DeliveryTimedOut` (or :class:`ProducerFailed`). Only
+        once every vbucket was removed (:meth:`remove_vbuckets`): the caller recovers their positions from the
+        partitions' tails, as a restarted gateway does, and adds them again (:meth:`add_vbuckets`); the acknowledged
+        positions and their checkpoints stay valid. The dropped records' DCP bytes are buffer-acknowledged.
+        Returns how many records were dropped."""
+        if self.assigned:
+            raise GatewayError("renew_producer: remove every vbucket first")
+        old = self.kafka
+        self.purge()
+        with contextlib.suppress(KafkaException, RuntimeError):
+            old.poll(0)  # the purged records' reports, ignored (_closing)
+        dropped = 0
+        for q in self._inflight.values():
+            for e in q:
+                self._discard(e)
+            dropped += len(q)
+        self._inflight.clear()
+        for _part, e, _rec in self._backlog:
+            self._discard(e)
+        dropped += len(self._backlog)
+        self._backlog.clear()
+        for waiting in self._blocked.values():
+            for e, _rec in waiting:
+                self._discard(e)
+            dropped += len(waiting)
+        self._blocked.clear()
+        self._refusals.clear()
+        self._send_buffer_acks()
+        self._producer_gen += 1  # the old producer's late reports (if any) are ignored
+        self.kafka = self._new_producer()
+        self._closing = False
+        self.error = None
+        self.fatal = None
+        self.timed_out = 0
+        self.producer_renewals += 1
+        if self.delivery_budget is not None:
+            self.delivery_budget.timed_out()
+        return dropped
 
     def purge(self) -> None:
         """Drop every record librdkafka still queues or has in flight, without waiting, so that destroying

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -399,10 +400,38 @@ class CheckpointWriter:
     def __init__(self, producer_config: dict[str, Any], topic: str) -> None:
         self.topic = checkpoint_topic_name(topic)
         self._conf = producer_config
-        self._p = producer(producer_config)
         self.written = 0
-        #: positions not yet handed to librdkafka (its queue was full), newest per vbucket
+        #: positions not yet handed to librdkafka (its queue was full, or Kafka did not take them), newest per
+        #: vbucket
         self.pending: dict[int, PublishPosition] = {}
+        #: the newest position handed to librdkafka per vbucket, written again when a checkpoint record is not
+        #: delivered: a group member's producer fails records after its lease (docs/scale-out.md "Delivery within
+        #: the lease"), and a vbucket whose position does not move afterwards would otherwise keep an old
+        #: checkpoint for good
+        self._latest: dict[int, PublishPosition] = {}
+        #: checkpoint records Kafka did not take (their vbucket's newest position went back to ``pending``)
+        self.failed = 0
+        self._p = self._producer()
+
+    def _producer(self) -> Any:
+        ref = weakref.ref(self)
+
+        def on_delivery(err: KafkaError | None, msg: Any) -> None:
+            w = ref()
+            if w is not None and err is not None:
+                w._not_delivered(msg)
+
+        return producer(self._conf, on_delivery=on_delivery)
+
+    def _not_delivered(self, msg: Any) -> None:
+        self.failed += 1
+        try:
+            vb = int(msg.key())
+        except (TypeError, ValueError):
+            return
+        latest = self._latest.get(vb)
+        if latest is not None and vb not in self.pending:
+            self.pending[vb] = latest
 
     def write(self, positions: dict[int, PublishPosition]) -> None:
         self.pending.update(positions)
@@ -414,7 +443,7 @@ class CheckpointWriter:
             except KafkaException as e:
                 self._renew(e)
                 break
-            del self.pending[vb]
+            self._latest[vb] = self.pending.pop(vb)
             self.written += 1
         self._p.poll(0)
 
@@ -427,7 +456,7 @@ class CheckpointWriter:
         log.warning("checkpoint producer failed (%s): a new one takes over", err)
         with contextlib.suppress(KafkaException, RuntimeError):
             self._p.purge(in_queue=True, in_flight=True, blocking=False)
-        self._p = producer(self._conf)
+        self._p = self._producer()
 
     def flush(self, timeout: float = 10.0) -> int:
         """Hand every pending position to librdkafka, waiting for room in its queue, and wait for their
@@ -440,7 +469,7 @@ class CheckpointWriter:
                                  timeout=max(0.0, deadline - time.monotonic()))
             except (BufferError, KafkaException):  # no room in time, or the producer failed (fatal error)
                 break
-            del self.pending[vb]
+            self._latest[vb] = self.pending.pop(vb)
             self.written += 1
         try:
             left = int(self._p.flush(max(0.0, deadline - time.monotonic()))) + len(self.pending)

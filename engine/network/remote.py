@@ -538,11 +538,16 @@ class RemoteDcpProducer:
         self._call(Opcode.DCP_CLOSE_STREAM, vbucket=vbucket)
 
     def discard_stream(self, vbucket: int) -> None:
-        """Forget a stream closed at the consumer's request and what was received of it."""
+        """Forget a stream closed at the consumer's request and what was received of it. The node counted the
+        dropped messages against the connection's flow-control buffer when it pushed them: their bytes are
+        buffer-acknowledged here, or every close would shrink the window for good (a group member closes all
+        its streams at each in-process recovery, docs/scale-out.md "Delivery within the lease")."""
         self.streams.pop(vbucket, None)
         self._opaques.pop(vbucket, None)
         if any(m.vbucket == vbucket for m in self._pending):
+            dropped = sum(m.dcp_size for m in self._pending if m.vbucket == vbucket)
             self._pending = [m for m in self._pending if m.vbucket != vbucket]
+            self.buffer_acknowledge(dropped)
 
     def get_failover_log(self, vbucket: int) -> list[FailoverEntry]:
         f, _ = self._call(Opcode.DCP_GET_FAILOVER_LOG, vbucket=vbucket)

@@ -32,8 +32,8 @@ from gateway.kafka.membership import (
     vbuckets_of,
 )
 from gateway.member import GroupMember
-from gateway.publisher import Publisher
-from gateway.resume import ensure_topics
+from gateway.publisher import DeliveryBudget, Publisher
+from gateway.resume import CheckpointWriter, PublishPosition, ensure_topics
 from schemas.codec import RecordEncoder
 from schemas.records import ValueFormat
 from tests.gateway.kafka_util import TopicChecks
@@ -108,6 +108,80 @@ def test_join_timeout_on_the_injected_clock() -> None:
         m._check_join()
     m.waiting_since = None  # an assignment arrived
     m._check_join()
+
+
+def test_delivery_budget_follows_the_brokers_rate_on_the_injected_clock() -> None:
+    """docs/scale-out.md "Delivery within the lease": the records a member leaves in librdkafka are its broker's
+    measured delivery rate times the target, so that each is delivered within about the target."""
+    now = [0.0]
+    b = DeliveryBudget(0.5, floor=100, ceiling=10_000, interval_s=0.25, clock=lambda: now[0])
+    assert b.limit == 400 and b.room(0, 0) == 400  # before any measurement: 4 x the floor
+    now[0] += 0.25
+    assert b.room(500, 300) == 1000 - 300  # 2000 records/s delivered: 1000 allowed
+    assert b.rate == pytest.approx(2000)
+    now[0] += 0.25
+    assert b.room(600, 150) == 200 - 150  # the broker slowed to 400/s: down to 200
+    now[0] += 0.25
+    assert b.room(600, 150) == 100 - 150 and b.waits == 1  # nothing delivered: the floor; no room
+    now[0] += 0.25
+    assert b.room(5600, 150) == 10_000 - 150  # 20,000/s: capped at the ceiling
+    now[0] += 0.1
+    b.room(5610, 0)  # librdkafka ran empty: the rate says how fast records came, not what the broker takes
+    now[0] += 0.15
+    assert b.room(5620, 0) == 10_000  # so the limit does not fall
+    b.timed_out()
+    assert b.limit == 100 and b.room(5620, 0) == 100  # records timed out: from the floor again
+    with pytest.raises(GatewayError, match="positive"):
+        DeliveryBudget(0)
+
+
+class _IdlePublisher:
+    """What GroupMember asks of a publisher with nothing in flight."""
+
+    assigned: set[int] = set()
+
+    def unacked(self, vbuckets: list[int]) -> int:
+        return 0
+
+    def take_checkpoints(self) -> dict[int, Any]:
+        return {}
+
+
+def test_delivery_recovery_waits_for_an_answer_sent_after_the_renewal_then_settle_s() -> None:
+    """docs/scale-out.md "Delivery within the lease": after a delivery timeout the member resumes its vbuckets
+    from the tails -- and lets a revoke complete -- only once the coordinator accepted a generation check sent
+    after the producer was renewed, plus ``settle_s`` (records in flight when they timed out may still land)."""
+    now = [10.0]
+    conf = {"bootstrap.servers": "127.0.0.1:1"}
+    m = GroupMember(lambda vbs: _IdlePublisher(), conf, conf, "t", 8, NVB, "g",  # type: ignore[arg-type,return-value]
+                    session_timeout_ms=6000, clock=lambda: now[0])
+    ms = m.membership
+    assert m.settle_s == pytest.approx(1.0) and m._settled() and m._released([1])
+    m._renewed_at = now[0]
+    ms.lease_until = now[0] - 0.5 + ms.lease_s  # the last accepted check was sent before the renewal
+    now[0] += 5.0
+    assert not m._settled() and not m._released([1])  # the broker has not answered since: still stalled
+    ms.lease_until = now[0] - 0.1 + ms.lease_s  # a check sent after the renewal was accepted
+    assert not m._settled()
+    now[0] += 0.95
+    assert not m._released([1])
+    now[0] += 0.1
+    assert m._released([1]) and m._renewed_at is None and m._settled()
+
+
+def test_checkpoint_not_delivered_is_written_again() -> None:
+    """A member's checkpoint records time out with its lease (message.timeout.ms): a vbucket whose position does
+    not move afterwards would keep an old checkpoint for good, so the newest position goes back to pending."""
+    w = CheckpointWriter({"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 200}, "t")
+    w.write({3: PublishPosition(3, seqno=7), 5: PublishPosition(5, seqno=9)})
+    assert not w.pending and w.written == 2
+    w.write({5: PublishPosition(5, seqno=10)})
+    deadline = time.monotonic() + 10
+    while w.failed < 3 and time.monotonic() < deadline:
+        w._p.poll(0.1)  # nothing answers at 127.0.0.1:1: the records time out
+    assert w.failed == 3
+    assert {vb: p.seqno for vb, p in w.pending.items()} == {3: 7, 5: 10}  # the newest of each, once
+    w._p.purge()
 
 
 def test_members_topic_name() -> None:

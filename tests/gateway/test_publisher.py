@@ -3,6 +3,7 @@ rollback records, key filters, backpressure (broker paused with SIGSTOP)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -13,8 +14,14 @@ import pytest
 from engine import Bucket
 from gateway.broker import Broker
 from gateway.invariants import check_partition
-from gateway.publisher import KeyFilter, Publisher
-from gateway.resume import CheckpointWriter, PublishPosition, ensure_topics, load_checkpoints
+from gateway.publisher import DeliveryTimedOut, KeyFilter, Publisher
+from gateway.resume import (
+    CheckpointWriter,
+    PublishPosition,
+    ensure_topics,
+    load_checkpoints,
+    recover_positions,
+)
 from schemas.codec import RecordEncoder
 from schemas.records import RecordType, ValueFormat
 from tests.gateway.kafka_util import TopicReplica, read_topic
@@ -263,3 +270,46 @@ def test_full_producer_queue_mid_batch_keeps_order_and_exactly_once(harness) -> 
     h.check()
     assert h.pub.dcp is not None and h.pub.dcp.unacked_bytes == 0
     assert h.pub.records_acked == h.pub.records_sent
+
+
+def test_records_timed_out_in_librdkafka_renewed_producer_resumes_from_the_tail_exactly_once(
+        harness, kafka_broker: Broker) -> None:
+    """docs/scale-out.md "Delivery within the lease", the publisher's part: records that wait in librdkafka past
+    ``message.timeout.ms`` (the broker frozen) make pump() raise DeliveryTimedOut; with every vbucket removed,
+    renew_producer() drops them without waiting for the frozen broker -- their DCP bytes buffer-acknowledged, so
+    the flow-control window is whole again -- and the vbuckets, added again from the partitions' tails once the
+    broker is back, end with every change in the topic exactly once."""
+    if kafka_broker.kind != "embedded":
+        pytest.skip("pausing needs the embedded broker process")
+    h = harness()
+    write(h.bucket, 50)
+    h.settle()
+    fast = {**h.client, "fetch.wait.max.ms": 20}
+    conf = {**producer_conf(h.broker), "message.timeout.ms": 1000}
+    h.old.append(h.pub)
+    h.pub = pub = Publisher(h.bucket, conf, h.topic, h.partitions, RecordEncoder(ValueFormat.AVRO),
+                            recover_positions(fast, h.topic, h.partitions, NVB))
+    pub.open()
+    kafka_broker.pause()  # type: ignore[attr-defined]
+    try:
+        write(h.bucket, 400, prefix="p")
+        deadline = time.monotonic() + 20
+        with pytest.raises(DeliveryTimedOut, match="_MSG_TIMED_OUT"):
+            while time.monotonic() < deadline:
+                pub.pump()
+                pub.kafka.poll(0.05)
+        timed_out = pub.timed_out
+        pub.remove_vbuckets(range(NVB))
+        t = time.monotonic()
+        dropped = pub.renew_producer()
+        assert time.monotonic() - t < 2.0  # never waits for the frozen broker
+        assert timed_out > 0 and dropped >= 0 and pub.inflight == 0 and pub.timed_out == 0 and pub.producer_renewals == 1
+        # every timed-out or dropped record's DCP bytes went back to the flow-control window
+        assert pub.dcp is not None and pub.dcp.unacked_bytes == 0
+    finally:
+        kafka_broker.resume()  # type: ignore[attr-defined]
+    time.sleep(1.0)  # records that were in flight when they timed out may still land: the tail shows them
+    pub.add_vbuckets(recover_positions(fast, h.topic, h.partitions, NVB))
+    write(h.bucket, 100, prefix="q")
+    h.settle(100_000)
+    h.check()  # invariants, replay equals the engine, no (vbucket, vbuuid, seqno) twice

@@ -28,6 +28,7 @@ from tests.gateway.processes import (
     check_member_topic,
     dcpgw,
     member_env,
+    private_broker,
     wait_for,
 )
 
@@ -152,6 +153,72 @@ def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
         codes = [m.stop() for m in members]
         c.close(clean=False)
     assert codes[0] == 0, a.log.read_text()[-2000:]
+
+
+#: the members' session timeout in the broker-pause test: lease and message.timeout.ms 3.33 s
+PAUSE_SESSION_MS = 10_000
+#: how long the broker is frozen: past the message timeout, well inside the session timeout
+PAUSE_S = 5.5
+RECOVERED = "resumed from their partitions' tails (delivery recovery"
+
+
+@pytest.mark.slow
+def test_broker_paused_past_the_message_timeout_members_stay_up_no_duplicate_no_gap(tmp_path: Path) -> None:
+    """docs/scale-out.md "Delivery within the lease": the broker (group coordinator and partition leader) is
+    frozen with SIGSTOP for longer than the members' ``message.timeout.ms`` (their lease, a third of the session
+    timeout) but shorter than the session timeout, right after a burst of writes and while writes go on: the
+    members' records time out in librdkafka (``_MSG_TIMED_OUT``). Neither member exits: each recovers
+    in-process from its partitions' tails; the group keeps its assignment; the topic passes the invariants
+    checker with no data position twice and its replay equals the engine."""
+    with private_broker() as broker:
+        c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB,
+                                 checkpoint_max_items=5)
+        prefix = f"so{uuid.uuid4().hex[:8]}"
+        topic = f"{prefix}.default"
+        env = {**member_env(broker, prefix), "DCPGW_GROUP_SESSION_TIMEOUT_MS": str(PAUSE_SESSION_MS)}
+        group = f"g-{uuid.uuid4().hex[:6]}"
+        written = [0]
+
+        def load(n: int = 3) -> None:
+            for _ in range(n):
+                i = written[0]
+                key = f"k{i % 150}"
+                c.write(key, f'{{"n": {i}}}'.encode())
+                if i % 7 == 0:
+                    c.delete(key)
+                written[0] += 1
+
+        source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
+        a = Member(env, source, group, tmp_path / "a.log")
+        b = Member(env, source, group, tmp_path / "b.log")
+        members = [a, b]
+        try:
+            wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
+                     and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
+                     "the two members split the vbuckets", 90, load, members)
+            t_end = time.monotonic() + 2
+            wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+            assignments = (len(a.assignments()), len(b.assignments()))
+            load(400)  # a burst: the members have records queued or in flight when the broker freezes
+            with broker.paused_for():
+                t_end = time.monotonic() + PAUSE_S
+                wait_for(lambda: time.monotonic() > t_end, "the broker's pause", PAUSE_S + 5, load)
+            wait_for(lambda: any(RECOVERED in m.log.read_text() for m in members),
+                     "a member recovers from the delivery timeouts", 60, load, members)
+            t_end = time.monotonic() + 3
+            wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+            logs = [m.log.read_text() for m in members]
+            assert all(m.proc.poll() is None for m in members), [t[-3000:] for t in logs]
+            assert any("_MSG_TIMED_OUT" in t for t in logs), [t[-3000:] for t in logs]
+            # nobody was expelled: the pause stayed inside the session timeout, no rebalance
+            assert (len(a.assignments()), len(b.assignments())) == assignments, [t[-3000:] for t in logs]
+            want = actives_state(c)
+
+            check_member_topic(broker, topic, want, members)
+        finally:
+            codes = [m.stop() for m in members]
+            c.close(clean=False)
+        assert codes == [0, 0], [m.log.read_text()[-3000:] for m in members]
 
 
 def test_gateway_command_refuses_bad_sources_in_one_line() -> None:
