@@ -242,6 +242,26 @@ class Member:
 
 
 
+class Churn:
+    """The scale-out tests' load: each call writes ``n`` documents over ``keys`` keys of ``cluster`` in turn,
+    deleting every ``delete_every``-th key again after writing it; :attr:`written` counts the writes."""
+
+    def __init__(self, cluster: Any, keys: int = 120, delete_every: int = 6) -> None:
+        self.cluster = cluster
+        self.keys = keys
+        self.delete_every = delete_every
+        self.written = 0
+
+    def __call__(self, n: int = 3) -> None:
+        for _ in range(n):
+            i = self.written
+            key = f"k{i % self.keys}"
+            self.cluster.write(key, f'{{"n": {i}}}'.encode())
+            if i % self.delete_every == 0:
+                self.cluster.delete(key)
+            self.written += 1
+
+
 def member_env(broker: Broker, prefix: str) -> dict[str, str]:
     return {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_TOPIC_PREFIX": prefix,
             "DCPGW_BUCKET": "default", "DCPGW_GROUP_SESSION_TIMEOUT_MS": "6000", "DCPGW_GROUP_PARTITIONS": "4",

@@ -35,7 +35,7 @@ from gateway.invariants import check_partition, data_positions
 from gateway.kafka.membership import Membership, VBucketHandoff, ensure_members_topic, members_topic_name
 from tests.engine.process_model import actives_state
 from tests.gateway.kafka_util import read_topic
-from tests.gateway.processes import Member, check_member_topic, member_env, noida_broker, wait_for
+from tests.gateway.processes import Churn, Member, check_member_topic, member_env, noida_broker, wait_for
 
 NVB = 16
 
@@ -123,16 +123,7 @@ def test_second_member_joining_fences_the_first_and_no_member_runs_silently(noid
     topic = f"{prefix}.default"
     env = member_env(noida, prefix)
     group = f"g-{uuid.uuid4().hex[:6]}"
-    written = [0]
-
-    def load() -> None:
-        for _ in range(3):
-            i = written[0]
-            key = f"k{i % 120}"
-            c.write(key, f'{{"n": {i}}}'.encode())
-            if i % 6 == 0:
-                c.delete(key)
-            written[0] += 1
+    load = Churn(c)
 
     def fenced_once(m: Member) -> None:
         log = m.log.read_text()
@@ -153,7 +144,7 @@ def test_second_member_joining_fences_the_first_and_no_member_runs_silently(noid
         fenced_once(a)
         t_end = time.monotonic() + 3 * 6  # several generation checks of b after a left
         wait_for(lambda: time.monotonic() > t_end or b.proc.poll() is not None, "b settles", 30, load, members)
-        assert written[0] > 50
+        assert load.written > 50
         if b.proc.poll() is not None:
             fenced_once(b)
             recs = read_topic(noida.bootstrap_servers, topic)

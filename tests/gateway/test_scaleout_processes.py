@@ -24,6 +24,7 @@ from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.gateway.processes import (
     ASSIGNED,
     CLEAN_ENV,
+    Churn,
     Member,
     check_member_topic,
     dcpgw,
@@ -55,16 +56,7 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
     topic = f"{prefix}.default"
     env = member_env(kafka_broker, prefix)
     group = f"g-{uuid.uuid4().hex[:6]}"
-    written = [0]
-
-    def load() -> None:
-        for _ in range(3):
-            i = written[0]
-            key = f"k{i % 120}"
-            engine_node.write(key, f'{{"n": {i}}}'.encode())
-            if i % 6 == 0:
-                engine_node.delete(key)
-            written[0] += 1
+    load = Churn(engine_node)
 
     a = Member(env, source, group, tmp_path / "a.log")
     b = Member(env, source, group, tmp_path / "b.log")
@@ -86,7 +78,7 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
                  "the restarted member gets its share back", 90, load, members)
         t_end = time.monotonic() + 2
         wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
-        assert written[0] > 100
+        assert load.written > 100
         want = actives_state(engine_node)
 
         check_member_topic(kafka_broker, topic, want, members)
@@ -107,16 +99,7 @@ def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
     topic = f"{prefix}.default"
     env = member_env(kafka_broker, prefix)
     group = f"g-{uuid.uuid4().hex[:6]}"
-    written = [0]
-
-    def load(n: int = 3) -> None:
-        for _ in range(n):
-            i = written[0]
-            key = f"k{i % 150}"
-            c.write(key, f'{{"n": {i}}}'.encode())
-            if i % 7 == 0:
-                c.delete(key)
-            written[0] += 1
+    load = Churn(c, keys=150, delete_every=7)
 
     source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
     a = Member(env, source, group, tmp_path / "a.log")
@@ -177,16 +160,7 @@ def test_broker_paused_past_the_message_timeout_members_stay_up_no_duplicate_no_
         topic = f"{prefix}.default"
         env = {**member_env(broker, prefix), "DCPGW_GROUP_SESSION_TIMEOUT_MS": str(PAUSE_SESSION_MS)}
         group = f"g-{uuid.uuid4().hex[:6]}"
-        written = [0]
-
-        def load(n: int = 3) -> None:
-            for _ in range(n):
-                i = written[0]
-                key = f"k{i % 150}"
-                c.write(key, f'{{"n": {i}}}'.encode())
-                if i % 7 == 0:
-                    c.delete(key)
-                written[0] += 1
+        load = Churn(c, keys=150, delete_every=7)
 
         source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
         a = Member(env, source, group, tmp_path / "a.log")
