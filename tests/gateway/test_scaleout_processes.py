@@ -47,6 +47,12 @@ def engine_node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proc
         c.close(clean=False)
 
 
+def wait_split(a: Member, b: Member, load: Churn, members: list[Member]) -> None:
+    """Until the two members' latest assignments split the vbuckets between them (writing meanwhile)."""
+    wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
+             and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
+             "the two members split the vbuckets", 90, load, members)
+
 @pytest.mark.slow
 def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
         kafka_broker: Broker, engine_node: ProcessCluster, tmp_path: Path) -> None:
@@ -62,9 +68,7 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
     b = Member(env, source, group, tmp_path / "b.log")
     members = [a, b]
     try:
-        wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
-                 and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
-                 "the two members split the vbuckets", 90, load, members)
+        wait_split(a, b, load, members)
         t_end = time.monotonic() + 2
         wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
         n_assign = len(a.assignments())
@@ -107,9 +111,7 @@ def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
     members = [a, b]
     paused = False
     try:
-        wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
-                 and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
-                 "the two members split the vbuckets", 90, load, members)
+        wait_split(a, b, load, members)
         t_end = time.monotonic() + 2
         wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
         n_assign = len(a.assignments())
@@ -167,9 +169,7 @@ def test_broker_paused_past_the_message_timeout_members_stay_up_no_duplicate_no_
         b = Member(env, source, group, tmp_path / "b.log")
         members = [a, b]
         try:
-            wait_for(lambda: bool(a.assignments()) and bool(b.assignments())
-                     and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
-                     "the two members split the vbuckets", 90, load, members)
+            wait_split(a, b, load, members)
             t_end = time.monotonic() + 2
             wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
             assignments = (len(a.assignments()), len(b.assignments()))
