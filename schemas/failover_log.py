@@ -107,7 +107,11 @@ class FailoverLog:
     entries: :class:`InvalidArgument` when it would have to.
     """
 
-    __slots__ = ("_entries", "_max_entries", "_rng")
+    __slots__ = ("_entries", "_max_entries", "_rng", "vbuuid")
+
+    #: the newest entry's vbuuid (:attr:`latest`'s), a plain attribute: every write's mutation token carries it,
+    #: so the ingest path reads it without a property call. Kept by every method that changes the entries.
+    vbuuid: int
 
     def __init__(
         self,
@@ -129,6 +133,7 @@ class FailoverLog:
         self._entries: list[FailoverEntry] = _sanitize(entries)[: self._max_entries]
         if not self._entries:
             self._entries.append(FailoverEntry(self._new_vbuuid(), high_seqno))
+        self.vbuuid = self._entries[0].vbuuid
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -235,6 +240,7 @@ class FailoverLog:
         entry = FailoverEntry(self._new_vbuuid(), high_seqno)
         self._entries.insert(0, entry)
         self._trim()
+        self.vbuuid = entry.vbuuid
         return entry
 
     def prune_above(self, seqno: int) -> None:
@@ -247,6 +253,7 @@ class FailoverLog:
         self._entries = [e for e in self._entries if e.seqno <= seqno]
         if not self._entries:
             self._entries.append(FailoverEntry(self._new_vbuuid(), seqno))
+        self.vbuuid = self._entries[0].vbuuid
 
     def replace(self, entries: Sequence[FailoverEntry]) -> None:
         """A replica adopts the producer's log on stream-request OK (kv_engine ``replaceFailoverLog``).
@@ -258,6 +265,7 @@ class FailoverLog:
         if not kept:
             raise InvalidArgument("cannot replace a failover log with an empty one")
         self._entries = kept
+        self.vbuuid = kept[0].vbuuid
 
     # ------------------------------------------------------------------ rollback decisions
     def needs_rollback(

@@ -720,3 +720,20 @@ def test_the_pure_rule_takes_named_arguments_only() -> None:
     assert rollback_point(server_log=[E(1, 0)], client_log=[E(1, 0)], start_seqno=5, high_seqno=5, snap_start=5,
                           snap_end=5, purge_seqno=0) is None
     assert sanitized([E(0, 3), E(2, 4), E(1, 9)]) == [E(2, 4)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["create", "prune", "replace"]), st.integers(0, 50)), max_size=20))
+def test_vbuuid_attribute_is_always_the_newest_entrys(steps: list[tuple[str, int]]) -> None:
+    """``FailoverLog.vbuuid`` (a plain attribute the ingest path reads) follows every change of the entries."""
+    log = FailoverLog.new(max_entries=3, rng=random.Random(7))
+    assert log.vbuuid == log.latest.vbuuid
+    for kind, seqno in steps:
+        if kind == "create":
+            log.create_entry(seqno)
+        elif kind == "prune":
+            log.prune_above(seqno)
+        else:
+            log.replace([E(seqno + 1, seqno), E(A, 0)])
+        assert log.vbuuid == log.latest.vbuuid
+    assert flog((C, 20), (B, 10)).vbuuid == C
