@@ -277,7 +277,10 @@ def _read_to_end(
     while pending:
         if time.monotonic() > deadline:
             raise BrokerError(f"timed out reading {len(pending)} partitions to their end")
-        msgs = consumer.consume(10_000, 0.5)
+        # the first message (or EOF event) of the window, then what is already fetched: consume(n, timeout)
+        # alone would wait out its whole timeout unless n messages arrive (0.5 s per call, twice per recovery)
+        first = consumer.poll(0.5)
+        msgs = [first, *consumer.consume(9_999, 0)] if first is not None else []
         if not msgs:
             # A start offset beyond the partition's end (the topic lost its log): Kafka answers
             # OFFSET_OUT_OF_RANGE (reset, then EOF), some brokers (Tansu) only empty fetches that never reach

@@ -46,6 +46,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.kafka)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # `--dist loadgroup` keeps the xdist_group("spark") tests on one worker (one Spark JVM) only if pytest-xdist
+    # could tag their node ids with "@spark"; pytest 9.2 stores node ids where pytest-xdist 3.8 no longer sets
+    # them, and the group was silently spread over the workers (two JVMs at once, order-dependent failures).
+    if (item.config.getoption("loadgroup", default=False) and item.get_closest_marker("xdist_group") is not None
+            and "@" not in item.nodeid):
+        pytest.fail(f"--dist loadgroup is not applied (pytest {pytest.__version__} with pytest-xdist): this test "
+                    "lost its xdist_group; install the dev extra's pytest (pip install -e '.[dev,spark]')",
+                    pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[Broker]:
     try:

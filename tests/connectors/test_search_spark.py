@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +25,6 @@ from tests.harness import Harness, write  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.kafka, pytest.mark.xdist_group("spark")]
 
 MAPPING = DocumentMapping.dynamic_default()
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    from pyspark.sql import SparkSession
-
-    s = (SparkSession.builder.master("local[2]").appName("dcp-tests")
-         .config("spark.sql.shuffle.partitions", "2")
-         .config("spark.default.parallelism", "2")
-         .config("spark.ui.enabled", "false")
-         .config("spark.sql.streaming.stopTimeout", "5s")
-         .getOrCreate())
-    s.sparkContext.setLogLevel("ERROR")
-    yield s  # shared with the other Spark test modules of this process (getOrCreate): not stopped here
 
 
 def contents(b: TantivyBackend) -> dict[str, tuple[int, Any]]:

@@ -19,27 +19,9 @@ from tests.gateway.kafka_util import read_topic  # noqa: E402
 from tests.gateway.processes import NVB, GatewayProc, docs, replicate_process  # noqa: E402
 from tests.harness import Harness, harnesses  # noqa: E402
 
-# One SparkSession (a JVM) per worker process: under pytest-xdist, `--dist loadgroup` keeps these on one worker.
+# One SparkSession (a JVM) per worker process (the `spark` fixture, tests/connectors/conftest.py): under
+# pytest-xdist, `--dist loadgroup` keeps these on one worker.
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.xdist_group("spark")]
-
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    from pyspark.sql import SparkSession
-
-    from connectors.spark import DcpDataSource
-
-    s = (SparkSession.builder.master("local[2]").appName("dcp-tests")
-         .config("spark.sql.shuffle.partitions", "2")
-         .config("spark.default.parallelism", "2")
-         .config("spark.ui.enabled", "false")
-         .config("spark.sql.streaming.stopTimeout", "5s")
-         .getOrCreate())
-    s.sparkContext.setLogLevel("ERROR")
-    s.dataSource.register(DcpDataSource)
-    yield s
-    s.stop()
 
 
 class Gw(Harness):
@@ -352,7 +334,8 @@ def _kafka_source_rows(bootstrap: str, topic: str) -> list[tuple[Any, ...]]:
         c.assign([TopicPartition(topic, p, 0) for p in parts])
         pending = set(parts)
         while pending:
-            for m in c.consume(1000, 0.5):
+            first = c.poll(0.5)  # then what is already fetched: consume(n, 0.5) would wait out the 0.5 s
+            for m in ([first, *c.consume(999, 0)] if first is not None else []):
                 if m.error() is not None:
                     assert m.error().code() == KafkaError._PARTITION_EOF
                     pending.discard(m.partition())
