@@ -196,6 +196,73 @@ def test_broker_paused_past_the_message_timeout_members_stay_up_no_duplicate_no_
         assert codes == [0, 0], [m.log.read_text()[-3000:] for m in members]
 
 
+#: how long a member is paused in the member-pause test: past its lease (message.timeout.ms 3.33 s with the 10 s
+#: session timeout), well inside its session timeout
+MEMBER_PAUSE_S = 6.0
+
+
+@pytest.mark.slow
+def test_member_paused_past_its_lease_inside_its_session_timeout_recovers_no_duplicate_no_gap(
+        kafka_broker: Broker, tmp_path: Path) -> None:
+    """docs/scale-out.md "Delivery within the lease": SIGSTOP one of two members right after a burst of writes,
+    for longer than its lease (its records' ``message.timeout.ms``) but shorter than its session timeout, while
+    writes go on; SIGCONT. The group still knows it (no expulsion); its records that waited past the timeout in
+    librdkafka fail locally and it recovers in-process from its partitions' tails -- or, where the machine is
+    so loaded that the group expelled it after all, it is fenced (exits with status 2) and a new process
+    rejoins. Either way no record is published twice, none is missing: the topic passes the invariants checker
+    and its replay equals the engine."""
+    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB, checkpoint_max_items=5)
+    prefix = f"so{uuid.uuid4().hex[:8]}"
+    topic = f"{prefix}.default"
+    env = {**member_env(kafka_broker, prefix), "DCPGW_GROUP_SESSION_TIMEOUT_MS": str(PAUSE_SESSION_MS)}
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    load = Churn(c, keys=150, delete_every=7)
+
+    source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
+    a = Member(env, source, group, tmp_path / "a.log")
+    b = Member(env, source, group, tmp_path / "b.log")
+    members = [a, b]
+    paused = False
+    try:
+        wait_split(a, b, load, members)
+        t_end = time.monotonic() + 2
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        assignments = (len(a.assignments()), len(b.assignments()))
+        load(400)  # a burst: b has records queued or in flight when it is paused
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        paused = True
+        t_end = time.monotonic() + MEMBER_PAUSE_S
+        wait_for(lambda: time.monotonic() > t_end, "the member's pause", MEMBER_PAUSE_S + 5, load)
+        os.kill(b.proc.pid, signal.SIGCONT)
+        paused = False
+        t_end = time.monotonic() + 5
+        wait_for(lambda: time.monotonic() > t_end or b.proc.poll() is not None, "load", 15, load)
+        if b.proc.poll() is not None:
+            # expelled after all (a heavily loaded machine delayed its heart-beats past the session timeout):
+            # fenced, publishing nothing more; a new process rejoins
+            assert b.proc.returncode == 2 and "fenced" in b.log.read_text(), b.log.read_text()[-3000:]
+            b = Member(env, source, group, tmp_path / "b2.log")
+            members = [a, b]
+            wait_split(a, b, load, members)
+        else:
+            # the usual case: it stayed in the group (no rebalance) and went on publishing in-process
+            assert (len(a.assignments()), len(b.assignments())) == assignments, \
+                [m.log.read_text()[-3000:] for m in members]
+            assert "fenced" not in b.log.read_text()
+        t_end = time.monotonic() + 3
+        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        want = actives_state(c)
+
+        check_member_topic(kafka_broker, topic, want, members)
+        assert all(m.proc.poll() is None for m in members), [m.log.read_text()[-3000:] for m in members]
+    finally:
+        if paused:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        codes = [m.stop() for m in members]
+        c.close(clean=False)
+    assert codes == [0, 0], [m.log.read_text()[-3000:] for m in members]
+
+
 def test_gateway_command_refuses_bad_sources_in_one_line() -> None:
     env = {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
     for bad in ("nohost", "h:0", "h:x", ":11210", ","):
