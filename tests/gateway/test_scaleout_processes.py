@@ -503,3 +503,52 @@ def test_persistence_polling_of_attached_nodes_agrees_with_observe_by_seqno(tmp_
             src.close()
     finally:
         c.close(clean=False)
+
+
+def test_up_group_host_starts_an_exited_gateway_again_with_a_doubling_pause(tmp_path: Path) -> None:
+    """docs/scale-out.md "dcpgw up --gateways": a child gateway process that exits is started again after
+    RESTART_MIN_S, the pause doubling while it keeps exiting soon after its start (clock passed in); none is
+    started once the host stops."""
+    import subprocess
+    import sys
+
+    from engine import Bucket, BucketConfig
+    from gateway import group_host
+    from gateway.config import GatewaySettings
+
+    bucket = Bucket(BucketConfig(data_dir=tmp_path / "d", name="default", num_vbuckets=4))
+    host = group_host.GroupHost(GatewaySettings(gateways=2), "127.0.0.1:1", bucket, "dcp.default")
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> subprocess.Popen[bytes]:  # a process that exits at once, in place of `dcpgw gateway`
+        p = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        spawned.append(p)
+        return p
+
+    host._spawn = spawn  # type: ignore[method-assign]
+    try:
+        child = group_host.GatewayChild(0, spawn(), started=100.0)
+        host.children.append(child)
+        child.proc.wait(30)
+        host.check_children(now=101.0)
+        assert child.last_exit == 3 and child.restart_at == 101.0 + group_host.RESTART_MIN_S
+        host.check_children(now=101.5)
+        assert len(spawned) == 1  # still pausing
+        host.check_children(now=102.0)
+        assert len(spawned) == 2 and child.restarts == 1 and child.proc is spawned[1]
+        child.proc.wait(30)
+        host.check_children(now=102.5)  # exited again within a minute of its start: the pause doubled
+        assert child.restart_at == 102.5 + 2 * group_host.RESTART_MIN_S
+        host.check_children(now=104.5)
+        assert child.restarts == 2 and child.status() == {"pid": spawned[2].pid, "running": child.proc.poll() is None,
+                                                          "restarts": 2, "last_exit": 3}
+        child.proc.wait(30)
+        host._stopping = True
+        host.check_children(now=1000.0)
+        assert len(spawned) == 3  # not started again once stopping
+    finally:
+        for p in spawned:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        bucket.close()
