@@ -118,9 +118,6 @@ class GroupHost:
         log.info("gateway group %s: engine served on 127.0.0.1:%d, %d gateway processes (pids %s)",
                  self.group, self.port, len(self.children), [c.proc.pid for c in self.children])
 
-    def pids(self) -> list[int]:
-        return [c.proc.pid for c in self.children]
-
     def status(self) -> dict[str, Any]:
         """``GET /health`` / ``/stats`` ``gateways``: the group and its processes."""
         return {"group": self.group, "source": f"127.0.0.1:{self.port}",
