@@ -650,6 +650,8 @@ async def health(request: web.Request) -> web.Response:
     if svc.kv_cluster is not None:  # one KV port per node (docs/kv-protocol.md "Several nodes")
         body["kv_port"] = svc.kv_cluster.first
         body["kv_ports"] = svc.kv_cluster.ports
+    if svc.group is not None:  # dcpgw up --gateways K: the gateway processes publish (docs/scale-out.md)
+        body["gateways"] = svc.group.status()
     if pub is not None and pub.error is not None:
         body["error"] = str(pub.error)
     if pub is not None and pub.failed_vbuckets:
@@ -702,6 +704,8 @@ async def stats(request: web.Request) -> web.Response:
         "streams": len(pub.streaming),
         "lag": pub.lag()[0],
     })
+    if svc.group is not None:  # dcpgw up --gateways K: the stream figures above are this process's, i.e. none
+        body["gateways"] = svc.group.status()
     return web.json_response(body)
 
 

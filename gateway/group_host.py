@@ -1,18 +1,19 @@
-"""``dcpgw up --gateways K`` (docs/scale-out.md "dcpgw up --gateways"): the ``up`` process hosts a group of K
-gateway processes publishing its engine.
+"""``dcpgw up --gateways K`` (docs/scale-out.md "dcpgw up --gateways"): the ``up`` process hosts the engine and
+K gateway processes publish it, as one group.
 
-* the engine stays in the ``up`` process (the HTTP API writes into it as always) and is also served over the
-  memcached binary protocol by a :class:`~engine.network.server.NodeServer` on the same event loop, on a loopback
-  port -- the DCP connections of the other members come in there;
-* the ``up`` process's own publisher is member 1 of the group ``dcpgw-<topic>`` (it starts with no vbucket; the
-  membership thread hands it its share, :class:`~gateway.kafka.membership.VBucketHandoff` served by the pump
-  loop);
-* K - 1 child processes ``dcpgw gateway --source 127.0.0.1:PORT --group dcpgw-<topic>`` are the other members,
-  with the same settings (the parent's environment, its config file, and the settings given on the command
-  line as ``DCPGW_*`` variables).
+* the engine stays in the ``up`` process (the HTTP API and the KV port write into it as always) and is also
+  served over the memcached binary protocol by a :class:`~engine.network.server.NodeServer` on the same event
+  loop, on a loopback port -- the members' DCP connections come in there;
+* the ``up`` process publishes nothing itself and is no member of the group: K child processes ``dcpgw gateway
+  --source 127.0.0.1:PORT --group dcpgw-<topic>`` are the group's members, with the same settings (the parent's
+  environment, its config file, and the settings given on the command line as ``DCPGW_*`` variables), each with
+  the delivery budget and the in-process delivery recovery of any ``dcpgw gateway`` (gateway/member.py);
+* a child that exits while the ``up`` process runs (killed, fenced, failed) is started again, after a pause that
+  doubles while it keeps exiting soon after its start; meanwhile the group gives its vbuckets to the others
+  (after the session timeout when it did not leave cleanly).
 
-On stop the ``up`` process leaves the group first (its vbuckets released while its pump loop still runs), then
-stops the children (SIGTERM: they leave cleanly) and the node server.
+On stop the children are sent SIGTERM (each leaves the group cleanly: its vbuckets released once Kafka
+acknowledged its records) while the node server still serves them; then the node server stops.
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine import Bucket
 from engine.network.server import NodeServer
-from gateway.kafka.membership import Membership, VBucketHandoff
-from gateway.resume import PublishPosition, load_checkpoints, replay_tail
 
 if TYPE_CHECKING:
     from gateway.config import GatewaySettings
-    from gateway.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,12 @@ log = logging.getLogger(__name__)
 _SHARED = ("bucket", "topic_prefix", "value_format", "stream_from", "key_filter_prefix", "key_filter_regex",
            "flow_control_buffer_bytes", "checkpoint_interval_s", "rollback_mitigation", "oversize_policy",
            "create_topic_partitions", "group_partitions", "group_session_timeout_ms")
+
+#: a child that exited is started again after this pause, doubled (up to RESTART_MAX_S) while it keeps exiting
+#: within RESTART_RESET_S of its start
+RESTART_MIN_S = 1.0
+RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0
 
 
 def group_name(topic: str) -> str:
@@ -62,72 +67,112 @@ def child_env(settings: GatewaySettings, bootstrap_servers: str) -> dict[str, st
     return env
 
 
-class GroupHost:
-    """The node server, the children and the ``up`` process's own membership."""
+@dataclass
+class GatewayChild:
+    """One ``dcpgw gateway`` child process (slot ``index``) and its restarts."""
 
-    def __init__(self, settings: GatewaySettings, bootstrap_servers: str, bucket: Bucket, publisher: Publisher,
-                 client_config: dict[str, Any], topic: str, partitions: int) -> None:
+    index: int
+    proc: subprocess.Popen[bytes]
+    started: float
+    restarts: int = 0
+    #: exit status of the previous process of this slot (None: never exited)
+    last_exit: int | None = None
+    #: when the slot's next process is started (set while it waits to be restarted)
+    restart_at: float | None = None
+    pause_s: float = RESTART_MIN_S
+
+    def status(self) -> dict[str, Any]:
+        return {"pid": self.proc.pid, "running": self.proc.poll() is None, "restarts": self.restarts,
+                "last_exit": self.last_exit}
+
+
+class GroupHost:
+    """The node server and the K gateway child processes of ``dcpgw up --gateways K``."""
+
+    def __init__(self, settings: GatewaySettings, bootstrap_servers: str, bucket: Bucket, topic: str) -> None:
         self.settings = settings
         self.bootstrap_servers = bootstrap_servers
         self.bucket = bucket
-        self.publisher = publisher
-        self.client_config = client_config
         self.topic = topic
-        self.partitions = partitions
         self.group = group_name(topic)
         self.server = NodeServer(bucket, "dcpgw-up", host="127.0.0.1", port=0,
                                  flush_interval=settings.flush_interval_s)
-        self.handoff = VBucketHandoff()
-        nvb = bucket.num_vbuckets
-        self.membership = Membership(client_config, topic, self.group, nvb, self.handoff, self._recover,
-                                     partitions=min(settings.group_partitions, nvb),
-                                     session_timeout_ms=settings.group_session_timeout_ms,
-                                     member_name=f"dcpgw-up-{os.getpid()}")
-        self.children: list[subprocess.Popen[bytes]] = []
+        self.children: list[GatewayChild] = []
         self.port = 0
+        self._env: dict[str, str] = {}
+        self._stopping = False
+        self._supervisor: asyncio.Task[None] | None = None
 
-    def _recover(self, vbuckets: list[int]) -> dict[int, PublishPosition]:
-        saved = load_checkpoints(self.client_config, self.topic)
-        return replay_tail(self.client_config, self.topic, self.partitions, self.bucket.num_vbuckets, saved,
-                           vbuckets=vbuckets)
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "gateway", "--source", f"127.0.0.1:{self.port}", "--group",
+             self.group, "--parent-pid", str(os.getpid())], env=self._env)
 
     async def start(self) -> None:
         self.port = await self.server.start()
-        self.membership.start()
-        env = child_env(self.settings, self.bootstrap_servers)
-        for _ in range(self.settings.gateways - 1):
-            self.children.append(subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "gateway", "--source", f"127.0.0.1:{self.port}", "--group",
-                 self.group, "--parent-pid", str(os.getpid())], env=env))
-        log.info("gateway group %s: engine served on 127.0.0.1:%d, %d more gateway processes (pids %s)",
-                 self.group, self.port, len(self.children), [c.pid for c in self.children])
+        self._env = child_env(self.settings, self.bootstrap_servers)
+        now = time.monotonic()
+        for i in range(self.settings.gateways):
+            self.children.append(GatewayChild(i, self._spawn(), now))
+        self._supervisor = asyncio.create_task(self._supervise(), name="dcpgw-gateways")
+        log.info("gateway group %s: engine served on 127.0.0.1:%d, %d gateway processes (pids %s)",
+                 self.group, self.port, len(self.children), [c.proc.pid for c in self.children])
 
-    def serve(self) -> None:
-        """On the pump loop: serve the membership's changes (never waits)."""
-        pub = self.publisher
-        self.handoff.serve(pub.remove_vbuckets, lambda vbs: pub.unacked(vbs) == 0, pub.add_vbuckets)
+    def status(self) -> dict[str, Any]:
+        """``GET /health`` / ``/stats`` ``gateways``: the group and its processes."""
+        return {"group": self.group, "source": f"127.0.0.1:{self.port}",
+                "processes": [c.status() for c in self.children]}
 
-    @property
-    def error(self) -> BaseException | None:
-        return self.membership.error
+    def check_children(self, now: float | None = None) -> None:
+        """Start again every child that exited (once its pause is over); never waits."""
+        if self._stopping:
+            return
+        now = time.monotonic() if now is None else now
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None:
+                continue
+            if c.restart_at is None:
+                c.last_exit = code
+                if now - c.started >= RESTART_RESET_S:
+                    c.pause_s = RESTART_MIN_S
+                c.restart_at = now + c.pause_s
+                log.warning("gateway process %d (pid %d) of group %s exited with status %d: started again in "
+                            "%.0f s (its vbuckets go to the other members meanwhile)", c.index, c.proc.pid,
+                            self.group, code, c.pause_s)
+                c.pause_s = min(RESTART_MAX_S, c.pause_s * 2)
+            elif now >= c.restart_at:
+                c.proc = self._spawn()
+                c.started, c.restart_at = now, None
+                c.restarts += 1
+                log.info("gateway process %d of group %s started again: pid %d (restart %d)", c.index,
+                         self.group, c.proc.pid, c.restarts)
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(0.5)
+            self.check_children()
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Leave the group (the pump loop must still run: it serves the revoke), then stop the children and the
-        node server (the bucket stays open: the service closes it)."""
-        self.membership.stop()
+        """Stop the children (SIGTERM: each leaves the group cleanly while the node server still serves its
+        streams), then the node server (the bucket stays open: the service closes it)."""
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
         deadline = time.monotonic() + timeout
-        while self.membership.alive and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self.handoff.close()
         for c in self.children:
-            if c.poll() is None:
-                c.send_signal(signal.SIGTERM)
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
         for c in self.children:
             try:
-                await asyncio.to_thread(c.wait, max(1.0, deadline - time.monotonic()))
+                await asyncio.to_thread(c.proc.wait, max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                c.kill()
-                await asyncio.to_thread(c.wait, 5)
+                log.warning("gateway process %d (pid %d) did not leave within %.0f s: killed", c.index,
+                            c.proc.pid, timeout)
+                c.proc.kill()
+                await asyncio.to_thread(c.proc.wait, 5)
         if self.server._server is not None:
             self.server._server.close()
         for conn in list(self.server.conns):

@@ -165,8 +165,11 @@ class DeliveryBudget:
 
     Measured on the records Kafka acknowledged: while records waited in librdkafka all through an interval the
     broker was the bottleneck and the limit follows its rate, down as well as up; otherwise the rate says how
-    fast records came, not how fast the broker can take them, and the limit only grows. A delivery timeout
-    drops the limit to ``floor`` (:meth:`timed_out`). ``clock`` is injectable (tests)."""
+    fast records came, not how fast the broker can take them, and the limit only grows. Growth is bounded: at
+    most twice the limit per interval, and after an interval in which librdkafka ran empty at most twice the
+    most records it held in that interval (a queue that never filled says nothing of a fuller one: a burst
+    after a quiet spell -- persisted items released at once -- starts from what the broker was seen to take).
+    A delivery timeout drops the limit to ``floor`` (:meth:`timed_out`). ``clock`` is injectable (tests)."""
 
     def __init__(self, target_s: float, *, floor: int = 256, ceiling: int = 100_000, interval_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -186,23 +189,30 @@ class DeliveryBudget:
         self._t0: float | None = None
         self._d0 = 0
         self._min_queued = 0
+        self._max_queued = 0
 
     def room(self, delivered: int, queued: int) -> int:
         """Records that may be handed to librdkafka now, given the records acknowledged so far (``delivered``,
         a running total) and those librdkafka holds (``queued``)."""
         now = self.clock()
         if self._t0 is None:
-            self._t0, self._d0, self._min_queued = now, delivered, queued
+            self._t0, self._d0, self._min_queued, self._max_queued = now, delivered, queued, queued
         else:
             self._min_queued = min(self._min_queued, queued)
+            self._max_queued = max(self._max_queued, queued)
             dt = now - self._t0
             if dt >= self.interval_s:
                 rate = (delivered - self._d0) / dt
                 self.rate = rate
                 want = min(self.ceiling, max(self.floor, int(rate * self.target_s)))
-                # always busy: the broker's pace; else only up (a quiet interval says nothing of the broker)
-                self.limit = want if self._min_queued > 0 else max(self.limit, want)
-                self._t0, self._d0, self._min_queued = now, delivered, queued
+                grown = min(want, 2 * self.limit)  # at most twice per interval
+                if self._min_queued > 0:
+                    self.limit = grown  # always busy: the broker's pace, down at once, up at most 2x
+                else:
+                    # only up (a quiet interval says nothing of the broker), and no further than twice what
+                    # librdkafka held in it
+                    self.limit = max(self.limit, min(grown, 2 * self._max_queued))
+                self._t0, self._d0, self._min_queued, self._max_queued = now, delivered, queued, queued
         room = self.limit - queued
         if room <= 0:
             self.waits += 1

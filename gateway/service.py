@@ -81,7 +81,7 @@ class GatewayService:
         self._rebalance_setup: asyncio.Task[dict[str, Bucket]] | None = None
         self.publisher: Publisher | None = None
         self.checkpoints: CheckpointWriter | None = None
-        #: ``gateways`` > 1: the node server, the other gateway processes, this one's group membership
+        #: ``gateways`` > 1: the node server and the gateway child processes (the group's members)
         self.group: GroupHost | None = None
         self.runner: web.AppRunner | None = None  # gateway.api.JsonAppRunner once started
         self.http_port: int = settings.http_port
@@ -178,8 +178,9 @@ class GatewayService:
         if s.gateways > 1:
             if self.bucket is None:
                 raise GatewayError("gateways > 1 needs a single engine node (cluster_nodes = 1)")
-            self.group = GroupHost(s, self.bootstrap_servers, self.bucket, self.publisher, client, self.topic,
-                                   partitions)
+            # docs/scale-out.md "dcpgw up --gateways": this process serves the engine to K gateway child
+            # processes (the group's members) and publishes nothing itself
+            self.group = GroupHost(s, self.bootstrap_servers, self.bucket, self.topic)
             await self.group.start()
         from gateway.api import JsonAppRunner, build_app  # local: api imports this module for typing
 
@@ -239,7 +240,8 @@ class GatewayService:
             oversize_policy=s.oversize_policy,
             large_record_bytes=self._large_record_bytes,
             rollback_to_zero=rollback_to_zero,
-            vbuckets=[] if s.gateways > 1 else None,  # a group member: the group assigns its vbuckets
+            # gateways > 1: the child processes publish every vbucket; this one streams none
+            vbuckets=[] if s.gateways > 1 else None,
         )
 
     def _topic_lost(self, why: str) -> None:
@@ -471,8 +473,6 @@ class GatewayService:
         acked = pub.records_acked
         while not self._stopping.is_set():
             try:
-                if self.group is not None:
-                    self.group.serve()  # vbuckets the group assigned / revoked (docs/scale-out.md)
                 n = pub.pump()
                 if cluster is not None:
                     n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
@@ -602,7 +602,7 @@ class GatewayService:
 
     async def stop(self) -> None:
         if self.group is not None:
-            await self.group.stop()  # leaves the group while the pump loop still serves the revoke
+            await self.group.stop()  # the children leave the group while the node server serves their streams
         self._stopping.set()
         self._wake.set()
         for t in self._tasks:

@@ -267,7 +267,8 @@ class Membership:
         # the SyncGroup answer that carried this assignment confirms the generation
         self.lease_until = self.clock() + self.lease_s
         self._assigned = [p.partition for p in parts if p.partition is not None]
-        log.info("group %s: assigned %d coordination partitions, %d vbuckets", self.group, len(parts), len(vbs))
+        log.info("group %s: assigned %d coordination partitions, %d vbuckets (member %s)", self.group, len(parts),
+                 len(vbs), self.member_name)
         if vbs:
             try:
                 payload = self.recover(vbs)

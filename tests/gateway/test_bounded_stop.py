@@ -94,7 +94,12 @@ def test_sigterm_during_start_up_with_the_broker_paused(broker: EmbeddedTansuBro
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--no-progress"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=f)
-    time.sleep(3)  # well into the wait for the broker
+    # its user store is written after its signal handlers are in place, right before it waits for the broker (on
+    # a loaded machine the imports alone can take longer than a fixed sleep)
+    deadline = time.monotonic() + 120
+    while not (data / "users.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)  # well into the wait for the broker
     assert proc.poll() is None, log.read_text()[-2000:]
     t = time.monotonic()
     proc.send_signal(signal.SIGTERM)

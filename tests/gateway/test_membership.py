@@ -116,23 +116,59 @@ def test_delivery_budget_follows_the_brokers_rate_on_the_injected_clock() -> Non
     now = [0.0]
     b = DeliveryBudget(0.5, floor=100, ceiling=10_000, interval_s=0.25, clock=lambda: now[0])
     assert b.limit == 400 and b.room(0, 0) == 400  # before any measurement: 4 x the floor
+    assert b.room(0, 350) == 50  # librdkafka held 350 records
     now[0] += 0.25
-    assert b.room(500, 300) == 1000 - 300  # 2000 records/s delivered: 1000 allowed
+    # 2000 records/s delivered: 1000 wanted; librdkafka ran empty in the interval: at most twice the 350 it held
+    assert b.room(500, 300) == 700 - 300
     assert b.rate == pytest.approx(2000)
     now[0] += 0.25
-    assert b.room(600, 150) == 200 - 150  # the broker slowed to 400/s: down to 200
+    assert b.room(1000, 300) == 1000 - 300  # the same rate, always busy: 1000 (at most twice 700)
     now[0] += 0.25
-    assert b.room(600, 150) == 100 - 150 and b.waits == 1  # nothing delivered: the floor; no room
+    assert b.room(1100, 150) == 200 - 150  # the broker slowed to 400/s: down to 200 at once
     now[0] += 0.25
-    assert b.room(5600, 150) == 10_000 - 150  # 20,000/s: capped at the ceiling
+    assert b.room(1100, 150) == 100 - 150 and b.waits == 1  # nothing delivered: the floor; no room
+    limits = []
+    delivered = 1100
+    for _ in range(8):  # 20,000/s, always busy: the limit at most doubles per interval, up to the ceiling
+        now[0] += 0.25
+        delivered += 5000
+        b.room(delivered, 150)
+        limits.append(b.limit)
+    assert limits == [200, 400, 800, 1600, 3200, 6400, 10_000, 10_000]
     now[0] += 0.1
-    b.room(5610, 0)  # librdkafka ran empty: the rate says how fast records came, not what the broker takes
+    b.room(delivered + 10, 0)  # librdkafka ran empty: the rate says how fast records came, not what the broker takes
     now[0] += 0.15
-    assert b.room(5620, 0) == 10_000  # so the limit does not fall
+    assert b.room(delivered + 20, 0) == 10_000  # so the limit does not fall
     b.timed_out()
     assert b.limit == 100 and b.room(5620, 0) == 100  # records timed out: from the floor again
     with pytest.raises(GatewayError, match="positive"):
         DeliveryBudget(0)
+
+
+def test_delivery_budget_does_not_grow_on_a_queue_that_never_filled() -> None:
+    """docs/scale-out.md "Delivery within the lease": records that came slowly and were delivered at once (the
+    queue never filled) say nothing of how many the broker delivers within the target; the limit grows no
+    further than twice what librdkafka held, so a burst after a quiet spell (persisted items released at once)
+    is handed over at most a doubling per interval -- not 17,000 records at once (bench run 2)."""
+    now = [0.0]
+    b = DeliveryBudget(0.83, floor=256, ceiling=100_000, interval_s=0.25, clock=lambda: now[0])
+    assert b.room(0, 0) == 1024
+    delivered = 0
+    for _ in range(20):  # 5 s at 20,000 records/s delivered, librdkafka holding at most 100 at a time
+        for q in (0, 100, 50):
+            now[0] += 0.25 / 3
+            delivered += 5000 // 3
+            b.room(delivered, q)
+    assert b.rate is not None and b.rate > 19_000
+    assert b.limit == 1024  # 16,600 wanted (rate x target); never more than twice the 100 held
+    assert b.room(delivered, 0) == 1024  # the burst: 1024 records handed over, not 16,600
+    seen = []
+    for _ in range(5):  # the burst fills librdkafka; the broker keeps up (always busy): a doubling per interval
+        now[0] += 0.25
+        delivered += 5000
+        b.room(delivered, b.limit)
+        seen.append(b.limit)
+    assert seen == [2048, 4096, 8192, 16_384, 16_600]
 
 
 class _IdlePublisher:
