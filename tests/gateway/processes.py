@@ -261,6 +261,11 @@ class Churn:
                 self.cluster.delete(key)
             self.written += 1
 
+    def for_seconds(self, seconds: float, what: str = "load") -> None:
+        """Keep writing for ``seconds``."""
+        t_end = time.monotonic() + seconds
+        wait_for(lambda: time.monotonic() > t_end, what, seconds + 10, self)
+
 
 def member_env(broker: Broker, prefix: str) -> dict[str, str]:
     return {**CLEAN_ENV, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap_servers, "DCPGW_TOPIC_PREFIX": prefix,

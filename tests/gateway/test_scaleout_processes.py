@@ -13,6 +13,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,32 @@ def wait_split(a: Member, b: Member, load: Churn, members: list[Member]) -> None
              and a.assignments()[-1] + b.assignments()[-1] == NVB and 0 < a.assignments()[-1] < NVB,
              "the two members split the vbuckets", 90, load, members)
 
+
+@dataclass
+class OneNodePair:
+    """Two members of one group on a one-node engine under a :class:`Churn` load (the pause tests' set-up)."""
+
+    cluster: ProcessCluster
+    topic: str
+    env: dict[str, str]
+    source: str
+    group: str
+    load: Churn
+    a: Member
+    b: Member
+
+    @classmethod
+    def start(cls, broker: Broker, tmp_path: Path, env: dict[str, str] | None = None) -> OneNodePair:
+        c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB,
+                                 checkpoint_max_items=5)
+        prefix = f"so{uuid.uuid4().hex[:8]}"
+        full_env = {**member_env(broker, prefix), **(env or {})}
+        group = f"g-{uuid.uuid4().hex[:6]}"
+        source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
+        a = Member(full_env, source, group, tmp_path / "a.log")
+        b = Member(full_env, source, group, tmp_path / "b.log")
+        return cls(c, f"{prefix}.default", full_env, source, group, Churn(c, keys=150, delete_every=7), a, b)
+
 @pytest.mark.slow
 def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
         kafka_broker: Broker, engine_node: ProcessCluster, tmp_path: Path) -> None:
@@ -70,8 +97,7 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
     members = [a, b]
     try:
         wait_split(a, b, load, members)
-        t_end = time.monotonic() + 2
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(2)
         n_assign = len(a.assignments())
         b.kill9()  # mid-load: the group expels b after its session timeout, a takes everything
         wait_for(lambda: len(a.assignments()) > n_assign and a.assignments()[-1] == NVB,
@@ -81,8 +107,7 @@ def test_kill9_one_of_two_members_mid_load_other_takes_over_no_duplicate_no_gap(
         wait_for(lambda: bool(b.assignments()) and b.assignments()[-1] > 0
                  and a.assignments()[-1] + b.assignments()[-1] == NVB,
                  "the restarted member gets its share back", 90, load, members)
-        t_end = time.monotonic() + 2
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(2)
         assert load.written > 100
         want = actives_state(engine_node)
 
@@ -99,30 +124,20 @@ def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
     producer's queue), past its session timeout; the other takes its vbuckets over and keeps publishing;
     SIGCONT: the resumed member publishes nothing more (it exits, one ``error:`` line, status 2), and the topic
     still passes the invariants checker with no duplicate, and replays to the engine."""
-    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB, checkpoint_max_items=5)
-    prefix = f"so{uuid.uuid4().hex[:8]}"
-    topic = f"{prefix}.default"
-    env = member_env(kafka_broker, prefix)
-    group = f"g-{uuid.uuid4().hex[:6]}"
-    load = Churn(c, keys=150, delete_every=7)
-
-    source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
-    a = Member(env, source, group, tmp_path / "a.log")
-    b = Member(env, source, group, tmp_path / "b.log")
+    p = OneNodePair.start(kafka_broker, tmp_path)
+    c, topic, load, a, b = p.cluster, p.topic, p.load, p.a, p.b
     members = [a, b]
     paused = False
     try:
         wait_split(a, b, load, members)
-        t_end = time.monotonic() + 2
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(2)
         n_assign = len(a.assignments())
         load(400)  # a burst: b has records queued or in flight when it is paused
         os.kill(b.proc.pid, signal.SIGSTOP)
         paused = True
         wait_for(lambda: len(a.assignments()) > n_assign and a.assignments()[-1] == NVB,
                  "a takes over the paused member's vbuckets", 90, load, members)
-        t_end = time.monotonic() + 2
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(2)
         os.kill(b.proc.pid, signal.SIGCONT)
         paused = False
         # (at load average 13 its generation check went unanswered for 61 s after SIGCONT -- librdkafka: no
@@ -130,8 +145,7 @@ def test_member_paused_past_its_session_timeout_is_fenced_when_it_resumes(
         wait_for(lambda: b.proc.poll() is not None, "the resumed member stops", 180, load, members)
         assert b.proc.returncode == 2, b.log.read_text()[-3000:]
         assert "fenced" in b.log.read_text()
-        t_end = time.monotonic() + 2
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(2)
         want = actives_state(c)
 
         check_member_topic(kafka_broker, topic, want, members)
@@ -173,17 +187,14 @@ def test_broker_paused_past_the_message_timeout_members_stay_up_no_duplicate_no_
         members = [a, b]
         try:
             wait_split(a, b, load, members)
-            t_end = time.monotonic() + 2
-            wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+            load.for_seconds(2)
             assignments = (len(a.assignments()), len(b.assignments()))
             load(400)  # a burst: the members have records queued or in flight when the broker freezes
             with broker.paused_for():
-                t_end = time.monotonic() + PAUSE_S
-                wait_for(lambda: time.monotonic() > t_end, "the broker's pause", PAUSE_S + 5, load)
+                load.for_seconds(PAUSE_S, "the broker's pause")
             wait_for(lambda: any(RECOVERED in m.log.read_text() for m in members),
                      "a member recovers from the delivery timeouts", 60, load, members)
-            t_end = time.monotonic() + 3
-            wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+            load.for_seconds(3)
             logs = [m.log.read_text() for m in members]
             assert all(m.proc.poll() is None for m in members), [t[-3000:] for t in logs]
             assert any("_MSG_TIMED_OUT" in t for t in logs), [t[-3000:] for t in logs]
@@ -213,28 +224,18 @@ def test_member_paused_past_its_lease_inside_its_session_timeout_recovers_no_dup
     so loaded that the group expelled it after all, it is fenced (exits with status 2) and a new process
     rejoins. Either way no record is published twice, none is missing: the topic passes the invariants checker
     and its replay equals the engine."""
-    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB, checkpoint_max_items=5)
-    prefix = f"so{uuid.uuid4().hex[:8]}"
-    topic = f"{prefix}.default"
-    env = {**member_env(kafka_broker, prefix), "DCPGW_GROUP_SESSION_TIMEOUT_MS": str(PAUSE_SESSION_MS)}
-    group = f"g-{uuid.uuid4().hex[:6]}"
-    load = Churn(c, keys=150, delete_every=7)
-
-    source = ",".join(f"{n.host}:{n.port}" for n in c.nodes.values())
-    a = Member(env, source, group, tmp_path / "a.log")
-    b = Member(env, source, group, tmp_path / "b.log")
+    p = OneNodePair.start(kafka_broker, tmp_path, {"DCPGW_GROUP_SESSION_TIMEOUT_MS": str(PAUSE_SESSION_MS)})
+    c, topic, env, source, group, load, a, b = p.cluster, p.topic, p.env, p.source, p.group, p.load, p.a, p.b
     members = [a, b]
     paused = False
     try:
         wait_split(a, b, load, members)
-        t_end = time.monotonic() + 2
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(2)
         assignments = (len(a.assignments()), len(b.assignments()))
         load(400)  # a burst: b has records queued or in flight when it is paused
         os.kill(b.proc.pid, signal.SIGSTOP)
         paused = True
-        t_end = time.monotonic() + MEMBER_PAUSE_S
-        wait_for(lambda: time.monotonic() > t_end, "the member's pause", MEMBER_PAUSE_S + 5, load)
+        load.for_seconds(MEMBER_PAUSE_S, "the member's pause")
         os.kill(b.proc.pid, signal.SIGCONT)
         paused = False
         t_end = time.monotonic() + 5
@@ -251,8 +252,7 @@ def test_member_paused_past_its_lease_inside_its_session_timeout_recovers_no_dup
             assert (len(a.assignments()), len(b.assignments())) == assignments, \
                 [m.log.read_text()[-3000:] for m in members]
             assert "fenced" not in b.log.read_text()
-        t_end = time.monotonic() + 3
-        wait_for(lambda: time.monotonic() > t_end, "load", 10, load)
+        load.for_seconds(3)
         want = actives_state(c)
 
         check_member_topic(kafka_broker, topic, want, members)
