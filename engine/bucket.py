@@ -128,6 +128,9 @@ class Bucket:
         self.counter = MemoryCounter()
         self.replica_rollbacks = 0
         self.replica_rebuilds = 0
+        #: vbucket state records saved (a state, failover log or rollback changed): part of
+        #: :attr:`persistence_revision`
+        self._state_saves = 0
         data_dir = Path(config.data_dir)
         self.storage = Storage(data_dir / f"{config.name}.sqlite3", synchronous=config.sqlite_synchronous)
         #: XDCR target conflict resolution (docs/xdcr.md "Target side"): the mode is fixed at creation
@@ -603,6 +606,17 @@ class Bucket:
         if cas is not None and cas != vb.state_cas:
             raise StateCasMismatch(vb.id, vb.state_cas, cas)
 
+    def _save_state(self, vb: VBucket) -> None:
+        self.storage.save_states([vbucket_record(vb)])
+        self._state_saves += 1
+
+    @property
+    def persistence_revision(self) -> int:
+        """Grows whenever what OBSERVE_SEQNO answers may have changed for some vbucket: items were flushed, or
+        a vbucket's state, failover log (vbuuid) or persisted position changed (a node server caches its
+        ``stats vbucket-persisted`` answer under it, whoever flushed: engine/network/server.py)."""
+        return self.flusher.items_flushed + self._state_saves
+
     def set_vbucket_state(self, vbucket: int, state: VBucketState | str, *, cas: int | None = None) -> int:
         """Change a vbucket's state; returns the new partition-state CAS.
 
@@ -632,7 +646,7 @@ class Bucket:
             # No partial snapshot (an active's history is complete at every seqno it wrote).
             vb.snapshot_complete = vb.high_seqno
             vb.snapshot_persisted = vb.persisted_seqno
-        self.storage.save_states([vbucket_record(vb)])
+        self._save_state(vb)
         return vb.state_cas
 
     def promote(self, vbucket: int, *, takeover: bool = False, cas: int | None = None) -> FailoverEntry | None:
@@ -662,7 +676,7 @@ class Bucket:
         m.second_chain = None
         vb.state = VBucketState.ACTIVE
         vb.state_cas = self._new_state_cas()
-        self.storage.save_states([vbucket_record(vb)])
+        self._save_state(vb)
         return entry
 
     # ------------------------------------------------------------------ replica side (engine/dcp/replication.py)
@@ -700,7 +714,7 @@ class Bucket:
         (kv_engine ``replaceFailoverLog``)."""
         vb = self._replica(vbucket)
         vb.failover.replace(entries)
-        self.storage.save_states([vbucket_record(vb)])
+        self._save_state(vb)
 
     def rollback_vbucket(self, vbucket: int, seqno: int) -> int:
         """Roll a replica vbucket back to its newest complete-snapshot boundary <= ``seqno``; returns the
@@ -745,7 +759,7 @@ class Bucket:
         self._dirty.discard(vbucket)
         vb.dirty = False
         self.replica_rollbacks += 1
-        self.storage.save_states([vbucket_record(vb)])
+        self._save_state(vb)
         return target
 
     def failover_log(self, vbucket: int) -> list[FailoverEntry]:

@@ -456,8 +456,11 @@ class GatewayService:
         return opened
 
     def wake(self) -> None:
-        """Writes happened: the pump loop should run now."""
+        """Writes happened: the pump loop should run now (and, in ``dcpgw up --gateways K``, the node server's
+        DCP connections to the gateway processes)."""
         self._wake.set()
+        if self.group is not None:
+            self.group.server.kick()
 
     async def _pump_loop(self) -> None:
         """Pump publisher (and cluster) in bounded rounds, yielding to the loop between them: a round steps at

@@ -272,8 +272,11 @@ class NodeServer:
         self.bad_frames = 0
         #: vbucket -> (seqno, vbuuid, its "vb:vbuuid:seqno" entry) of the last ``stats vbucket-persisted``
         self._persisted_entries: dict[int, tuple[int, int, str]] = {}
-        #: that stat's last answer, until the next :meth:`kick` (every flush, write and state change kicks)
+        #: that stat's last answer and the bucket's ``persistence_revision`` it was built at: valid until either
+        #: moves (whoever flushed: in ``dcpgw up --gateways K`` the gateway service flushes the same bucket
+        #: too, without this server knowing) or the next :meth:`kick`
         self._persisted_text: str | None = None
+        self._persisted_revision = -1
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -335,7 +338,6 @@ class NodeServer:
 
     def kick(self) -> None:
         """Wake every DCP connection: something may be ready to send."""
-        self._persisted_text = None  # whatever changed (a flush, a state, a rollback...) may move the table
         for c in self.conns:
             if c.producer is not None:
                 c.wake.set()
@@ -715,7 +717,8 @@ class NodeServer:
         """``stats vbucket-persisted``'s value. Polled by every attached gateway up to 50 times a second
         (docs/scale-out.md): members polling between two flushes share one answer, and each vbucket's entry is
         formatted again only when its vbuuid or seqno moved."""
-        if self._persisted_text is not None:
+        revision = self.bucket.persistence_revision
+        if self._persisted_text is not None and revision == self._persisted_revision:
             return self._persisted_text
         active, replica = VBucketState.ACTIVE, VBucketState.REPLICA
         cache = self._persisted_entries
@@ -734,6 +737,7 @@ class NodeServer:
                 c = cache[v.id] = (seqno, uuid, f"{v.id}:{uuid}:{seqno}")
             out.append(c[2])
         text = self._persisted_text = " ".join(out)
+        self._persisted_revision = revision
         return text
 
     async def _set_replication(self, f: Frame) -> None:

@@ -347,3 +347,63 @@ def test_vbucket_persisted_stat_follows_flushes_and_state_changes(spawn) -> None
     c.set(keys_on(0, 3)[2], b"2", vbucket=0)
     c.flush()
     assert table()[0] == observed()[0] == (c.failover_log(0)[0].vbuuid, 3)
+
+
+def test_vbucket_persisted_stat_sees_a_flush_this_server_did_not_make(make_bucket) -> None:
+    """In ``dcpgw up --gateways K`` the gateway service flushes the bucket its node server serves, and the server
+    is not told (docs/scale-out.md). Its cached ``stats vbucket-persisted`` answer must still move with the
+    bucket's persisted seqnos: a stale answer held every member's rollback mitigation back forever (the
+    up --gateways test's lost writes)."""
+    import asyncio
+    import threading
+
+    from engine.network.remote import connect
+    from engine.network.server import NodeServer
+
+    bucket = make_bucket(num_vbuckets=4)
+    server = NodeServer(bucket, "t", flush_interval=3600.0)  # its own flusher never runs in this test
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    done = asyncio.Event()
+
+    async def serve() -> None:
+        await server.start()
+        started.set()
+        await done.wait()
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.sleep(0)
+
+    def run() -> None:
+        loop.run_until_complete(serve())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(10)
+    c = connect(f"127.0.0.1:{server.port}")
+
+    def table() -> dict[int, int]:
+        return {int(vb): int(seqno) for vb, _u, seqno in
+                (e.split(":") for e in c.stats("vbucket-persisted")["vbuckets"].split())}
+
+    async def call(fn: Any) -> Any:
+        return fn()
+
+    def on_loop(fn: Any) -> Any:  # the bucket belongs to the server's loop
+        return asyncio.run_coroutine_threadsafe(call(fn), loop).result(5)
+
+    try:
+        assert table() == {0: 0, 1: 0, 2: 0, 3: 0}
+        for round_ in (1, 2):
+            for vb in range(4):
+                on_loop(lambda vb=vb, round_=round_: bucket.set(keys_on(vb, 2)[round_ - 1], b"v", vbucket=vb))
+            assert table() == {0: round_ - 1, 1: round_ - 1, 2: round_ - 1, 3: round_ - 1}  # not persisted yet
+            on_loop(bucket.flush_all)  # as the gateway service's pump does: the server is not kicked
+            assert table() == {0: round_, 1: round_, 2: round_, 3: round_}
+        on_loop(lambda: bucket.set_vbucket_state(3, VBucketState.DEAD))
+        assert 3 not in table()
+    finally:
+        c.close()
+        loop.call_soon_threadsafe(done.set)
+        t.join(5)
