@@ -86,6 +86,8 @@ _TOO_LARGE: Final = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_
 #: records above this many bytes are produced alone on their partition unless the publisher is told the
 #: topic's limit: Apache Kafka's default max.message.bytes (1048588) minus a margin
 DEFAULT_LARGE_RECORD_BYTES: Final = 1_000_000
+#: a stream request that found its node silent is tried again after this many seconds (docs/scale-out.md)
+STREAM_RETRY_S: Final = 1.0
 #: what librdkafka adds to key + value + headers per record (record and batch framing), for size estimates
 _RECORD_OVERHEAD: Final = 128
 
@@ -310,6 +312,10 @@ class Publisher:
         self._topo: Topology | None = None
         #: a connection died during the last step: check every vbucket's connection on the next _follow
         self._recheck = False
+        #: a stream request found its node silent (``TemporaryFailure``, not NOT_MY_VBUCKET): the waiting
+        #: vbuckets are tried again at this ``time.monotonic()`` even if the topology never changes (a node busy
+        #: past the client's timeout comes back with the same map)
+        self._retry_at: float | None = None
         #: cluster-mode rollback mitigation: DCP messages not yet persisted everywhere, per vbucket, in order
         self._held: dict[int, deque[DcpMessage]] = {}
         #: the last persisted-everywhere seqno seen per vbucket (saves an observe per pump)
@@ -450,7 +456,7 @@ class Publisher:
         if self.rollback_to_zero or (self.stream_from == "beginning" and not pos.is_fresh):
             # A deliberate replay over a topic that already has this vbucket's records: tell consumers with a
             # rollback record to 0, so the re-sent history is not mistaken for duplicates.
-            self._publish_rollback(vb, 0)
+            self._publish_rollback(vb, 0, self.source.failover_log(vb))
         from_now = (self.stream_from == "now") or (self.stream_from == "saved-offset-or-now" and not use_saved)
         if not self._request(vb, from_now) and self.is_cluster:
             self._waiting.add(vb)
@@ -464,38 +470,54 @@ class Publisher:
         pos = self.sent[vb]
         src = self.source
         for _attempt in range(64):
+            dcp = None
             try:
                 dcp = src.producer_for(vb)
                 if from_now:
                     log_ = dcp.stream_request(vb, 0, MAX_SEQNO, flags=StreamFlags.FROM_LATEST)
-                    self._publish_failover_log(vb, log_)
-                    # Deliberately skip the history: the position jumps to the high seqno.
-                    high = src.high_seqno(vb)
-                    pos.seqno = pos.snap_start = pos.snap_end = pos.boundary = high
-                    self._owner[vb] = dcp
-                    self.streaming.add(vb)
-                    return True
-                log_ = dcp.stream_request(end_seqno=MAX_SEQNO, **pos.request_args())
+                else:
+                    log_ = dcp.stream_request(end_seqno=MAX_SEQNO, **pos.request_args())
+                # read before anything is produced: a node that does not answer now leaves no record behind
+                high = src.high_seqno(vb)
             except RollbackRequired as rb:
-                self._publish_rollback(vb, rb.seqno)
+                try:
+                    engine_log = src.failover_log(vb)
+                except (NotMyVBucket, TemporaryFailure) as e:
+                    return self._not_streamable(vb, None, e)
+                self._publish_rollback(vb, rb.seqno, engine_log)
                 continue
             except (NotMyVBucket, TemporaryFailure) as e:
-                # kv_engine client rule: NOT_MY_VBUCKET -> reload the map; retried when the topology changes.
-                if self.is_cluster:
-                    log.info("vbucket %d is not streamable now (%s); waiting for the map to change", vb, e)
-                else:
-                    log.warning("vbucket %d is not streamable now; skipped", vb)
-                return False
+                return self._not_streamable(vb, dcp, e)
             except RangeError as e:
                 if not self.is_cluster:
                     raise
                 log.error("vbucket %d: stream request refused (%s); retried when the map changes", vb, e)
                 return False
-            self._publish_failover_log(vb, log_)
+            self._publish_failover_log(vb, log_, high)
+            if from_now:
+                # Deliberately skip the history: the position jumps to the high seqno.
+                pos.seqno = pos.snap_start = pos.snap_end = pos.boundary = high
             self._owner[vb] = dcp
             self.streaming.add(vb)
             return True
         raise GatewayError(f"vbucket {vb}: stream request kept rolling back")
+
+    def _not_streamable(self, vb: int, dcp: DcpConnection | None, e: Exception) -> bool:
+        """A stream request answered NOT_MY_VBUCKET, or the node went silent (``TemporaryFailure``) during it."""
+        if dcp is not None and vb in dcp.streams:
+            # the stream opened but the node went silent after: closed, re-requested like the others
+            with contextlib.suppress(NotMyVBucket, TemporaryFailure):
+                dcp.close_stream(vb)
+            dcp.discard_stream(vb)
+        # kv_engine client rule: NOT_MY_VBUCKET -> reload the map; retried when the topology changes (a node
+        # that went silent: after a pause as well)
+        if not isinstance(e, NotMyVBucket) and self._retry_at is None:
+            self._retry_at = time.monotonic() + STREAM_RETRY_S
+        if self.is_cluster:
+            log.info("vbucket %d is not streamable now (%s); waiting for the map to change", vb, e)
+        else:
+            log.warning("vbucket %d is not streamable now; skipped", vb)
+        return False
 
     # ------------------------------------------------------------------ following the cluster
     def _detach(self, vb: int, restream: bool = True) -> None:
@@ -529,9 +551,11 @@ class Publisher:
         "on NOT_MY_VBUCKET or a stream end, reload the map and re-request with your own position"."""
         src = self.source
         topo = src.topology()
-        if topo != self._topo or self._recheck:
+        retry = self._retry_at is not None and time.monotonic() >= self._retry_at
+        if topo != self._topo or self._recheck or retry:
             self._topo = topo
             self._recheck = False
+            self._retry_at = None
             self._detached |= self._waiting
             self._waiting.clear()
             for vb, p in enumerate(self._owner):
@@ -546,20 +570,18 @@ class Publisher:
                 if not self._request(vb, False):
                     self._waiting.add(vb)
 
-    def _publish_rollback(self, vb: int, seqno: int) -> None:
+    def _publish_rollback(self, vb: int, seqno: int, engine_log: list[FailoverEntry]) -> None:
         pos = self.sent[vb]
         restart = pos.on_rollback(seqno)
-        engine_log = self.source.failover_log(vb)
         rec = self.encoder.rollback(vb, seqno, engine_log, snap_start=restart, snap_end=restart)
         self._produce(vb, rec, 0, pos.copy())
         self.rollbacks += 1
         self._event("rollback", vb, seqno)
         log.info("vbucket %d: engine answered ROLLBACK(%d); restarting from %d", vb, seqno, restart)
 
-    def _publish_failover_log(self, vb: int, entries: list[FailoverEntry]) -> None:
+    def _publish_failover_log(self, vb: int, entries: list[FailoverEntry], high: int) -> None:
         pos = self.sent[vb]
         pos.on_failover_log(entries)
-        high = self.source.high_seqno(vb)
         rec = self.encoder.failover_log(vb, entries, high, pos.snap_start, pos.snap_end)
         self._produce(vb, rec, 0, pos.copy())
 

@@ -88,6 +88,10 @@ from schemas.failover_log import FailoverEntry
 log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)
 REPLICATION_BUFFER_BYTES = 10 * 1024 * 1024
+#: items the flusher persists in one transaction before the event loop serves the connections again: kv_engine's
+#: flusher runs on a writer thread of its own and never holds up the front end; here it shares the loop, so a
+#: backlog (1M items after START_PERSISTENCE) is flushed in steps, every request answered in between
+FLUSH_STEP_ITEMS = 10_000
 T = TypeVar("T")
 
 
@@ -320,12 +324,16 @@ class NodeServer:
         # kv_engine's flusher task: persist whatever the checkpoints queued, in seqno order, per vbucket.
         while not self.bucket.closed:
             await asyncio.sleep(self.flush_interval)
-            if self.persistence and self.bucket.dirty_vbuckets:
+            while self.persistence and not self.bucket.closed and self.bucket.dirty_vbuckets:
                 try:
-                    self.bucket.flush_all()
+                    n = self.bucket.flush(FLUSH_STEP_ITEMS)
                 except EngineError as e:
                     log.warning("flush failed: %s", e)
+                    break
                 self.kick()
+                if not n:
+                    break
+                await asyncio.sleep(0)  # the connections' turn (a STAT, a DCP step) before the next step
             if not self.bucket.closed and self.bucket.process_durability_timeouts():
                 self.kick()  # the durability timeout task (kv_engine DurabilityTimeoutTask): aborts to send
 

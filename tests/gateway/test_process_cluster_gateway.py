@@ -314,3 +314,44 @@ def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(process_harn
         assert rep.docs() == expected
     print(f"\nrebalance of node processes under writes: {len(acked)} keys, {first.moved}+{second.moved} "
           f"vbuckets moved, {len(data)} data records")
+
+
+def test_a_node_silent_during_a_stream_request_is_asked_again(process_harness, monkeypatch) -> None:
+    """docs/scale-out.md: a node that stops answering right after it accepted a stream request (the STAT for
+    the failover-log record times out: a busy node, ``NodeUnavailable``) ends neither the publisher nor its
+    group member (the hand-off raised it into the membership thread: the member exited). The stream is closed,
+    nothing is published for it, and it is asked again after ``STREAM_RETRY_S`` although the map never changed;
+    the topic then holds every write once and a replay equals the engine."""
+    from engine.network.remote import NodeUnavailable
+
+    h: ProcessHarness = process_harness(nodes=1, replicas=0)
+    pub = h.publisher
+    h.write(60)
+    h.publish()
+    victims = [0, 3]
+    before = {vb: pub.acked[vb].copy() for vb in victims}
+    pub.remove_vbuckets(victims)
+    assert pub.unacked(victims) == 0
+    src = pub.source
+    real = src.high_seqno
+    silent = set(victims)
+
+    def high_seqno(vb: int) -> int:
+        if vb in silent:
+            silent.discard(vb)
+            raise NodeUnavailable("node n0: no answer to opcode 0x10 (injected)")
+        return real(vb)
+
+    monkeypatch.setattr(src, "high_seqno", high_seqno)
+    records = pub.records_sent
+    pub.add_vbuckets(before)  # what a group member's hand-off does; must not raise
+    assert not silent, "the injected silence was not reached"
+    assert not set(victims) & pub.streaming and pub.records_sent == records  # nothing produced for them
+    h.write(60)
+    h.publish(timeout=30)  # asked again after STREAM_RETRY_S, with the map unchanged
+    assert set(victims) <= pub.streaming
+    recs = h.check()
+    data = Counter((r.vbucket, r.vbuuid, r.seqno) for _p, _o, r in recs if r.is_data)
+    assert not [k for k, n in data.items() if n > 1], "a data record was published twice"
+    with h.replicate() as rep:
+        assert rep.docs() == h.actives()

@@ -349,61 +349,98 @@ def test_vbucket_persisted_stat_follows_flushes_and_state_changes(spawn) -> None
     assert table()[0] == observed()[0] == (c.failover_log(0)[0].vbuuid, 3)
 
 
+class InProcessNode:
+    """A :class:`NodeServer` on its own event loop in a thread, over a bucket of the test (as ``dcpgw up --gateways
+    K`` serves its engine), and a client of it. :meth:`on_loop` runs a call on the loop that owns the bucket."""
+
+    def __init__(self, bucket: Any, **server_args: Any) -> None:
+        import asyncio
+        import threading
+
+        from engine.network.remote import connect
+        from engine.network.server import NodeServer
+
+        self.bucket = bucket
+        self.server = NodeServer(bucket, "t", **server_args)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._done = asyncio.Event()
+
+        async def serve() -> None:
+            await self.server.start()
+            started.set()
+            await self._done.wait()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+            await asyncio.sleep(0)
+
+        self._thread = threading.Thread(target=lambda: self.loop.run_until_complete(serve()), daemon=True)
+        self._thread.start()
+        assert started.wait(10)
+        self.client = connect(f"127.0.0.1:{self.server.port}")
+
+    def on_loop(self, fn: Any) -> Any:
+        import asyncio
+
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(30)
+
+    def persisted(self) -> dict[int, int]:
+        """``stats vbucket-persisted`` as vbucket -> persisted seqno."""
+        return {int(vb): int(seqno) for vb, _u, seqno in
+                (e.split(":") for e in self.client.stats("vbucket-persisted")["vbuckets"].split())}
+
+    def close(self) -> None:
+        self.client.close()
+        self.loop.call_soon_threadsafe(self._done.set)
+        self._thread.join(5)
+
+
 def test_vbucket_persisted_stat_sees_a_flush_this_server_did_not_make(make_bucket) -> None:
     """In ``dcpgw up --gateways K`` the gateway service flushes the bucket its node server serves, and the server
     is not told (docs/scale-out.md). Its cached ``stats vbucket-persisted`` answer must still move with the
     bucket's persisted seqnos: a stale answer held every member's rollback mitigation back forever (the
     up --gateways test's lost writes)."""
-    import asyncio
-    import threading
-
-    from engine.network.remote import connect
-    from engine.network.server import NodeServer
-
     bucket = make_bucket(num_vbuckets=4)
-    server = NodeServer(bucket, "t", flush_interval=3600.0)  # its own flusher never runs in this test
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    done = asyncio.Event()
-
-    async def serve() -> None:
-        await server.start()
-        started.set()
-        await done.wait()
-        for task in asyncio.all_tasks():
-            if task is not asyncio.current_task():
-                task.cancel()
-        await asyncio.sleep(0)
-
-    def run() -> None:
-        loop.run_until_complete(serve())
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert started.wait(10)
-    c = connect(f"127.0.0.1:{server.port}")
-
-    def table() -> dict[int, int]:
-        return {int(vb): int(seqno) for vb, _u, seqno in
-                (e.split(":") for e in c.stats("vbucket-persisted")["vbuckets"].split())}
-
-    async def call(fn: Any) -> Any:
-        return fn()
-
-    def on_loop(fn: Any) -> Any:  # the bucket belongs to the server's loop
-        return asyncio.run_coroutine_threadsafe(call(fn), loop).result(5)
-
+    node = InProcessNode(bucket, flush_interval=3600.0)  # its own flusher never runs in this test
     try:
-        assert table() == {0: 0, 1: 0, 2: 0, 3: 0}
+        assert node.persisted() == {0: 0, 1: 0, 2: 0, 3: 0}
         for round_ in (1, 2):
             for vb in range(4):
-                on_loop(lambda vb=vb, round_=round_: bucket.set(keys_on(vb, 2)[round_ - 1], b"v", vbucket=vb))
-            assert table() == {0: round_ - 1, 1: round_ - 1, 2: round_ - 1, 3: round_ - 1}  # not persisted yet
-            on_loop(bucket.flush_all)  # as the gateway service's pump does: the server is not kicked
-            assert table() == {0: round_, 1: round_, 2: round_, 3: round_}
-        on_loop(lambda: bucket.set_vbucket_state(3, VBucketState.DEAD))
-        assert 3 not in table()
+                node.on_loop(lambda vb=vb, round_=round_: bucket.set(keys_on(vb, 2)[round_ - 1], b"v", vbucket=vb))
+            assert node.persisted() == dict.fromkeys(range(4), round_ - 1)  # not persisted yet
+            node.on_loop(bucket.flush_all)  # as the gateway service's pump does: the server is not kicked
+            assert node.persisted() == dict.fromkeys(range(4), round_)
+        node.on_loop(lambda: bucket.set_vbucket_state(3, VBucketState.DEAD))
+        assert 3 not in node.persisted()
     finally:
-        c.close()
-        loop.call_soon_threadsafe(done.set)
-        t.join(5)
+        node.close()
+
+
+def test_a_flush_backlog_is_persisted_in_steps_with_requests_answered_between(make_bucket, monkeypatch) -> None:
+    """docs/scale-out.md: after START_PERSISTENCE with a large backlog the node's flusher persists
+    ``FLUSH_STEP_ITEMS`` at a time and serves its connections between two steps -- a gateway's STAT was left
+    unanswered past its timeout while a 1M-item backlog was flushed in one call (the member exited)."""
+    import engine.network.server as server_mod
+
+    monkeypatch.setattr(server_mod, "FLUSH_STEP_ITEMS", 500)
+    bucket = make_bucket(num_vbuckets=4)
+    node = InProcessNode(bucket, flush_interval=0.005)
+    try:
+        node.server.persistence = False  # STOP_PERSISTENCE
+        keys = [f"k{i}" for i in range(12_000)]
+        node.on_loop(lambda: [bucket.set(k, b"x" * 100) for k in keys])
+        total = len(keys)
+        assert sum(node.persisted().values()) == 0
+        node.server.persistence = True  # START_PERSISTENCE (an attribute write: the loop reads it next turn)
+        seen: list[int] = []
+        while not seen or seen[-1] < total:
+            seen.append(sum(node.persisted().values()))
+        partial = [n for n in seen if 0 < n < total]
+        assert partial, f"no STAT answered while the backlog was flushed: {seen[:5]}...{seen[-5:]}"
+        assert node.on_loop(lambda: bucket.dirty_vbuckets) == 0
+    finally:
+        node.close()
