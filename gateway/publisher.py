@@ -88,6 +88,9 @@ _TOO_LARGE: Final = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_
 DEFAULT_LARGE_RECORD_BYTES: Final = 1_000_000
 #: a stream request that found its node silent is tried again after this many seconds (docs/scale-out.md)
 STREAM_RETRY_S: Final = 1.0
+#: rollback mitigation holding a vbucket's messages this long without releasing any is logged (a warning every
+#: as many seconds while it lasts: persistence stopped, a replica down, a disk full -- never silent)
+HELD_WARN_S: float = 30.0
 #: what librdkafka adds to key + value + headers per record (record and batch framing), for size estimates
 _RECORD_OVERHEAD: Final = 128
 
@@ -320,6 +323,11 @@ class Publisher:
         self._held: dict[int, deque[DcpMessage]] = {}
         #: the last persisted-everywhere seqno seen per vbucket (saves an observe per pump)
         self._safe: dict[int, int] = {}
+        #: per vbucket whose held messages wait for persistence: since when nothing of it was released; when the
+        #: next warning about them may be logged; warnings logged so far
+        self._held_since: dict[int, float] = {}
+        self._held_warn_at = 0.0
+        self.held_warnings = 0
         # position after the last record produced (sent) and after the last record acknowledged
         self.sent: dict[int, PublishPosition] = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(nvb)}
         self.acked: dict[int, PublishPosition] = {vb: p.copy() for vb, p in self.sent.items()}
@@ -697,6 +705,8 @@ class Publisher:
         marker is published before its items."""
         released = 0
         safe_seen = self._safe
+        since = self._held_since
+        now = time.monotonic()
         for vb in list(self._held):
             q = self._held[vb]
             out: list[DcpMessage] = []
@@ -712,9 +722,34 @@ class Publisher:
             if not q:
                 del self._held[vb]
             if out:
+                since.pop(vb, None)
                 released += len(out)
                 self._publish(out)
+            elif q:
+                since.setdefault(vb, now)
+        if since and now >= self._held_warn_at:
+            self._warn_held(now)
         return released
+
+    def _warn_held(self, now: float) -> None:
+        """Say which vbuckets rollback mitigation has held back for ``HELD_WARN_S`` or more, and why."""
+        since = self._held_since
+        for vb in [v for v in since if v not in self._held]:
+            del since[vb]  # detached or removed meanwhile
+        stalled = sorted(vb for vb, t in since.items() if now - t >= HELD_WARN_S)
+        if not stalled:
+            return
+        self._held_warn_at = now + HELD_WARN_S
+        self.held_warnings += 1
+        vb = stalled[0]
+        head = self._held[vb][0]  # a queue is only ever stopped at a marker
+        end = head.end if isinstance(head, SnapshotMarker) else -1
+        log.warning(
+            "rollback mitigation: %d vbuckets (%s) have published nothing for %.0f s or more: their next snapshot "
+            "is not persisted on the active and every replica yet (vbucket %d: snapshot end %d, persisted "
+            "everywhere %d; %d messages held in all) -- is persistence stopped, a replica down or a disk full?",
+            len(stalled), ", ".join(map(str, stalled[:8])) + (", ..." if len(stalled) > 8 else ""),
+            now - since[vb], vb, end, self._safe.get(vb, 0), self.held)
 
     @property
     def held(self) -> int:

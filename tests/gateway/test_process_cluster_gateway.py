@@ -355,3 +355,35 @@ def test_a_node_silent_during_a_stream_request_is_asked_again(process_harness, m
     assert not [k for k, n in data.items() if n > 1], "a data record was published twice"
     with h.replicate() as rep:
         assert rep.docs() == h.actives()
+
+
+def test_mitigation_holding_a_vbucket_back_is_logged_not_silent(process_harness, monkeypatch, caplog) -> None:
+    """docs/reliability.md: with the node's persistence stopped, rollback mitigation publishes nothing of the new
+    writes -- and says so every ``HELD_WARN_S`` (which vbuckets, the snapshot end waited for, what is persisted
+    everywhere). Once persistence resumes, everything is published and the warnings stop."""
+    import logging
+
+    import gateway.publisher as publisher_mod
+
+    monkeypatch.setattr(publisher_mod, "HELD_WARN_S", 0.5)
+    h: ProcessHarness = process_harness(nodes=1, replicas=0)
+    pub = h.publisher
+    h.write(20)
+    h.publish()
+    assert pub.held_warnings == 0
+    h.cluster.stop_persistence("n0")
+    h.write(40)
+    with caplog.at_level(logging.WARNING, logger="gateway.publisher"):
+        h.pump_for(2.0)
+    assert pub.held > 0 and pub.held_warnings >= 2, (pub.held, pub.held_warnings)
+    warned = [r.getMessage() for r in caplog.records if "rollback mitigation" in r.getMessage()]
+    assert warned and "persisted everywhere" in warned[0] and "is persistence stopped" in warned[0], warned
+    h.cluster.start_persistence("n0")
+    h.publish()
+    n = pub.held_warnings
+    h.pump_for(1.0)
+    assert pub.held == 0 and pub.held_warnings == n
+    recs = h.check()
+    assert not _rollbacks(recs)
+    with h.replicate() as rep:
+        assert rep.docs() == h.actives()
