@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine import Bucket
 from engine.network.server import NodeServer
+from gateway.resume import CheckpointFollower
 
 if TYPE_CHECKING:
     from gateway.config import GatewaySettings
@@ -102,6 +103,8 @@ class GroupHost:
         self._env: dict[str, str] = {}
         self._stopping = False
         self._supervisor: asyncio.Task[None] | None = None
+        #: the members' progress, read from the checkpoint topic (their acknowledged positions)
+        self.progress: CheckpointFollower | None = None
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -110,6 +113,9 @@ class GroupHost:
 
     async def start(self) -> None:
         self.port = await self.server.start()
+        client = {**dict(self.settings.admin_config()), "bootstrap.servers": self.bootstrap_servers}
+        self.progress = CheckpointFollower(client, self.topic)
+        self.progress.start()
         self._env = child_env(self.settings, self.bootstrap_servers)
         now = time.monotonic()
         for i in range(self.settings.gateways):
@@ -173,6 +179,8 @@ class GroupHost:
                             c.proc.pid, timeout)
                 c.proc.kill()
                 await asyncio.to_thread(c.proc.wait, 5)
+        if self.progress is not None:
+            await asyncio.to_thread(self.progress.close)
         if self.server._server is not None:
             self.server._server.close()
         for conn in list(self.server.conns):

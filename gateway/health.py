@@ -133,7 +133,7 @@ class Readiness:
         progress = self._progress
         stalled: list[int] = []
         for vb in range(src.num_vbuckets):
-            if vb not in pub.assigned:  # another gateway process's vbucket (docs/scale-out.md)
+            if vb not in pub.assigned and vb not in pub.observed:  # published by a process not observed
                 progress.pop(vb, None)
                 continue
             a = acked[vb].seqno

@@ -40,7 +40,7 @@ import re
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -305,6 +305,8 @@ class Publisher:
         #: the vbuckets this publisher streams (all unless ``vbuckets`` names a subset: one member of a group of
         #: gateway processes, docs/scale-out.md); :meth:`add_vbuckets` / :meth:`remove_vbuckets` change it
         self.assigned: set[int] = set(range(nvb)) if vbuckets is None else set(vbuckets)
+        #: vbuckets other processes publish whose positions :meth:`observe_positions` reports
+        self.observed: set[int] = set()
         #: vbuckets removed by :meth:`remove_vbuckets`: what their closed streams still deliver is dropped
         self._released: set[int] = set()
         #: the DCP connection each vbucket streams from now (None: not streaming)
@@ -1225,12 +1227,22 @@ class Publisher:
             "vbuuid": self.sent[vb].vbuuid,
         }
 
+    def observe_positions(self, positions: Mapping[int, PublishPosition]) -> None:
+        """``dcpgw up --gateways K``: the acknowledged positions of vbuckets other processes publish (read from
+        the checkpoint topic, :class:`~gateway.resume.CheckpointFollower`), so that :meth:`status` and
+        :meth:`lag` report the group's progress. Vbuckets this publisher streams keep their own."""
+        for vb, p in positions.items():
+            if vb not in self.assigned and 0 <= vb < len(self._owner):
+                self.acked[vb] = self.sent[vb] = p
+                self.observed.add(vb)
+
     def lag(self) -> tuple[int, int]:
-        """(total, worst) over vbuckets of the active's high seqno - the acknowledged seqno."""
+        """(total, worst) over vbuckets (streamed or observed) of the active's high seqno - the acknowledged
+        seqno."""
         total = worst = 0
         src = self.source
         acked = self.acked
-        for vb in sorted(self.assigned):
+        for vb in sorted(self.assigned | self.observed):
             d = src.seqnos(vb)[0] - acked[vb].seqno
             if d > 0:
                 total += d

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import threading
 import time
 import uuid
 import weakref
@@ -32,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import ConfigResource, NewTopic
 
 from gateway.exceptions import BrokerError, GatewayError
@@ -331,6 +332,60 @@ def load_checkpoints(client_config: dict[str, Any], topic: str) -> dict[int, Pub
     finally:
         c.close()
     return out
+
+
+class CheckpointFollower:
+    """Follows the checkpoint topic of ``topic`` in a daemon thread: :attr:`positions` holds the newest
+    acknowledged position per vbucket written by any gateway process (``dcpgw up --gateways K``: the members'
+    progress, which the ``up`` process's own API reports, docs/scale-out.md). Starts at the partition's end: the
+    ``up`` process read everything before at its start (:func:`recover_positions`)."""
+
+    def __init__(self, client_config: dict[str, Any], topic: str, poll_s: float = 0.2) -> None:
+        self.topic = topic
+        self.poll_s = poll_s
+        #: vbucket -> the newest checkpointed position seen (replaced whole: read from any thread)
+        self.positions: dict[int, PublishPosition] = {}
+        #: checkpoint records read so far
+        self.records = 0
+        self._consumer = consumer(client_config, {"enable.auto.commit": False, "auto.offset.reset": "latest"},
+                                  group_id=f"dcpgw-progress-{uuid.uuid4()}")
+        self._consumer.assign([TopicPartition(checkpoint_topic_name(topic), 0, OFFSET_END)])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcpgw-checkpoint-follower", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        c = self._consumer
+        while not self._stop.is_set():
+            try:
+                msgs = c.consume(1000, self.poll_s)
+            except KafkaException as e:  # the broker away: librdkafka reconnects; tried again
+                log.debug("checkpoint follower: %s", e)
+                self._stop.wait(self.poll_s)
+                continue
+            if not msgs:
+                continue
+            latest = dict(self.positions)
+            for m in msgs:
+                value = m.value()
+                if m.error() is not None or value is None:
+                    continue
+                try:
+                    p = PublishPosition.from_json(value)
+                except (ValueError, KeyError, TypeError):
+                    continue  # load_checkpoints warns about a corrupt checkpoint at the next start
+                latest[p.vbucket] = p
+                self.records += 1
+            self.positions = latest
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        with contextlib.suppress(RuntimeError, KafkaException):
+            self._consumer.close()
 
 
 def replay_tail(

@@ -533,6 +533,9 @@ class GatewayService:
             pub = self.publisher
             if self._stopping.is_set() or pub is None:
                 return
+            if self.group is not None and self.group.progress is not None:
+                # the members' acknowledged positions: /stats lag, /streams, dcpgw status (docs/scale-out.md)
+                pub.observe_positions(self.group.progress.positions)
             self.readiness.observe(pub)
             self.unacked.release(pub)
             # librdkafka's repeat counts whose window ended (else logged only when the message recurs)

@@ -389,6 +389,14 @@ def test_up_with_two_gateways_publishes_nothing_itself_and_restarts_a_killed_mem
             return set(replica.state()) == want
 
         wait_for(published, "every write in the topic", 120)
+
+        def reported() -> bool:
+            """The up process reports the members' progress (read from the checkpoint topic)."""
+            rows = gw.get("/streams")
+            return all(r["acknowledged_seqno"] == r["engine_high_seqno"] and r["lag"] == 0 for r in rows) \
+                and gw.get("/stats")["lag"] == 0
+
+        wait_for(reported, "/streams and /stats report every vbucket acknowledged up to its high seqno", 30)
         stats = gw.get("/stats")
         assert stats["records_published"] == 0 and stats["streams"] == 0, stats  # the up process published nothing
         assert gw.proc.pid not in held()
