@@ -284,7 +284,8 @@ class Bucket:
             and self.counter.used <= self._quota
             and not self.closed
         ):
-            return self._vbs[((crc32(key) >> 16) & 0x7FFF) % self._nvb].upsert(key, value, flags, expiry, datatype)
+            vb = self._vbs[((crc32(key) >> 16) & 0x7FFF) % self._nvb]
+            return vb.store(key, value, _SET, 0, flags, expiry, datatype)
         return self._store(key, value, _SET, cas, flags, expiry, datatype, vbucket)
 
     def add(

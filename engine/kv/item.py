@@ -30,7 +30,7 @@ class Datatype:
 
 
 #: bytes a JSON document can start with (after optional whitespace), checked before parsing.
-JSON_START: Final = frozenset(b'{["-0123456789tfn')
+_JSON_START: Final = frozenset(b'{["-0123456789tfn')
 _WS: Final = b" \t\r\n"
 
 #: fixed per-item overhead counted towards checkpoint memory (object header, slots, list slot, index entry).
@@ -51,9 +51,9 @@ def detect_datatype(value: bytes) -> int:
     if not value:
         return Datatype.RAW
     first = value[0]
-    if first not in JSON_START:
+    if first not in _JSON_START:
         stripped = value.lstrip(_WS)
-        if not stripped or stripped[0] not in JSON_START:
+        if not stripped or stripped[0] not in _JSON_START:
             return Datatype.RAW
     try:
         orjson.loads(value)

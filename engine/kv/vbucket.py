@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING, Final, NamedTuple
 
-import orjson
-
 from engine.exceptions import (
     InvalidArgument,
     KeyExists,
@@ -25,9 +23,9 @@ from engine.exceptions import (
     ValueTooLarge,
 )
 from engine.kv.checkpoint import CheckpointManager, MemoryCounter
-from engine.kv.item import ITEM_OVERHEAD, JSON_START, Datatype, Item, Op, detect_datatype
+from engine.kv.item import Datatype, Item, Op, detect_datatype
 from engine.kv.locks import check_lock, release
-from engine.kv.stored_value import HEADER, HashTable, unpack
+from engine.kv.stored_value import HashTable, unpack
 from schemas.failover_log import FailoverLog
 
 if TYPE_CHECKING:
@@ -60,18 +58,11 @@ class StoreMode(Enum):
     REPLACE = "replace"
 
 
-_SET: Final = StoreMode.SET
 _ADD: Final = StoreMode.ADD
 _REPLACE: Final = StoreMode.REPLACE
 _MUTATION: Final = Op.MUTATION
 _ACTIVE: Final = VBucketState.ACTIVE
 _new_tuple: Final = tuple.__new__
-_pack_header: Final = HEADER.pack
-_unpack_header: Final = HEADER.unpack_from
-_json_loads: Final = orjson.loads
-_JSONDecodeError: Final = orjson.JSONDecodeError
-_JSON: Final = Datatype.JSON
-_RAW: Final = Datatype.RAW
 
 
 class MutationToken(NamedTuple):
@@ -389,93 +380,6 @@ class VBucket:
                 if not s.queued:
                     s.producer.notify(s)
         # MutationResult(...) without the Python frame of a NamedTuple's __new__ (the ingest path)
-        return _new_tuple(MutationResult, (self.id, self.failover.vbuuid, seqno, new_cas))
-
-    def upsert(self, key: bytes, value: bytes, flags: int, expiry: int, datatype: int | None) -> MutationResult:
-        """``store(key, value, SET, 0, flags, expiry, datatype)`` -- a plain set without CAS -- in one frame: the
-        bucket's ingest path (``Bucket.set``; docs/performance.md "Engine").
-
-        The common case (an active vbucket, no expiry, no sync write in flight and no lock in the vbucket, the
-        key new or its current version a stored value, the key not yet in the open checkpoint) runs here with
-        :meth:`store`'s steps in :meth:`store`'s order, the datatype detection and the checkpoint append
-        (``CheckpointManager.queue_mutation``) inlined; every other case -- and every error -- is :meth:`store`
-        itself (and a key the open checkpoint de-duplicates is ``queue_mutation`` itself). The same state either
-        way: tests/engine/kv/test_upsert.py."""
-        if (
-            self.state is not _ACTIVE
-            or len(value) > self.max_value_size
-            or (flags and (flags < 0 or flags > U32))
-            or expiry
-            or self.prepares
-            or self.locks
-        ):
-            return self.store(key, value, _SET, 0, flags, expiry, datatype)
-        ht = self.ht.raw
-        old = ht.get(key)
-        if old is None:
-            rev = self.max_deleted_rev + 1
-            prev = 0
-            live = False
-        elif type(old) is bytes:
-            # the stored value's header (engine/kv/stored_value.py): no Item made
-            prev, _cas, rev, _prev, _flags, oexp, _dt, bits = _unpack_header(old)
-            rev += 1
-            live = not bits & 0x3F  # a mutation (Op.MUTATION is 0) ...
-            if live and oexp and oexp <= self.clock():  # ... unless it expired in place: it was counted live
-                live = False
-                self.num_items -= 1
-                self.expiring.discard(key)
-        else:  # an Item a checkpoint still queues (not a plain set's)
-            return self.store(key, value, _SET, 0, flags, expiry, datatype)
-        if datatype is None:
-            # detect_datatype, inlined for a value that starts like JSON
-            if value and value[0] in JSON_START:
-                try:
-                    _json_loads(value)
-                    datatype = _JSON
-                except _JSONDecodeError:
-                    datatype = _RAW
-            else:
-                datatype = detect_datatype(value)
-        seqno = self.high_seqno + 1
-        new_cas = self.hlc_clock() & ~0xFFFF  # next_cas, inlined
-        if new_cas <= self.max_cas:
-            new_cas = self.max_cas + 1
-        self.max_cas = new_cas
-        if live:
-            if oexp:
-                self.expiring.discard(key)
-        else:
-            self.num_items += 1
-        ckm = self.ckpt
-        ck = ckm.open
-        index = ck.index
-        if key in index:  # de-duplicated in the open checkpoint: the general append
-            stored = ckm.queue_mutation(key, value, seqno, new_cas, rev, prev, flags, 0, datatype)
-        else:
-            # CheckpointManager.queue_mutation without a de-duplicated entry, inlined
-            stored = _pack_header(seqno, new_cas, rev, prev, flags, 0, datatype, 0) + value
-            items = ck.items
-            index[key] = len(items)
-            items.append(stored)
-            ck.keys.append(key)
-            ck.seqnos.append(seqno)
-            ck.live += 1
-            size = ITEM_OVERHEAD + len(key) + len(value)
-            ck.mem += size
-            ckm.counter.used += size
-            if ck.live >= ckm.max_items or ck.mem >= ckm.max_bytes:
-                ckm.create_checkpoint()
-        ht[key] = stored
-        self.high_seqno = seqno
-        if not self.dirty:
-            self.dirty = True
-            if self._on_dirty is not None:
-                self._on_dirty(self.id)
-        if self.streams:
-            for s in self.streams:
-                if not s.queued:
-                    s.producer.notify(s)
         return _new_tuple(MutationResult, (self.id, self.failover.vbuuid, seqno, new_cas))
 
     def _sync_write_in_progress(self, key: bytes) -> None:
