@@ -426,12 +426,12 @@ def test_a_flush_backlog_is_persisted_in_steps_with_requests_answered_between(ma
     unanswered past its timeout while a 1M-item backlog was flushed in one call (the member exited)."""
     import engine.network.server as server_mod
 
-    monkeypatch.setattr(server_mod, "FLUSH_STEP_ITEMS", 500)
+    monkeypatch.setattr(server_mod, "FLUSH_STEP_ITEMS", 100)  # 300 steps: a STAT lands between two of them
     bucket = make_bucket(num_vbuckets=4)
     node = InProcessNode(bucket, flush_interval=0.005)
     try:
         node.server.persistence = False  # STOP_PERSISTENCE
-        keys = [f"k{i}" for i in range(12_000)]
+        keys = [f"k{i}" for i in range(30_000)]
         node.on_loop(lambda: [bucket.set(k, b"x" * 100) for k in keys])
         total = len(keys)
         assert sum(node.persisted().values()) == 0
