@@ -537,7 +537,7 @@ class Publisher:
         self._owner[vb] = None
         self.streaming.discard(vb)
         self._safe.pop(vb, None)
-        held = self._held.pop(vb, None)
+        held = self._unhold(vb)
         if p is not None:
             if held:
                 # never published: the re-request from the published position streams them again
@@ -682,7 +682,7 @@ class Publisher:
             for m in mine:
                 vb = m.vbucket
                 if type(m) is StreamEnd:
-                    q = held.pop(vb, None)
+                    q = self._unhold(vb)
                     if q:
                         # Not persisted everywhere, never published: dropped; the re-request streams what
                         # survived again.
@@ -733,11 +733,14 @@ class Publisher:
             self._warn_held(now)
         return released
 
+    def _unhold(self, vb: int) -> deque[DcpMessage] | None:
+        """Drop what rollback mitigation holds of ``vb`` (its stream is gone); returns it, to be buffer-acked."""
+        self._held_since.pop(vb, None)
+        return self._held.pop(vb, None)
+
     def _warn_held(self, now: float) -> None:
         """Say which vbuckets rollback mitigation has held back for ``HELD_WARN_S`` or more, and why."""
         since = self._held_since
-        for vb in [v for v in since if v not in self._held]:
-            del since[vb]  # detached or removed meanwhile
         stalled = sorted(vb for vb, t in since.items() if now - t >= HELD_WARN_S)
         if not stalled:
             return
@@ -990,7 +993,7 @@ class Publisher:
             with contextlib.suppress(NotMyVBucket, TemporaryFailure):
                 p.close_stream(vb)
             p.discard_stream(vb)
-        held = self._held.pop(vb, None)
+        held = self._unhold(vb)
         if held:
             self._buffer_ack_vb(vb, sum(m.dcp_size for m in held))
         for waiting in self._blocked.values():
@@ -1263,6 +1266,7 @@ class Publisher:
             self.purge()
         self._owner = [None] * len(self._owner)
         self._held.clear()
+        self._held_since.clear()
         self.source.close()
 
     def renew_producer(self) -> int:
