@@ -313,20 +313,29 @@ def _read_to_end(
             on_message(m)
 
 
+def checkpoint_of(message: Any, *, warn: bool) -> PublishPosition | None:
+    """The position a checkpoint-topic record holds; None for a tombstone or a corrupt record (logged with
+    ``warn``)."""
+    value = message.value()
+    if value is None:
+        return None
+    try:
+        return PublishPosition.from_json(value)
+    except (ValueError, KeyError, TypeError) as e:
+        if warn:
+            log.warning("ignoring corrupt checkpoint at offset %s: %s", message.offset(), e)
+        return None
+
+
 def load_checkpoints(client_config: dict[str, Any], topic: str) -> dict[int, PublishPosition]:
     """The newest acknowledged position per vbucket from the checkpoint topic."""
     out: dict[int, PublishPosition] = {}
     c = _consumer(client_config)
     try:
         def take(m: Any) -> None:
-            if m.value() is None:
-                return
-            try:
-                p = PublishPosition.from_json(m.value())
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("ignoring corrupt checkpoint at offset %s: %s", m.offset(), e)
-                return
-            out[p.vbucket] = p
+            p = checkpoint_of(m, warn=True)
+            if p is not None:
+                out[p.vbucket] = p
 
         _read_to_end(c, [TopicPartition(checkpoint_topic_name(topic), 0, 0)], take)
     finally:
@@ -345,8 +354,6 @@ class CheckpointFollower:
         self.poll_s = poll_s
         #: vbucket -> the newest checkpointed position seen (replaced whole: read from any thread)
         self.positions: dict[int, PublishPosition] = {}
-        #: checkpoint records read so far
-        self.records = 0
         self._consumer = consumer(client_config, {"enable.auto.commit": False, "auto.offset.reset": "latest"},
                                   group_id=f"dcpgw-progress-{uuid.uuid4()}")
         self._consumer.assign([TopicPartition(checkpoint_topic_name(topic), 0, OFFSET_END)])
@@ -369,15 +376,10 @@ class CheckpointFollower:
                 continue
             latest = dict(self.positions)
             for m in msgs:
-                value = m.value()
-                if m.error() is not None or value is None:
-                    continue
-                try:
-                    p = PublishPosition.from_json(value)
-                except (ValueError, KeyError, TypeError):
-                    continue  # load_checkpoints warns about a corrupt checkpoint at the next start
-                latest[p.vbucket] = p
-                self.records += 1
+                # (load_checkpoints warns about a corrupt checkpoint at the next start)
+                p = checkpoint_of(m, warn=False) if m.error() is None else None
+                if p is not None:
+                    latest[p.vbucket] = p
             self.positions = latest
 
     def close(self) -> None:

@@ -313,3 +313,43 @@ def test_records_timed_out_in_librdkafka_renewed_producer_resumes_from_the_tail_
     write(h.bucket, 100, prefix="q")
     h.settle(100_000)
     h.check()  # invariants, replay equals the engine, no (vbucket, vbuuid, seqno) twice
+
+
+def test_a_corrupt_checkpoint_record_is_skipped_with_a_warning(kafka_broker: Broker, caplog) -> None:
+    """docs/reliability.md: a checkpoint-topic record that is not a position (garbage, a truncated JSON) is
+    ignored with a warning naming its offset -- recovery and the ``up`` process's progress follower
+    (``CheckpointFollower``) read the positions around it; a tombstone is skipped silently."""
+    import logging
+
+    from confluent_kafka import Producer
+
+    from gateway.resume import CheckpointFollower, checkpoint_topic_name
+
+    client = {"bootstrap.servers": kafka_broker.bootstrap_servers}
+    topic = f"dcp.cp{uuid.uuid4().hex[:10]}"
+    ensure_topics(client, topic, 4)
+    good = PublishPosition(2)
+    good.seqno, good.offset = 7, 3
+    follower = CheckpointFollower(client, topic, poll_s=0.05)  # from the (empty) topic's end
+    follower.start()
+    p = Producer(client)
+    for value in (good.to_json(), b"not json", good.to_json()[:-5], None):
+        p.produce(checkpoint_topic_name(topic), key=b"2", value=value, partition=0)
+    p.flush(10)
+    with caplog.at_level(logging.WARNING, logger="gateway.resume"):
+        got = load_checkpoints(client, topic)
+    assert got == {2: good}
+    warned = [r.getMessage() for r in caplog.records if "corrupt checkpoint" in r.getMessage()]
+    assert len(warned) == 2 and "offset 1" in warned[0] and "offset 2" in warned[1], warned
+    try:
+        deadline = time.monotonic() + 30
+        resend = time.monotonic() + 1
+        while follower.positions != {2: good}:
+            assert time.monotonic() < deadline, follower.positions
+            if time.monotonic() > resend:  # written before its start offset was resolved: written again
+                p.produce(checkpoint_topic_name(topic), key=b"2", value=good.to_json(), partition=0)
+                p.flush(10)
+                resend = time.monotonic() + 1
+            time.sleep(0.05)
+    finally:
+        follower.close()
