@@ -18,6 +18,14 @@ version only -- its version at the floor, what a rollback to any seqno at or abo
 couchstore's by-seqno index keeps a key once). A rollback below the floor raises
 :class:`~connectors.client.mutation_log.LogTooShort`: the client rebuilds the vbucket from zero.
 
+Each segment carries a *generation* (0 unless the application says otherwise): an application that applies
+the changelog somewhere else in batches (the search indexer's index backend) tags the segments with the batch
+they belong to and reads back, after a crash, every segment above the last batch it saw committed
+(:meth:`Changelog.segments_above`). Within a vbucket generations never decrease with the seqno (a rollback or a
+snapshot delivered again removes the segments above it first), so the segments above a generation are a suffix
+of each vbucket's; a compacted segment takes the highest generation it merged, a segment cut at a rollback
+point keeps its own.
+
 For the consumer it plays the client's :class:`~connectors.client.mutation_log.MutationLog` (the same methods:
 the consumer asks it for undo lists, trims and clears it); :meth:`Changelog.record` does nothing, the
 application appends the versions itself (:meth:`Changelog.append`) and the consumer's prior look-ups are not
@@ -38,7 +46,7 @@ __all__ = ["ENTRY_HEAD", "Changelog", "pack_entry", "segment_entries"]
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {t} (
     vbucket INTEGER NOT NULL, last_seqno INTEGER NOT NULL, first_seqno INTEGER NOT NULL,
-    entries INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (vbucket, last_seqno));
+    entries INTEGER NOT NULL, data BLOB NOT NULL, gen INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (vbucket, last_seqno));
 CREATE TABLE IF NOT EXISTS {t}_floor (vbucket INTEGER PRIMARY KEY, floor INTEGER NOT NULL)
 """
 
@@ -90,6 +98,9 @@ class Changelog(MutationLog):
             for stmt in _SCHEMA.format(t=table).split(";"):
                 if stmt.strip():
                     conn.execute(stmt)
+            if "gen" not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                # a table written before segments had generations: its segments are of generation 0
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN gen INTEGER NOT NULL DEFAULT 0")
         except sqlite3.Error as e:
             raise StateStoreError(f"cannot create the changelog tables {table}: {e}") from e
 
@@ -100,15 +111,15 @@ class Changelog(MutationLog):
         if entries:
             self.append_segment(vbucket, first, last, len(entries), b"".join(entries))
 
-    def append_segment(self, vbucket: int, first: int, last: int, count: int, data: bytes) -> None:
+    def append_segment(self, vbucket: int, first: int, last: int, count: int, data: bytes, gen: int = 0) -> None:
         """:meth:`append` of a segment packed by the caller: ``count`` entries, ``data`` their ``pack_entry``
-        bytes joined (the indexer builds it in one pass with its store rows, and streams the same bytes to
-        its writer process)."""
+        bytes joined (the indexer builds it in one pass, and streams the same bytes to its writer process), of
+        generation ``gen`` (module docstring)."""
         try:
             if first <= self._last_seqno(vbucket):
                 self._truncate_above(vbucket, first - 1)
-            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
-                              (vbucket, last, first, count, data))
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, ?)",
+                              (vbucket, last, first, count, data, gen))
         except sqlite3.Error as e:
             raise StateStoreError(f"cannot write the changelog of vbucket {vbucket}: {e}") from e
         self._last[vbucket] = last
@@ -135,16 +146,17 @@ class Changelog(MutationLog):
             if floor is None:
                 return 0
             newest: dict[bytes, tuple[int, bytes]] = {}
-            total = 0
-            for (data,) in self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ? AND last_seqno <= ? "
-                                             "ORDER BY last_seqno", (vbucket, floor)):
+            total = gen = 0
+            for data, g in self.conn.execute(f"SELECT data, gen FROM {self.table} WHERE vbucket = ? AND "
+                                             "last_seqno <= ? ORDER BY last_seqno", (vbucket, floor)):
+                gen = max(gen, int(g))
                 for seqno, key, version in _entries(data):
                     newest[key] = (seqno, version)
                     total += 1
             kept = sorted((sq, k, v) for k, (sq, v) in newest.items())
             self.conn.execute(f"DELETE FROM {self.table} WHERE vbucket = ? AND last_seqno <= ?", (vbucket, floor))
-            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
-                              (vbucket, floor, kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept)))
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, ?)",
+                              (vbucket, floor, kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept), gen))
             self.conn.execute(f"INSERT INTO {self.table}_floor VALUES (?, ?) ON CONFLICT(vbucket) DO UPDATE SET "
                               "floor = max(floor, excluded.floor)", (vbucket, floor))
         except sqlite3.Error as e:
@@ -193,17 +205,23 @@ class Changelog(MutationLog):
         """Drop the entries above ``seqno``; returns them (seqno order)."""
         dropped: list[tuple[int, bytes, bytes]] = []
         kept: list[tuple[int, bytes, bytes]] = []
-        rows = self.conn.execute(f"SELECT data FROM {self.table} WHERE vbucket = ? AND last_seqno > ? "
+        kept_gen = 0
+        rows = self.conn.execute(f"SELECT data, gen FROM {self.table} WHERE vbucket = ? AND last_seqno > ? "
                                  "ORDER BY last_seqno", (vbucket, seqno)).fetchall()
         if not rows:
             return dropped
-        for (data,) in rows:
+        for data, g in rows:
             for e in _entries(data):
-                (dropped if e[0] > seqno else kept).append(e)
+                if e[0] > seqno:
+                    dropped.append(e)
+                else:
+                    kept.append(e)
+                    kept_gen = int(g)
         self.conn.execute(f"DELETE FROM {self.table} WHERE vbucket = ? AND last_seqno > ?", (vbucket, seqno))
-        if kept:  # the part of a segment that straddles ``seqno``
-            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
-                              (vbucket, kept[-1][0], kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept)))
+        if kept:  # the part of a segment that straddles ``seqno`` (keeps its generation)
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, ?)",
+                              (vbucket, kept[-1][0], kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept),
+                               kept_gen))
         self._above.pop(vbucket, None)
         self._last.pop(vbucket, None)
         return dropped
@@ -233,6 +251,21 @@ class Changelog(MutationLog):
             for seqno, key, version in _entries(data):
                 out[key] = (seqno, version)
         return out
+
+    def segments_above(self, gen: int) -> Iterator[tuple[int, int, bytes]]:
+        """(vbucket, generation, data) of every segment of a generation above ``gen``, by vbucket and seqno (a
+        suffix of each vbucket's segments: the module docstring)."""
+        try:
+            for vb, g, data in self.conn.execute(f"SELECT vbucket, gen, data FROM {self.table} WHERE gen > ? "
+                                                 "ORDER BY vbucket, last_seqno", (gen,)).fetchall():
+                yield int(vb), int(g), data
+        except sqlite3.Error as e:
+            raise StateStoreError(f"cannot read the changelog: {e}") from e
+
+    def top_generation(self) -> int:
+        """The highest generation of a segment (0 when empty)."""
+        row = self.conn.execute(f"SELECT max(gen) FROM {self.table}").fetchone()
+        return int(row[0] or 0)
 
     def undo_to(self, vbucket: int, seqno: int) -> list[Undo]:
         """Every key changed above ``seqno`` with its version at ``seqno`` (``prior_value`` the packed
@@ -280,7 +313,7 @@ class Changelog(MutationLog):
         of the source-mirror layout is migrated so)."""
         kept = sorted(versions)
         if kept:
-            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?)",
+            self.conn.execute(f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, 0)",
                               (vbucket, floor, kept[0][0], len(kept), b"".join(pack_entry(*e) for e in kept)))
         self.conn.execute(f"INSERT OR REPLACE INTO {self.table}_floor VALUES (?, ?)", (vbucket, floor))
         self._above.pop(vbucket, None)

@@ -2,21 +2,23 @@
 
 Two stores, one order:
 
-1. **The document store** (``store.sqlite`` in the index directory): table ``search_docs(key, value, vbucket,
-   seqno, gen)`` written inside the rollback-aware consumer's transaction, with the consumer state and the
-   changelog -- exactly ``connectors.replicate``'s pattern, so it always equals the source at a snapshot
-   boundary of every vbucket, rollbacks included (the changelog's undo list restores the lost-branch
-   documents to their version at the rollback point). A deletion or expiration leaves a tombstone (``value``
-   NULL) until the backend has committed it. Every row carries the *generation* it was written in.
+1. **The document store** (``store.sqlite`` in the index directory): the changelog
+   (``connectors/client/changelog.py``, table ``search_changelog``), one segment per snapshot written inside the
+   rollback-aware consumer's transaction with the consumer state -- exactly ``connectors.replicate``'s pattern,
+   so each key's newest version there always equals the source at a snapshot boundary of every vbucket,
+   rollbacks included (the changelog's undo list restores the lost-branch documents to their version at the
+   rollback point; those restored versions are kept in ``search_restored`` until the backend has them). A
+   deletion or expiration is a version of its own (a tombstone). Every segment and restored version carries
+   the *generation* it was written in.
 2. **The index backend** (tantivy by default): after the store committed, the rows of the generations the backend
    has not committed yet are applied to it and committed with a :class:`~connectors.search.backend.Checkpoint`
    (the generation and the per-vbucket positions of the store at that moment) -- atomically in tantivy's case. The
    tantivy writer process gets each store commit's rows as soon as it happened (streamed, no answer awaited), and
    the generation's commit after them; the other backends get a generation at a time.
-   Then the generation moves on and the synced tombstones are purged.
+   Then the generation moves on and the synced restored versions are purged.
 
-A crash anywhere leaves the backend at a committed generation at or below the store's; on start the rows above
-it are applied again (upserts and deletes are idempotent), so the index equals the store -- no document lost, no
+A crash anywhere leaves the backend at a committed generation at or below the store's; on start the changes above
+it (the restored versions and changelog segments of the later generations) are applied again (upserts and deletes are idempotent), so the index equals the store -- no document lost, no
 stale version left -- and the consumer resumes where the store's last commit was. Backend commits are batched by
 size (``commit_docs``) and time (``commit_interval``), and happen as soon as the topic is idle.
 """
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from connectors.client.changelog import ENTRY_HEAD, Changelog
+from connectors.client.changelog import ENTRY_HEAD, Changelog, segment_entries
 from connectors.client.consumer import (
     DEFAULT_BATCH_SIZE,
     ChangeStreamConsumer,
@@ -74,15 +76,14 @@ PREFETCH_RECORDS: Final = 50_000
 #: longest wait between two attempts to commit to a failing backend (doubling from 0.5 s)
 MAX_RETRY_BACKOFF: Final = 30.0
 
-#: part of the consumer's state file (docs/search.md "Files"); value NULL = a tombstone not yet synced
-#: (no index on gen: only a start after a crash reads rows by generation, a full scan then is fine). A rowid
-#: table with the key (vbucket, key) in an index of its own: a replaced row goes to the end of the table, the
-#: index stays small -- a third less CPU per stored change than clustering the ~250-byte rows by (vbucket, key),
-#: which only the per-snapshot prior look-ups of the mutation log needed (the changelog has none). Stores of the
-#: earlier layouts (clustered by (vbucket, key), or keyed by key alone) are read and written by the same
-#: statements.
-_SCHEMA = ("CREATE TABLE IF NOT EXISTS search_docs (key TEXT NOT NULL, value BLOB, vbucket INTEGER NOT NULL, "
+#: part of the consumer's state file (docs/search.md "Files"): the versions rollbacks restored (value NULL: the
+#: key did not exist at the rollback point, or its vbucket was rebuilt from zero) until the backend committed
+#: their generation -- the changelog no longer holds what they undid. Empty without rollbacks. (Stores before
+#: session 11 kept every document in a table ``search_docs`` as well, written per change: a quarter of the
+#: consumer thread's time; the changelog holds the same versions. Such a store is migrated at start.)
+_SCHEMA = ("CREATE TABLE IF NOT EXISTS search_restored (key TEXT NOT NULL, value BLOB, vbucket INTEGER NOT NULL, "
            "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key))",)
+_LEGACY_DOCS: Final = "search_docs"
 #: the indexer's changelog (connectors/client/changelog.py): a version is b"\x01" + the body, or b"\x00" for a
 #: deletion or expiration
 CHANGELOG_TABLE: Final = "search_changelog"
@@ -243,8 +244,6 @@ class SearchIndexer:
         #: rollback), appended once per snapshot -- no prior look-ups on the hot path (docs/search.md)
         self.changelog = Changelog(self.conn, mutation_log_max, table=CHANGELOG_TABLE)
         self.consumer.mutation_log = self.changelog
-        if not had_changelog:
-            self._adopt_store()
         self._pending: dict[str, Row] = {}
         self._first_pending = 0.0
         #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
@@ -295,28 +294,61 @@ class SearchIndexer:
             self.backend.reset()
             cp = None
         self.visible: Checkpoint = cp or Checkpoint(0, {}, self.mapping.id)
-        top = self.conn.execute("SELECT max(gen) FROM search_docs").fetchone()[0] or 0
+        if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (_LEGACY_DOCS,)).fetchone() is not None:
+            self._migrate_legacy_store(had_changelog)
+        top = max(self.changelog.top_generation(),
+                  self.conn.execute("SELECT max(gen) FROM search_restored").fetchone()[0] or 0)
         #: the generation rows are written with now (always above the backend's committed one)
         self.gen = max(int(top), self.visible.generation) + 1
         #: rows above the backend's generation written before this process: applied by the first sync
         self._recover = int(top) > self.visible.generation
 
-    def _adopt_store(self) -> None:
-        """A store written before the changelog (its rollbacks undone from the client's mutation log): each
-        vbucket's changelog starts from its documents now, its floor at the vbucket's position (a rollback
-        below it rebuilds the vbucket from zero)."""
-        positions = self.store.load_all()
-        if not positions:
-            return
-        by_vb: dict[int, list[tuple[int, bytes, bytes]]] = {vb: [] for vb in positions}
-        for k, v, vb, sq in self.conn.execute(
-                "SELECT key, value, vbucket, seqno FROM search_docs WHERE value IS NOT NULL"):
-            by_vb.setdefault(int(vb), []).append((int(sq), k.encode("utf-8", "surrogateescape"), _LIVE + bytes(v)))
-        for vb, rows in by_vb.items():
-            p = positions.get(vb)
-            self.changelog.adopt(vb, max([r[0] for r in rows] + [p.seqno if p else 0]), rows)
-        self.store.flush()
-        log.info("search index %s: the document store's %d vbuckets start a changelog", self.dir, len(by_vb))
+    def _migrate_legacy_store(self, had_changelog: bool) -> None:
+        """A store with a ``search_docs`` table (every document, written per change): its rows the backend has
+        not committed move to ``search_restored`` (the first sync applies them); a store written before the
+        changelog too (its rollbacks undone from the client's mutation log) starts each vbucket's changelog from
+        its documents, its floor at the vbucket's position (a rollback below it rebuilds the vbucket from zero);
+        then the table goes. One transaction."""
+        own = not self.conn.in_transaction
+        if own:
+            self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.execute(f"INSERT OR REPLACE INTO search_restored SELECT key, value, vbucket, seqno, gen FROM "
+                              f"{_LEGACY_DOCS} WHERE gen > ?", (self.visible.generation,))
+            positions = self.store.load_all()
+            if not had_changelog and positions:
+                by_vb: dict[int, list[tuple[int, bytes, bytes]]] = {vb: [] for vb in positions}
+                for k, v, vb, sq in self.conn.execute(
+                        f"SELECT key, value, vbucket, seqno FROM {_LEGACY_DOCS} WHERE value IS NOT NULL"):
+                    by_vb.setdefault(int(vb), []).append((int(sq), k.encode("utf-8", "surrogateescape"),
+                                                          _LIVE + bytes(v)))
+                for vb, rows in by_vb.items():
+                    p = positions.get(vb)
+                    self.changelog.adopt(vb, max([r[0] for r in rows] + [p.seqno if p else 0]), rows)
+                log.info("search index %s: the document store's %d vbuckets start a changelog", self.dir,
+                         len(by_vb))
+            self.conn.execute(f"DROP TABLE {_LEGACY_DOCS}")
+            if own:
+                self.conn.execute("COMMIT")
+        except BaseException:
+            if own and self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def _rows_above(self, gen: int) -> list[Row]:
+        """Every change of the store in a generation above ``gen`` (what a backend committed at ``gen`` may
+        lack), one row per key with its current version: the versions rollbacks restored, then the changelog's
+        segments above ``gen`` in seqno order (a suffix of each vbucket's history, so a key's last row there is
+        its newest version; what a rollback undid is no longer in the changelog)."""
+        out: dict[str, Row] = {}
+        for k, v, vb, sq, g in self.conn.execute(
+                "SELECT key, value, vbucket, seqno, gen FROM search_restored WHERE gen > ? ORDER BY gen", (gen,)):
+            out[k] = (k, None if v is None else bytes(v), int(vb), int(sq), int(g))
+        for vb, g, data in self.changelog.segments_above(gen):
+            for seqno, key, version in segment_entries(data):
+                k = _k(key)
+                out[k] = (k, bytes(version[1:]) if version[:1] == _LIVE else None, vb, seqno, g)
+        return list(out.values())
 
     def _on_abandon(self) -> None:
         # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
@@ -364,11 +396,12 @@ class SearchIndexer:
             row(r)
             pending[k] = r
         # changes are in seqno order: the last change of a key wins
-        self.conn.executemany("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)", rows)
         data = b"".join(parts)
         if self._streaming:
             self._unsent.append((vb, data))
-        self.changelog.append_segment(vb, changes[0].seqno, changes[-1].seqno, len(rows), data)
+        # the document store's one write per snapshot (the segment is of generation ``gen``: a recovery reads it
+        # back while the backend has not committed it)
+        self.changelog.append_segment(vb, changes[0].seqno, changes[-1].seqno, len(rows), data, gen)
         self.stats.changes += len(rows)
 
     def _on_rollback(self, rb: RollbackInstruction) -> None:
@@ -376,32 +409,30 @@ class SearchIndexer:
         gen = self.gen
         if not self._pending:
             self._first_pending = self.clock()
+        restore = "INSERT OR REPLACE INTO search_restored VALUES (?, ?, ?, ?, ?)"
         if rb.rebuild_from_zero:
-            self.changelog.cleared.pop(rb.vbucket, None)  # (the store's rows say which keys to remove)
-            keys = [k for (k,) in self.conn.execute(
-                "SELECT key FROM search_docs WHERE vbucket = ? AND value IS NOT NULL", (rb.vbucket,))]
-            self.conn.execute("UPDATE search_docs SET value = NULL, seqno = 0, gen = ? WHERE vbucket = ?",
-                              (gen, rb.vbucket))
-            for k in keys:
-                self._pending[k] = (k, None, rb.vbucket, 0, gen)
+            # the client cleared the changelog before handing the instruction out; it kept the keys it held
+            keys = [_k(k) for k in self.changelog.cleared.pop(rb.vbucket, [])]
+            gone: list[Row] = [(k, None, rb.vbucket, 0, gen) for k in keys]
+            self.conn.executemany(restore, gone)
+            for row in gone:
+                self._pending[row[0]] = row
                 if self._streaming:
-                    self._unsent.append(self._pending[k])
-            log.warning("search index: vbucket %d rolled back beyond the mutation log: its %d documents are "
-                        "removed and indexed again from the topic", rb.vbucket, len(keys))
+                    self._unsent.append(row)
+            log.warning("search index: vbucket %d rolled back beyond the mutation log: its %d keys are removed "
+                        "and indexed again from the topic", rb.vbucket, len(keys))
             return
         for u in rb.undo:
             k = _k(u.key)
             # the version at the rollback point, from the changelog: absent, deleted, or b"\x01" + its body
             if u.prior_value is None or u.prior_value[:1] != _LIVE:
-                self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, NULL, ?, 0, ?)", (k, rb.vbucket, gen))
-                self._pending[k] = (k, None, rb.vbucket, 0, gen)
+                r: Row = (k, None, rb.vbucket, 0, gen)
             else:
-                value = u.prior_value[1:]
-                self.conn.execute("INSERT OR REPLACE INTO search_docs VALUES (?, ?, ?, ?, ?)",
-                                  (k, value, rb.vbucket, u.prior_seqno, gen))
-                self._pending[k] = (k, value, rb.vbucket, u.prior_seqno, gen)
+                r = (k, u.prior_value[1:], rb.vbucket, u.prior_seqno, gen)
+            self.conn.execute(restore, r)
+            self._pending[k] = r
             if self._streaming:
-                self._unsent.append(self._pending[k])
+                self._unsent.append(r)
 
     def _on_oversize(self, o: Oversize) -> None:
         self.stats.oversize += 1
@@ -509,10 +540,7 @@ class SearchIndexer:
                 self._stream()
         gen = self.gen
         if self._recover:
-            rows: list[Row] = [
-                (k, None if v is None else bytes(v), vb, s, g) for k, v, vb, s, g in self.conn.execute(
-                    "SELECT key, value, vbucket, seqno, gen FROM search_docs WHERE gen > ? ORDER BY gen",
-                    (self.visible.generation,))]
+            rows = self._rows_above(self.visible.generation)
         else:
             rows = list(self._pending.values())
         store_pos = self.positions()
@@ -601,14 +629,8 @@ class SearchIndexer:
         self._failures = 0
         self._retry_at = 0.0
         self.backend_error = None
-        gen = job.checkpoint.generation
-        if job.recover:
-            self.conn.execute("DELETE FROM search_docs WHERE value IS NULL AND gen <= ?", (gen,))
-        else:
-            dels = [(vb, k, gen) for k, v, vb, _, _ in job.rows if v is None]
-            if dels:
-                self.conn.executemany("DELETE FROM search_docs WHERE vbucket = ? AND key = ? AND value IS NULL "
-                                      "AND gen <= ?", dels)
+        # the versions rollbacks restored are in the index now (an empty table without rollbacks)
+        self.conn.execute("DELETE FROM search_restored WHERE gen <= ?", (job.checkpoint.generation,))
 
     def wait_visible(self, predicate: Callable[[Checkpoint], bool], timeout: float) -> Checkpoint:
         """Block until ``predicate(visible)`` or ``timeout`` seconds; returns the visible checkpoint then."""
@@ -648,9 +670,14 @@ class SearchIndexer:
         return self._logs.get(vbucket, [])
 
     def docs(self) -> dict[str, tuple[bytes, int]]:
-        """The document store: key -> (value, vbucket) of every live document."""
-        return {k: (bytes(v), int(vb)) for k, v, vb in
-                self.conn.execute("SELECT key, value, vbucket FROM search_docs WHERE value IS NOT NULL")}
+        """The document store: key -> (value, vbucket) of every live document (each key's newest version in the
+        changelog)."""
+        out: dict[str, tuple[bytes, int]] = {}
+        for vb in sorted({int(vb) for (vb,) in self.conn.execute(f"SELECT DISTINCT vbucket FROM {CHANGELOG_TABLE}")}):
+            for key, (_seqno, version) in self.changelog.versions(vb).items():
+                if version[:1] == _LIVE:
+                    out[_k(key)] = (bytes(version[1:]), vb)
+        return out
 
     def status(self) -> dict[str, Any]:
         """Counters and the per-vbucket positions searches see (thread-safe: no store access)."""

@@ -169,6 +169,6 @@ def test_backend_commits_run_beside_the_consumer(harness: Any, tmp_path: Path) -
             assert ix.visible.generation == generations[-1] == ix.gen - 1
             assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
             # the synced tombstones were purged from the store
-            assert ix.conn.execute("SELECT count(*) FROM search_docs WHERE value IS NULL").fetchone()[0] == 0
+            assert ix.conn.execute("SELECT count(*) FROM search_restored").fetchone()[0] == 0
     finally:
         backend.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from connectors.client.changelog import segment_entries
 from connectors.exceptions import ConnectorError
 from connectors.search.backend import Checkpoint, Delete, Upsert
 from connectors.search.indexer import CHANGELOG_TABLE, SearchIndexer
@@ -110,10 +111,37 @@ def test_writer_that_cannot_open_the_index_fails_every_request(tmp_path: Path) -
         b.apply([])
 
 
+def _to_legacy_layout(store: Path, *, keep_changelog: bool, extra: tuple[str, bytes, int, int, int] | None = None
+                      ) -> None:
+    """Rewrite a store into the layout before session 11: every live document in ``search_docs`` (of the
+    generation the backend committed), the changelog without generations -- or gone altogether (the layout before
+    the changelog). ``extra``: one more row (key, value, vbucket, seqno, generation)."""
+    conn = sqlite3.connect(store)
+    conn.execute("CREATE TABLE search_docs (key TEXT NOT NULL, value BLOB, vbucket INTEGER NOT NULL, "
+                 "seqno INTEGER NOT NULL, gen INTEGER NOT NULL, PRIMARY KEY (vbucket, key))")
+    newest: dict[bytes, tuple[int, int, bytes]] = {}
+    for vb, data in conn.execute(f"SELECT vbucket, data FROM {CHANGELOG_TABLE} ORDER BY vbucket, last_seqno"):
+        for seqno, key, version in segment_entries(data):
+            newest[key] = (vb, seqno, version)
+    top = conn.execute(f"SELECT max(gen) FROM {CHANGELOG_TABLE}").fetchone()[0]
+    conn.executemany("INSERT INTO search_docs VALUES (?, ?, ?, ?, ?)",
+                     [(k.decode(), v[1:], vb, sq, top) for k, (vb, sq, v) in newest.items() if v[:1] == b"\x01"])
+    if extra is not None:
+        conn.execute("INSERT INTO search_docs VALUES (?, ?, ?, ?, ?)", extra)
+    conn.execute("DROP TABLE search_restored")
+    if keep_changelog:
+        conn.execute(f"ALTER TABLE {CHANGELOG_TABLE} DROP COLUMN gen")
+    else:
+        conn.execute(f"DROP TABLE {CHANGELOG_TABLE}")
+        conn.execute(f"DROP TABLE {CHANGELOG_TABLE}_floor")
+    conn.commit()
+    conn.close()
+
+
 def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_documents(harness: Any,
                                                                                 tmp_path: Path) -> None:
-    """A store of the mutation-log layout (no changelog table) starts each vbucket's changelog from its
-    documents at its position: a later rollback is exact."""
+    """A store of the mutation-log layout (documents in ``search_docs``, no changelog table) starts each
+    vbucket's changelog from its documents at its position, and the table goes: a later rollback is exact."""
     h = harness(nvb=4, rollback_mitigation=False)
     write(h.bucket, 80)
     h.bucket.flush_all()
@@ -121,11 +149,7 @@ def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_document
     d = tmp_path / "ix"
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
         ix.catch_up()
-    conn = sqlite3.connect(d / "store.sqlite")
-    conn.execute(f"DROP TABLE {CHANGELOG_TABLE}")
-    conn.execute(f"DROP TABLE {CHANGELOG_TABLE}_floor")
-    conn.commit()
-    conn.close()
+    _to_legacy_layout(d / "store.sqlite", keep_changelog=False)
     # overwrite persisted documents and add new ones in memory only: published, indexed, then lost
     for i in range(0, 120, 3):
         h.bucket.set(f"k{i}", json.dumps({"lost": i}).encode())
@@ -133,6 +157,7 @@ def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_document
     h.publish_unpersisted()
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
         assert ix.conn.execute(f"SELECT count(*) FROM {CHANGELOG_TABLE}").fetchone()[0] >= 1  # adopted
+        assert ix.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'search_docs'").fetchone() is None
         ix.catch_up()
         assert any(f.get("lost") is not None for _vb, f in index_contents(ix).values())
     h.crash_engine()
@@ -143,6 +168,30 @@ def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_document
         ix.catch_up()
         assert ix.stats.rollbacks > 0
         assert index_contents(ix) == expected_index(h.bucket.state_snapshot(), ix.mapping)
+        assert ix.docs() == {k.decode(): v for k, v in h.bucket.state_snapshot().items()}
+
+
+def test_a_legacy_store_row_the_backend_never_committed_is_indexed_at_start(harness: Any, tmp_path: Path) -> None:
+    """A store of the layout with ``search_docs`` and a changelog without generations, holding a row above the
+    backend's committed generation (a crash between the store's commit and the backend's): the migration keeps
+    it, the first sync indexes it, and the changelog's segments written before are not applied again."""
+    h = harness(nvb=4, rollback_mitigation=False)
+    write(h.bucket, 40)
+    h.bucket.flush_all()
+    h.settle()
+    d = tmp_path / "ix"
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
+        ix.catch_up()
+        gen = ix.visible.generation
+        before = index_contents(ix)
+    _to_legacy_layout(d / "store.sqlite", keep_changelog=True, extra=("k0", b'{"late": 1}', 0, 10**6, gen + 1))
+    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
+        assert ix.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'search_docs'").fetchone() is None
+        ix.catch_up()
+        got = index_contents(ix)
+        assert got["k0"][1] == {"late": 1}
+        assert {k: v for k, v in got.items() if k != "k0"} == {k: v for k, v in before.items() if k != "k0"}
+        assert ix.stats.indexed == 1 and ix.visible.generation > gen
 
 
 @pytest.mark.parametrize("restart", [False, True])
