@@ -122,7 +122,7 @@ class _Commit:
     #: set when a commit handed to the commit thread is done (None: committed in the consumer's thread)
     done: threading.Event | None = None
     error: BaseException | None = None
-    #: the rows were streamed to the backend already (``rows``: only for the tombstone purge)
+    #: the rows were streamed to the backend already (``rows`` unused)
     streamed: bool = False
 
 
@@ -244,7 +244,10 @@ class SearchIndexer:
         #: rollback), appended once per snapshot -- no prior look-ups on the hot path (docs/search.md)
         self.changelog = Changelog(self.conn, mutation_log_max, table=CHANGELOG_TABLE)
         self.consumer.mutation_log = self.changelog
+        #: the changes of the generation not handed to the backend yet: rows (a backend taking a generation at a
+        #: time, and rollback restores), or -- streamed to the writer process -- only the count of the snapshots'
         self._pending: dict[str, Row] = {}
+        self._pending_changes = 0
         self._first_pending = 0.0
         #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
         self._failures = 0
@@ -354,6 +357,7 @@ class SearchIndexer:
         # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
         # told apart, so the next sync reads the committed rows instead
         self._pending = {}
+        self._pending_changes = 0
         self._unsent = []
         self._recover = True
         self.changelog.forget_cached()
@@ -366,48 +370,49 @@ class SearchIndexer:
         self.stats.snapshots += 1
         if not changes:
             return
-        rows: list[Row] = []
-        # the changelog segment's bytes in the same pass (pack_entry's bytes, joined once): the store's
-        # changelog row and, streamed as they are, the writer process's input (docs/search.md "Performance")
+        # the changelog segment's bytes (pack_entry's bytes, joined once): the store's one write for the snapshot
+        # and, streamed as they are, the writer process's input (docs/search.md "Performance")
         parts: list[bytes] = []
-        row, part = rows.append, parts.append
+        part = parts.append
         head = ENTRY_HEAD.pack
-        pending = self._pending
-        if not pending:
+        if not self._pending and not self._pending_changes:
             self._first_pending = self.clock()
         mutation = RecordType.MUTATION
         vb = changes[0].vbucket  # a snapshot is one vbucket's
         for c in changes:
             key = c.key
-            k = key.decode("utf-8", "surrogateescape")
             seqno = c.seqno
             if c.type is not mutation:  # a deletion or expiration
-                r: Row = (k, None, vb, seqno, gen)
                 part(head(seqno, len(key), 1))
                 part(_GONE)
             else:
                 value = c.value
                 assert value is not None
-                r = (k, value, vb, seqno, gen)
                 part(head(seqno, len(key), len(value) + 1))
                 part(_LIVE)
                 part(value)
             part(key)
-            row(r)
-            pending[k] = r
-        # changes are in seqno order: the last change of a key wins
         data = b"".join(parts)
         if self._streaming:
+            # the writer reads the changes from the segment: only their count is kept here
             self._unsent.append((vb, data))
+            self._pending_changes += len(changes)
+        else:
+            # the generation's rows for a backend that takes a generation at a time (changes are in seqno
+            # order: the last change of a key wins)
+            pending = self._pending
+            for c in changes:
+                k = _k(c.key)
+                pending[k] = (k, None if c.type is not mutation else c.value, vb, c.seqno, gen)
         # the document store's one write per snapshot (the segment is of generation ``gen``: a recovery reads it
         # back while the backend has not committed it)
-        self.changelog.append_segment(vb, changes[0].seqno, changes[-1].seqno, len(rows), data, gen)
-        self.stats.changes += len(rows)
+        self.changelog.append_segment(vb, changes[0].seqno, changes[-1].seqno, len(changes), data, gen)
+        self.stats.changes += len(changes)
 
     def _on_rollback(self, rb: RollbackInstruction) -> None:
         self.stats.rollbacks += 1
         gen = self.gen
-        if not self._pending:
+        if not self._pending and not self._pending_changes:
             self._first_pending = self.clock()
         restore = "INSERT OR REPLACE INTO search_restored VALUES (?, ?, ?, ?, ?)"
         if rb.rebuild_from_zero:
@@ -451,12 +456,13 @@ class SearchIndexer:
                 return  # still committing: the changes since go into the next commit
             if not self._try_sync("take_in"):
                 return
-        if not self._pending and not self._recover:
+        pending = len(self._pending) + self._pending_changes
+        if not pending and not self._recover:
             return
         now = self.clock()
         if now < self._retry_at:
             return
-        if (idle or self._recover or len(self._pending) >= self.commit_docs
+        if (idle or self._recover or pending >= self.commit_docs
                 or now - self._first_pending >= self.commit_interval):
             self._try_sync("background")
 
@@ -471,13 +477,14 @@ class SearchIndexer:
                 self._take_in()
                 if how == "now":
                     self._sync_now()
-                elif how == "background" and (self._pending or self._recover):
+                elif how == "background" and (self._pending or self._pending_changes or self._recover):
                     self._start_commit(background=True)
         except Exception as e:
             now = self.clock()
             self.stats.sync_failures += 1
             self.backend_error = f"{type(e).__name__}: {e}"
             self._pending = {}
+            self._pending_changes = 0
             self._unsent = []
             self._recover = True
             self._retry_at = now + min(MAX_RETRY_BACKOFF, 0.5 * 2 ** min(self._failures, 10))
@@ -518,7 +525,7 @@ class SearchIndexer:
             return self._sync_now()
 
     def _sync_now(self) -> bool:
-        if not self._pending and not self._recover:
+        if not self._pending and not self._pending_changes and not self._recover:
             return False
         job = self._start_commit(background=False)
         self._inflight = job
@@ -548,6 +555,7 @@ class SearchIndexer:
         job = _Commit(Checkpoint(gen, positions, self.mapping.id), rows,
                       {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover, streamed=streamed)
         self._pending = {}
+        self._pending_changes = 0
         self._recover = False
         self.gen = gen + 1
         if background:
@@ -683,7 +691,7 @@ class SearchIndexer:
         """Counters and the per-vbucket positions searches see (thread-safe: no store access)."""
         vis = self.visible
         return {"topic": self.topic, "generation": vis.generation, "mapping_id": self.mapping.id,
-                "backend_error": self.backend_error, "pending_docs": len(self._pending), "records_consumed": self.consumer.records_consumed,
+                "backend_error": self.backend_error, "pending_docs": len(self._pending) + self._pending_changes, "records_consumed": self.consumer.records_consumed,
                 **asdict(self.stats),
                 "vbuckets": [{"vbucket": vb, "vbuuid": p.vbuuid, "indexed_seqno": p.seqno}
                              for vb, p in sorted(vis.positions.items())],
