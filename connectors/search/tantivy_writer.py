@@ -307,6 +307,9 @@ def _ops(items: Sequence[tuple[Any, ...]]) -> list[IndexOp]:
     ops: list[Any] = []
     op = ops.append
     unpack, size = ENTRY_HEAD.unpack_from, ENTRY_HEAD.size
+    # (a named tuple built with tuple.__new__: no call of its generated __new__ per upsert, as
+    # schemas.codec.read_change builds the client's changes)
+    new, upsert = tuple.__new__, _UpsertRow
     for r in items:
         if len(r) != 2:
             op(Delete(r[0], r[2], r[3]) if r[1] is None else _UpsertRow(r[0], r[2], r[3], r[1]))
@@ -321,7 +324,7 @@ def _ops(items: Sequence[tuple[Any, ...]]) -> list[IndexOp]:
             key = data[pos:pos + klen].decode("utf-8", "surrogateescape")
             pos += klen
             if data[v] == 1:  # b"\x01" + the body
-                op(_UpsertRow(key, vb, seqno, data[v + 1:v + vlen]))
+                op(new(upsert, (key, vb, seqno, data[v + 1:v + vlen])))
             else:
                 op(Delete(key, vb, seqno))
     return ops
