@@ -21,6 +21,7 @@ and retries with backoff -- and the next request starts a new child, which resum
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -78,6 +79,10 @@ class WriterProcessDied(ConnectorError):
 #: directory's -- so the child always runs the parent's code
 _CHILD_CODE: Final = "import sys; sys.path[0:1] = sys.argv[1:]; from connectors.search.tantivy_writer import main; main()"
 _PACKAGE_ROOT: Final = str(Path(__file__).resolve().parents[2])
+
+
+#: the writer process's young-generation GC threshold (:func:`main`)
+WRITER_GC_YOUNG_THRESHOLD: Final = 50_000
 
 
 def _child_command() -> list[str]:
@@ -376,6 +381,12 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
 
 
 def main() -> None:
+    # CPython's cyclic GC: with the default young-generation threshold (700 allocations) a request of thousands
+    # of documents triggers collections that rescan its operations and documents and promote them into full
+    # collections; nothing the writer allocates forms reference cycles (refcounting frees it), so it collects
+    # seldom -- as the client's consumer loop does (connectors.client.consumer.GC_YOUNG_THRESHOLD). About a tenth
+    # of the writer's CPU (docs/search.md "Performance").
+    gc.set_threshold(WRITER_GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # the pipes as raw binary files; nothing else may write to stdout
     inp = os.fdopen(sys.stdin.fileno(), "rb", buffering=1 << 20, closefd=False)
