@@ -364,6 +364,8 @@ class Publisher:
         self._closing = False
         #: every vbucket's stream starts with a rollback record to 0 (the topic lost its log: TopicLost)
         self.rollback_to_zero = rollback_to_zero
+        #: vbuckets whose deliberate replay (:meth:`open_stream`) still owes its rollback record to 0
+        self._replay_from_zero: set[int] = set()
         #: why the topic is known to have lost acknowledged records (None: it has not); pump() raises TopicLost
         self.lost: str | None = None
         #: the producer's fatal error (None: none); pump() raises ProducerFailed
@@ -448,6 +450,7 @@ class Publisher:
                 continue
             self.assigned.discard(vb)
             self._released.add(vb)
+            self._replay_from_zero.discard(vb)
             self._waiting.discard(vb)
             self._detach(vb, restream=False)
             self._detached.discard(vb)
@@ -464,9 +467,10 @@ class Publisher:
         pos = self.sent[vb]
         use_saved = self.stream_from.startswith("saved-offset") and not pos.is_fresh
         if self.rollback_to_zero or (self.stream_from == "beginning" and not pos.is_fresh):
-            # A deliberate replay over a topic that already has this vbucket's records: tell consumers with a
-            # rollback record to 0, so the re-sent history is not mistaken for duplicates.
-            self._publish_rollback(vb, 0, self.source.failover_log(vb))
+            # A deliberate replay over a topic that already has this vbucket's records: consumers are told with
+            # a rollback record to 0 (published by the stream request, which handles a node that does not
+            # answer), so the re-sent history is not mistaken for duplicates.
+            self._replay_from_zero.add(vb)
         from_now = (self.stream_from == "now") or (self.stream_from == "saved-offset-or-now" and not use_saved)
         if not self._request(vb, from_now) and self.is_cluster:
             self._waiting.add(vb)
@@ -479,6 +483,13 @@ class Publisher:
             return False  # stopped by oversize_policy=fail until the gateway restarts
         pos = self.sent[vb]
         src = self.source
+        if vb in self._replay_from_zero:
+            try:
+                engine_log = src.failover_log(vb)
+            except (NotMyVBucket, TemporaryFailure) as e:
+                return self._not_streamable(vb, None, e)  # asked again, the rollback record first
+            self._publish_rollback(vb, 0, engine_log)
+            self._replay_from_zero.discard(vb)
         for _attempt in range(64):
             dcp = None
             try:

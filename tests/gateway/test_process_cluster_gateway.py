@@ -357,6 +357,52 @@ def test_a_node_silent_during_a_stream_request_is_asked_again(process_harness, m
         assert rep.docs() == h.actives()
 
 
+def test_a_node_silent_when_a_replay_from_zero_starts_is_asked_again(process_harness, monkeypatch) -> None:
+    """A deliberate replay (``rollback_to_zero``, or ``stream_from=beginning`` over a topic holding the vbucket):
+    the rollback record to 0 needs the node's failover log; a node that does not answer then ends neither the
+    publisher nor its group member's hand-off (it raised). Nothing is published for the vbucket until the node
+    answers; then the rollback record to 0 comes first, the history is re-sent after it, and a rollback-aware
+    replay equals the engine."""
+    from engine.network.remote import NodeUnavailable
+
+    h: ProcessHarness = process_harness(nodes=1, replicas=0)
+    pub = h.publisher
+    h.write(60)
+    h.publish()
+    victims = [0, 3]
+    before = {vb: pub.acked[vb].copy() for vb in victims}
+    pub.remove_vbuckets(victims)
+    assert pub.unacked(victims) == 0
+    src = pub.source
+    real = src.failover_log
+    silent = set(victims)
+
+    def failover_log(vb: int):  # type: ignore[no-untyped-def]
+        if vb in silent:
+            silent.discard(vb)
+            raise NodeUnavailable("node n0: no answer to opcode 0x54 (injected)")
+        return real(vb)
+
+    monkeypatch.setattr(src, "failover_log", failover_log)
+    monkeypatch.setattr(pub, "rollback_to_zero", True)
+    records = pub.records_sent
+    pub.add_vbuckets(before)  # must not raise
+    assert not silent, "the injected silence was not reached"
+    assert not set(victims) & pub.streaming and pub.records_sent == records  # nothing produced for them
+    h.publish(timeout=30)  # asked again after STREAM_RETRY_S
+    assert set(victims) <= pub.streaming
+    recs = h.check()
+    for vb in victims:
+        mine = [r for _p, _o, r in recs if r.vbucket == vb]
+        zero = [i for i, r in enumerate(mine) if r.rollback_seqno == 0]
+        assert len(zero) == 1, f"vbucket {vb}: {len(zero)} rollback records to 0"
+        # the history again after it (a backfill: each key's current version, up to the high seqno)
+        replayed = [r.seqno for r in mine[zero[0]:] if r.is_data]
+        assert replayed and max(replayed) == max(r.seqno for r in mine[:zero[0]] if r.is_data)
+    with h.replicate() as rep:
+        assert rep.docs() == h.actives()
+
+
 def test_mitigation_holding_a_vbucket_back_is_logged_not_silent(process_harness, monkeypatch, caplog) -> None:
     """docs/reliability.md: with the node's persistence stopped, rollback mitigation publishes nothing of the new
     writes -- and says so every ``HELD_WARN_S`` (which vbuckets, the snapshot end waited for, what is persisted
