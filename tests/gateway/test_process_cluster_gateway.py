@@ -316,12 +316,12 @@ def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(process_harn
           f"vbuckets moved, {len(data)} data records")
 
 
-def test_a_node_silent_during_a_stream_request_is_asked_again(process_harness, monkeypatch) -> None:
-    """docs/scale-out.md: a node that stops answering right after it accepted a stream request (the STAT for
-    the failover-log record times out: a busy node, ``NodeUnavailable``) ends neither the publisher nor its
-    group member (the hand-off raised it into the membership thread: the member exited). The stream is closed,
-    nothing is published for it, and it is asked again after ``STREAM_RETRY_S`` although the map never changed;
-    the topic then holds every write once and a replay equals the engine."""
+def _handed_back_with_a_silent_node(process_harness: Any, monkeypatch: Any, call: str
+                                    ) -> tuple[ProcessHarness, list[int], dict[int, Any], set[int]]:
+    """60 writes published, then vbuckets 0 and 3 removed from the publisher (as a group member hands them
+    off) with their acknowledged positions; the source's ``call`` (one request to the node) fails once per
+    vbucket with ``NodeUnavailable`` (a node that does not answer). Returns the harness, the vbuckets, their
+    positions and the vbuckets whose silence is still to come."""
     from engine.network.remote import NodeUnavailable
 
     h: ProcessHarness = process_harness(nodes=1, replicas=0)
@@ -332,17 +332,27 @@ def test_a_node_silent_during_a_stream_request_is_asked_again(process_harness, m
     before = {vb: pub.acked[vb].copy() for vb in victims}
     pub.remove_vbuckets(victims)
     assert pub.unacked(victims) == 0
-    src = pub.source
-    real = src.high_seqno
+    real = getattr(pub.source, call)
     silent = set(victims)
 
-    def high_seqno(vb: int) -> int:
+    def once_silent(vb: int) -> Any:
         if vb in silent:
             silent.discard(vb)
-            raise NodeUnavailable("node n0: no answer to opcode 0x10 (injected)")
+            raise NodeUnavailable(f"node n0: no answer to {call} (injected)")
         return real(vb)
 
-    monkeypatch.setattr(src, "high_seqno", high_seqno)
+    monkeypatch.setattr(pub.source, call, once_silent)
+    return h, victims, before, silent
+
+
+def test_a_node_silent_during_a_stream_request_is_asked_again(process_harness, monkeypatch) -> None:
+    """docs/scale-out.md: a node that stops answering right after it accepted a stream request (the STAT for
+    the failover-log record times out: a busy node, ``NodeUnavailable``) ends neither the publisher nor its
+    group member (the hand-off raised it into the membership thread: the member exited). The stream is closed,
+    nothing is published for it, and it is asked again after ``STREAM_RETRY_S`` although the map never changed;
+    the topic then holds every write once and a replay equals the engine."""
+    h, victims, before, silent = _handed_back_with_a_silent_node(process_harness, monkeypatch, "high_seqno")
+    pub = h.publisher
     records = pub.records_sent
     pub.add_vbuckets(before)  # what a group member's hand-off does; must not raise
     assert not silent, "the injected silence was not reached"
@@ -363,27 +373,8 @@ def test_a_node_silent_when_a_replay_from_zero_starts_is_asked_again(process_har
     publisher nor its group member's hand-off (it raised). Nothing is published for the vbucket until the node
     answers; then the rollback record to 0 comes first, the history is re-sent after it, and a rollback-aware
     replay equals the engine."""
-    from engine.network.remote import NodeUnavailable
-
-    h: ProcessHarness = process_harness(nodes=1, replicas=0)
+    h, victims, before, silent = _handed_back_with_a_silent_node(process_harness, monkeypatch, "failover_log")
     pub = h.publisher
-    h.write(60)
-    h.publish()
-    victims = [0, 3]
-    before = {vb: pub.acked[vb].copy() for vb in victims}
-    pub.remove_vbuckets(victims)
-    assert pub.unacked(victims) == 0
-    src = pub.source
-    real = src.failover_log
-    silent = set(victims)
-
-    def failover_log(vb: int):  # type: ignore[no-untyped-def]
-        if vb in silent:
-            silent.discard(vb)
-            raise NodeUnavailable("node n0: no answer to opcode 0x54 (injected)")
-        return real(vb)
-
-    monkeypatch.setattr(src, "failover_log", failover_log)
     monkeypatch.setattr(pub, "rollback_to_zero", True)
     records = pub.records_sent
     pub.add_vbuckets(before)  # must not raise

@@ -138,17 +138,24 @@ def _to_legacy_layout(store: Path, *, keep_changelog: bool, extra: tuple[str, by
     conn.close()
 
 
-def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_documents(harness: Any,
-                                                                                tmp_path: Path) -> None:
-    """A store of the mutation-log layout (documents in ``search_docs``, no changelog table) starts each
-    vbucket's changelog from its documents at its position, and the table goes: a later rollback is exact."""
+def _indexed(harness: Any, tmp_path: Path, n: int) -> tuple[Any, Path, int, dict[str, Any]]:
+    """``n`` documents written, persisted, published and indexed (4 vbuckets): the harness, the index directory,
+    the committed generation and the index's contents."""
     h = harness(nvb=4, rollback_mitigation=False)
-    write(h.bucket, 80)
+    write(h.bucket, n)
     h.bucket.flush_all()
     h.settle()
     d = tmp_path / "ix"
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
         ix.catch_up()
+        return h, d, ix.visible.generation, index_contents(ix)
+
+
+def test_a_store_written_before_the_changelog_undoes_rollbacks_from_its_documents(harness: Any,
+                                                                                tmp_path: Path) -> None:
+    """A store of the mutation-log layout (documents in ``search_docs``, no changelog table) starts each
+    vbucket's changelog from its documents at its position, and the table goes: a later rollback is exact."""
+    h, d, _gen, _before = _indexed(harness, tmp_path, 80)
     _to_legacy_layout(d / "store.sqlite", keep_changelog=False)
     # overwrite persisted documents and add new ones in memory only: published, indexed, then lost
     for i in range(0, 120, 3):
@@ -175,15 +182,7 @@ def test_a_legacy_store_row_the_backend_never_committed_is_indexed_at_start(harn
     """A store of the layout with ``search_docs`` and a changelog without generations, holding a row above the
     backend's committed generation (a crash between the store's commit and the backend's): the migration keeps
     it, the first sync indexes it, and the changelog's segments written before are not applied again."""
-    h = harness(nvb=4, rollback_mitigation=False)
-    write(h.bucket, 40)
-    h.bucket.flush_all()
-    h.settle()
-    d = tmp_path / "ix"
-    with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
-        ix.catch_up()
-        gen = ix.visible.generation
-        before = index_contents(ix)
+    h, d, gen, before = _indexed(harness, tmp_path, 40)
     _to_legacy_layout(d / "store.sqlite", keep_changelog=True, extra=("k0", b'{"late": 1}', 0, 10**6, gen + 1))
     with SearchIndexer(h.broker.bootstrap_servers, h.topic, d) as ix:
         assert ix.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'search_docs'").fetchone() is None
