@@ -425,7 +425,9 @@ class ClusterManager(ABC):
     # ------------------------------------------------------------------ failover
     def _caught_up(self, vb: int) -> bool:
         """The active persisted its high seqno and every live replica holds it, persisted, in a complete
-        snapshot."""
+        snapshot -- of the active's branch: a copy with as many items of a lost branch (a recovered node whose
+        replication link has not rolled it back yet) has the same high seqno but not the active's newest
+        failover entry, and is not caught up (the history, not the count, is what a replica must hold)."""
         active = self._active_control(vb).vbucket_info(vb)
         if active.persisted_seqno < active.high_seqno:
             return False
@@ -433,7 +435,8 @@ class ClusterManager(ABC):
             if not self._is_up(r):
                 continue
             ri = self._control(r).vbucket_info(vb)
-            if ri.snapshot_persisted < active.high_seqno or ri.high_seqno != active.high_seqno:
+            if (ri.snapshot_persisted < active.high_seqno or ri.high_seqno != active.high_seqno
+                    or ri.failover[:1] != active.failover[:1]):
                 return False
         return True
 
