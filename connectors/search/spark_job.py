@@ -242,7 +242,9 @@ def _backend(args: argparse.Namespace) -> tuple[IndexBackend, str]:
     return TantivyBackend(Path(args.index_dir) / "tantivy", mapping), mapping.id
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, spark: Any = None) -> int:
+    """The job's command. ``spark``: a running SparkSession to use (and leave running) instead of starting one
+    (the tests' shared session)."""
     ap = argparse.ArgumentParser(prog="python -m connectors.search.spark_job", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topic", required=True)
@@ -265,11 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConnectorError as e:
         print(f"spark_job: {e}", file=sys.stderr)
         return 2
-    from pyspark.sql import SparkSession
+    own = spark is None
+    if own:
+        from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master(args.master).appName(f"dcpgw-search-{args.topic}")
-             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+        spark = (SparkSession.builder.master(args.master).appName(f"dcpgw-search-{args.topic}")
+                 .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2").getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
     sink = BatchIndexer(args.index_dir, backend, mapping_id=mapping_id)
     chk = args.checkpoint_location or str(Path(args.index_dir) / "spark-checkpoint")
     t0 = time.monotonic()
@@ -285,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({**sink.status(), "seconds": round(time.monotonic() - t0, 3)}), flush=True)
         sink.close()
         backend.close()
-        spark.stop()
+        if own:
+            spark.stop()
     if exc is not None:
         print(f"spark_job: the query failed: {exc}", file=sys.stderr)
         return 1

@@ -339,7 +339,9 @@ def run(spark: Any, bootstrap: str, topic: str, writer: XdcrBatchWriter, checkpo
     w.start().awaitTermination()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, spark: Any = None) -> int:
+    """The job's command. ``spark``: a running SparkSession to use (and leave running) instead of starting one
+    (the tests' shared session)."""
     ap = argparse.ArgumentParser(prog="python -m connectors.xdcr.spark_job", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bootstrap", required=True)
@@ -397,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         writer.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from pyspark.sql import SparkSession
+    own = spark is None
+    if own:
+        from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master(a.master).appName("dcpgw-xdcr").config("spark.ui.enabled", "false")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+        spark = (SparkSession.builder.master(a.master).appName("dcpgw-xdcr").config("spark.ui.enabled", "false")
+                 .config("spark.sql.shuffle.partitions", "2").getOrCreate())
     try:
         run(spark, a.bootstrap, a.topic, writer, a.checkpoint, available_now=a.available_now)
     except Exception as e:  # pyspark's StreamingQueryException wraps the batch's error
@@ -410,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3 if isinstance(writer.failure or e, TargetError) else 2
     finally:
         writer.close()
-        spark.stop()
+        if own:
+            spark.stop()
     print(json.dumps(writer.summary()))
     return 0
 

@@ -1,11 +1,14 @@
 """The Spark job into the Elasticsearch / OpenSearch backend end to end (docs/search.md "The Spark job"):
 ``python -m connectors.search.spark_job --backend elasticsearch|opensearch --es-url ... --once`` as a process on
-``local[2]`` against noida-db (tests/connectors/noida_es.py). The cluster's index equals the source's
+``local[2]`` against noida-db (tests/connectors/noida_es.py), its later runs through the same ``main`` on the
+tests' shared SparkSession (no JVM start per run). The cluster's index equals the source's
 JSON-object documents, also after the rollback records of an engine crash, and a batch id Spark runs again (its
 commit lost, as after a driver crash) is skipped."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 
 pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[spark]')")
 
+from connectors.search import spark_job
 from connectors.search.elastic import ElasticsearchBackend, ElasticsearchSettings
 from tests.connectors.noida_es import FLAVOR_PARAMS, NoidaElasticsearch
 from tests.harness import Harness, write
@@ -47,12 +51,19 @@ def expected(h: Harness) -> dict[str, Any]:
     return out
 
 
-def job(h: Harness, d: Path, es: NoidaElasticsearch, backend: str, index: str) -> dict[str, Any]:
-    """One run of the job's command (``--once``); its JSON summary."""
+def job(h: Harness, d: Path, es: NoidaElasticsearch, backend: str, index: str, spark: Any = None) -> dict[str, Any]:
+    """One run of the job (``--once``); its JSON summary. Without ``spark`` the command in a process of its own;
+    with it (the tests' shared session) the same ``main`` in this process, without a JVM start per run."""
+    argv = ["--topic", h.topic, "--index-dir", str(d), "--bootstrap", h.broker.bootstrap_servers, "--once",
+            "--backend", backend, "--es-url", es.url, "--es-index", index]
+    if spark is not None:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = spark_job.main(argv, spark=spark)
+        assert rc == 0, out.getvalue()[-3000:]
+        return json.loads(out.getvalue().strip().splitlines()[-1])  # type: ignore[no-any-return]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.run([sys.executable, "-m", "connectors.search.spark_job", "--topic", h.topic,
-                           "--index-dir", str(d), "--bootstrap", h.broker.bootstrap_servers, "--once",
-                           "--backend", backend, "--es-url", es.url, "--es-index", index],
+    proc = subprocess.run([sys.executable, "-m", "connectors.search.spark_job", *argv],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -61,7 +72,7 @@ def job(h: Harness, d: Path, es: NoidaElasticsearch, backend: str, index: str) -
 @pytest.mark.timeout(900)  # three Spark processes on 2 shared cores
 @pytest.mark.parametrize("backend", FLAVOR_PARAMS[:1])  # elasticsearch (opensearch-py: the same backend code)
 def test_spark_job_into_the_cluster_equals_source_after_rollbacks_and_reruns(
-        harness: Any, es: NoidaElasticsearch, backend: str, tmp_path: Path) -> None:
+        harness: Any, es: NoidaElasticsearch, backend: str, tmp_path: Path, spark: Any) -> None:
     h = harness(nvb=4, rollback_mitigation=False)
     write(h.bucket, 120)
     h.bucket.set("bin", b"\x00\x01")
@@ -86,7 +97,7 @@ def test_spark_job_into_the_cluster_equals_source_after_rollbacks_and_reruns(
     write(h.bucket, 20, start=1000)
     h.bucket.flush_all()
     h.settle()
-    out = job(h, d, es, backend, index)
+    out = job(h, d, es, backend, index, spark=spark)  # the same index dir and checkpoint, in this process
     assert out["batch_id"] == 1 and out["rollbacks"] > 0
     docs = cluster.docs()
     assert docs == expected(h) and docs["k4"] == {"n": 4} and docs["k2"] == {"n": 2}
@@ -99,7 +110,7 @@ def test_spark_job_into_the_cluster_equals_source_after_rollbacks_and_reruns(
     commits = d / "spark-checkpoint" / "commits"
     (commits / "1").unlink()
     (commits / ".1.crc").unlink(missing_ok=True)  # its checksum: Spark refuses to write over one
-    out = job(h, d, es, backend, index)
+    out = job(h, d, es, backend, index, spark=spark)
     assert out["batch_id"] == 1 and out["skipped_batches"] == 1 and out["batches"] == 0
     assert cluster.docs() == expected(h) and cluster.checkpoint() == cp
     cluster.close()

@@ -1,10 +1,13 @@
-"""The XDCR Spark job (connectors/xdcr/spark_job.py) run as its one command on local[2]: the target equals the
-source -- documents and metadata -- across a source rollback and across a target that lost writes; the GET_META
+"""The XDCR Spark job (connectors/xdcr/spark_job.py) on local[2] -- as its one command in a process of its own,
+and (later runs) its same ``main`` on the tests' shared SparkSession, which spares a JVM start per run: the target
+equals the source -- documents and metadata -- across a source rollback and across a target that lost writes; the GET_META
 pre-check, the filters, a write the target refuses for size (dead letter, the job goes on), a refused filter
 change and bad input."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -15,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from connectors.xdcr import spark_job
 from engine import vbucket_of
 from gateway.broker import Broker
 from tests.connectors.xdcr.harness import diverging, source_docs, target_docs, target_node
@@ -26,22 +30,35 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.xdist_group("spar
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def _argv(h: Harness, port: int, checkpoint: Path, *extra: str) -> list[str]:
+    return ["--bootstrap", h.broker.bootstrap_servers, "--topic", h.topic, "--target", f"couchbase://127.0.0.1:{port}",
+            "--checkpoint", str(checkpoint), "--available-now", *extra]
+
+
 def run_job(h: Harness, port: int, checkpoint: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The job's command in a process of its own (its own SparkSession)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "connectors.xdcr.spark_job", "--bootstrap",
-                           h.broker.bootstrap_servers, "--topic", h.topic, "--target", f"couchbase://127.0.0.1:{port}",
-                           "--checkpoint", str(checkpoint), "--available-now", *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "connectors.xdcr.spark_job", *_argv(h, port, checkpoint, *extra)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def job(h: Harness, port: int, checkpoint: Path, *extra: str) -> dict[str, Any]:
+def job(h: Harness, port: int, checkpoint: Path, *extra: str, spark: Any = None) -> dict[str, Any]:
+    """One run of the job; its JSON summary. With ``spark`` (the tests' shared session) the same ``main`` runs
+    in this process -- the command's code without a JVM start per run (the suite's time); without, the command
+    itself."""
+    if spark is not None:
+        out_text = io.StringIO()
+        with contextlib.redirect_stdout(out_text):
+            rc = spark_job.main(_argv(h, port, checkpoint, *extra), spark=spark)
+        assert rc == 0, out_text.getvalue()[-3000:]
+        return dict(json.loads(out_text.getvalue().strip().splitlines()[-1]))
     p = run_job(h, port, checkpoint, *extra)
     assert p.returncode == 0, p.stderr[-3000:]
     out: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
     return out
 
 
-def test_spark_job_converges_across_a_rollback(kafka_broker: Broker, tmp_path: Path) -> None:
+def test_spark_job_converges_across_a_rollback(kafka_broker: Broker, tmp_path: Path, spark: Any) -> None:
     h = Harness(kafka_broker, tmp_path / "h", rollback_mitigation=False)
     node: Any = target_node(tmp_path)
     try:
@@ -56,7 +73,7 @@ def test_spark_job_converges_across_a_rollback(kafka_broker: Broker, tmp_path: P
         write(h.bucket, 10, start=900)
         h.bucket.flush_all()
         h.settle()
-        out = job(h, node.port, tmp_path / "chk")
+        out = job(h, node.port, tmp_path / "chk", spark=spark)  # the same checkpoint, in this process
         assert out["restored"] > 0 and out["rollbacks"] > 0, out
         src = source_docs(h.bucket)
         tgt = target_docs(node, {k: vbucket_of(k, h.nvb) for k in src} | {
@@ -72,7 +89,7 @@ def _large(i: int, gen: int) -> bytes:
 
 
 def test_spark_job_filters_precheck_too_big_and_a_target_that_lost_writes(kafka_broker: Broker,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path, spark: Any) -> None:
     """One job run with filters (key regex, skip binary), documents above the optimistic threshold (GET_META
     first) and one the target refuses for size; a second run whose writes the target never persists; the target
     is killed and warms up without them (a new failover entry); a third run with nothing new in the topic
@@ -90,7 +107,7 @@ def test_spark_job_filters_precheck_too_big_and_a_target_that_lost_writes(kafka_
         write(h.bucket, 10, prefix="skip")
         h.bucket.flush_all()
         h.settle()
-        first = job(h, node.port, chk, *filters)
+        first = job(h, node.port, chk, *filters, spark=spark)
         assert first["dead_letters"] == 1 and first["rejected"].get("too_big") == 1, first
         assert first["get_meta"] >= 11 and first["filtered"] >= 11, first  # 10 skip* keys, kbin0
         dead = [json.loads(line) for line in (chk / "xdcr" / "dead-letter.jsonl").read_text().splitlines()]
@@ -102,7 +119,7 @@ def test_spark_job_filters_precheck_too_big_and_a_target_that_lost_writes(kafka_
             h.bucket.set(f"klarge{i}", _large(i, 1))
         h.bucket.flush_all()
         h.settle()
-        second = job(h, node.port, chk, *filters)
+        second = job(h, node.port, chk, *filters, spark=spark)
         assert second["written"] > 0, second
         node.kill()
         node.start()  # unclean warmup: the unpersisted writes are gone, a new failover entry
@@ -110,7 +127,7 @@ def test_spark_job_filters_precheck_too_big_and_a_target_that_lost_writes(kafka_
         src = {k: v for k, v in source_docs(h.bucket).items() if k.startswith(b"k") and k not in (b"kbig", b"kbin0")}
         keys = {k: vbucket_of(k, h.nvb) for k in src}
         assert diverging(src, target_docs(node, keys))  # the target lost writes
-        third = job(h, node.port, chk, *filters)
+        third = job(h, node.port, chk, *filters, spark=spark)
         assert third["resent"] > 0 and third["written"] > 0, third
         assert not diverging(src, target_docs(node, keys))
         filtered = {k: vbucket_of(k, h.nvb) for k in (b"kbig", b"kbin0", *(f"skip{i}".encode() for i in range(10)))}
