@@ -18,8 +18,9 @@ Two stores, one order:
    Then the generation moves on and the synced restored versions are purged.
 
 A crash anywhere leaves the backend at a committed generation at or below the store's; on start the changes above
-it (the restored versions and changelog segments of the later generations) are applied again (upserts and deletes are idempotent), so the index equals the store -- no document lost, no
-stale version left -- and the consumer resumes where the store's last commit was. Backend commits are batched by
+it (the restored versions and changelog segments of the later generations) are applied again (upserts and
+deletes are idempotent), so the index equals the store -- no document lost, no stale version left -- and the
+consumer resumes where the store's last commit was. Backend commits are batched by
 size (``commit_docs``) and time (``commit_interval``), and happen as soon as the topic is idle.
 """
 
@@ -244,8 +245,9 @@ class SearchIndexer:
         #: rollback), appended once per snapshot -- no prior look-ups on the hot path (docs/search.md)
         self.changelog = Changelog(self.conn, mutation_log_max, table=CHANGELOG_TABLE)
         self.consumer.mutation_log = self.changelog
-        #: the changes of the generation not handed to the backend yet: rows (a backend taking a generation at a
-        #: time, and rollback restores), or -- streamed to the writer process -- only the count of the snapshots'
+        #: the changes of the generation not handed to the backend yet: rows (for a backend taking a generation at
+        #: a time, and the versions rollbacks restored) and -- streamed to the writer process as changelog
+        #: segments -- only the count of the snapshots' changes
         self._pending: dict[str, Row] = {}
         self._pending_changes = 0
         self._first_pending = 0.0
