@@ -1,6 +1,7 @@
 """The replicator's changelog (connectors/client/changelog.py, docs/xdcr.md "Source rollbacks"): a rollback's
 undo list is each changed key's version at the rollback point, exactly, across compactions, truncations and
-earlier rollbacks; below the floor it refuses (the client rebuilds from zero). Real SQLite, a model history."""
+earlier rollbacks; below the floor it refuses (the client rebuilds from zero); the segments above a generation hold
+every newer version (the search indexer's recovery). Real SQLite, a model history."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.client.changelog import Changelog, pack_entry
+from connectors.client.changelog import Changelog, pack_entry, segment_entries
 from connectors.client.mutation_log import LogTooShort
 from connectors.client.state import SqliteStateStore
 from connectors.xdcr.document import DocVersion
@@ -132,3 +133,64 @@ def test_a_state_file_with_the_source_mirror_is_migrated(tmp_path: Path) -> None
         assert r.conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'xdcr_docs'").fetchone() is None
     finally:
         r.close()
+
+
+#: more keys than the bound's entries: some keys' newest versions end up in compacted segments
+MANY_KEYS = [f"m{i}".encode() for i in range(20)]
+gen_ops = st.lists(st.one_of(
+    st.tuples(st.just("snap"), st.lists(st.sampled_from(MANY_KEYS), min_size=1, max_size=6)),
+    st.tuples(st.just("commit"), st.just(0)),
+    st.tuples(st.just("rollback"), st.integers(0, 12)),
+    st.tuples(st.just("trim"), st.just(0)),
+), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(gen_ops, st.integers(1, 3))
+def test_segments_above_a_generation_hold_every_newer_version(steps: list[tuple[str, object]], bound: int) -> None:
+    """The search indexer's recovery (docs/search.md "How it stays exact"): segments tagged with the generation
+    they were appended in, across compactions (a compacted segment takes the highest generation it merged) and
+    rollbacks (a cut segment keeps its own). For every generation g: the segments above g are a suffix of the
+    vbucket's history, and every key whose newest version was appended above g is there with that version."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    log = Changelog(conn, max_entries=bound, table="search_changelog")
+    history: list[tuple[int, bytes, bytes, int]] = []  # (seqno, key, version, generation)
+    seqno, gen, vb = 0, 1, 2
+    for kind, arg in steps:
+        if kind == "snap":
+            assert isinstance(arg, list)
+            first = seqno + 1
+            entries = []
+            for key in arg:
+                seqno += 1
+                v = _version(key, seqno)
+                entries.append(pack_entry(seqno, key, v))
+                history.append((seqno, key, v, gen))
+            log.append_segment(vb, first, seqno, len(entries), b"".join(entries), gen)
+        elif kind == "commit":
+            gen += 1
+        elif kind == "rollback":
+            assert isinstance(arg, int)
+            to = max(0, seqno - arg)
+            if to < log.floor(vb):
+                log.clear(vb)
+                history.clear()
+                seqno = 0
+                continue
+            log.undo_to(vb, to)
+            history = [e for e in history if e[0] <= to]
+            seqno = to
+        else:
+            log.trim(vb)
+        assert log.top_generation() == max((g for *_, g in history), default=0)
+        for g in range(gen + 1):
+            above = [(s, k, v) for _vb, _g, data in log.segments_above(g) for s, k, v in segment_entries(data)]
+            below = [s for s, _k, _v in segment_entries(b"".join(
+                d for (d,) in conn.execute("SELECT data FROM search_changelog WHERE gen <= ?", (g,))))]
+            assert not above or not below or min(s for s, _k, _v in above) > max(below)  # a suffix
+            newest = {k: (s, v, eg) for s, k, v, eg in history}
+            got = {k: (s, v) for s, k, v in above}  # in seqno order: the last one of a key wins
+            for k, (s, v, eg) in newest.items():
+                if eg > g:
+                    assert got.get(k) == (s, v), (g, k)
+    conn.close()
