@@ -96,6 +96,11 @@ def _k(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
 
+def _body(version: bytes | None) -> bytes | None:
+    """The body a changelog version holds; None for a deletion or expiration (or no version at all)."""
+    return bytes(version[1:]) if version is not None and version[:1] == _LIVE else None
+
+
 #: a changed document as the store holds it and the backend gets it: (key, value -- None: deleted --, vbucket,
 #: seqno, generation); one tuple per change, the store's row and the pending change alike (no objects per change
 #: on the consumer's thread; the commit thread turns them into :class:`IndexOp`s, or hands them as they are to a
@@ -352,14 +357,21 @@ class SearchIndexer:
         for vb, g, data in self.changelog.segments_above(gen):
             for seqno, key, version in segment_entries(data):
                 k = _k(key)
-                out[k] = (k, bytes(version[1:]) if version[:1] == _LIVE else None, vb, seqno, g)
+                out[k] = (k, _body(version), vb, seqno, g)
         return list(out.values())
+
+    def _pending_count(self) -> int:
+        """Changes of the generation not handed to the backend yet."""
+        return len(self._pending) + self._pending_changes
+
+    def _drop_pending(self) -> None:
+        self._pending = {}
+        self._pending_changes = 0
 
     def _on_abandon(self) -> None:
         # the open event's rows were rolled back with its savepoint: what is pending in memory can no longer be
         # told apart, so the next sync reads the committed rows instead
-        self._pending = {}
-        self._pending_changes = 0
+        self._drop_pending()
         self._unsent = []
         self._recover = True
         self.changelog.forget_cached()
@@ -377,7 +389,7 @@ class SearchIndexer:
         parts: list[bytes] = []
         part = parts.append
         head = ENTRY_HEAD.pack
-        if not self._pending and not self._pending_changes:
+        if not self._pending_count():
             self._first_pending = self.clock()
         mutation = RecordType.MUTATION
         vb = changes[0].vbucket  # a snapshot is one vbucket's
@@ -414,7 +426,7 @@ class SearchIndexer:
     def _on_rollback(self, rb: RollbackInstruction) -> None:
         self.stats.rollbacks += 1
         gen = self.gen
-        if not self._pending and not self._pending_changes:
+        if not self._pending_count():
             self._first_pending = self.clock()
         restore = "INSERT OR REPLACE INTO search_restored VALUES (?, ?, ?, ?, ?)"
         if rb.rebuild_from_zero:
@@ -432,10 +444,8 @@ class SearchIndexer:
         for u in rb.undo:
             k = _k(u.key)
             # the version at the rollback point, from the changelog: absent, deleted, or b"\x01" + its body
-            if u.prior_value is None or u.prior_value[:1] != _LIVE:
-                r: Row = (k, None, rb.vbucket, 0, gen)
-            else:
-                r = (k, u.prior_value[1:], rb.vbucket, u.prior_seqno, gen)
+            body = _body(u.prior_value)
+            r: Row = (k, None, rb.vbucket, 0, gen) if body is None else (k, body, rb.vbucket, u.prior_seqno, gen)
             self.conn.execute(restore, r)
             self._pending[k] = r
             if self._streaming:
@@ -458,7 +468,7 @@ class SearchIndexer:
                 return  # still committing: the changes since go into the next commit
             if not self._try_sync("take_in"):
                 return
-        pending = len(self._pending) + self._pending_changes
+        pending = self._pending_count()
         if not pending and not self._recover:
             return
         now = self.clock()
@@ -479,14 +489,13 @@ class SearchIndexer:
                 self._take_in()
                 if how == "now":
                     self._sync_now()
-                elif how == "background" and (self._pending or self._pending_changes or self._recover):
+                elif how == "background" and (self._pending_count() or self._recover):
                     self._start_commit(background=True)
         except Exception as e:
             now = self.clock()
             self.stats.sync_failures += 1
             self.backend_error = f"{type(e).__name__}: {e}"
-            self._pending = {}
-            self._pending_changes = 0
+            self._drop_pending()
             self._unsent = []
             self._recover = True
             self._retry_at = now + min(MAX_RETRY_BACKOFF, 0.5 * 2 ** min(self._failures, 10))
@@ -527,7 +536,7 @@ class SearchIndexer:
             return self._sync_now()
 
     def _sync_now(self) -> bool:
-        if not self._pending and not self._pending_changes and not self._recover:
+        if not self._pending_count() and not self._recover:
             return False
         job = self._start_commit(background=False)
         self._inflight = job
@@ -556,8 +565,7 @@ class SearchIndexer:
         positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
         job = _Commit(Checkpoint(gen, positions, self.mapping.id), rows,
                       {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover, streamed=streamed)
-        self._pending = {}
-        self._pending_changes = 0
+        self._drop_pending()
         self._recover = False
         self.gen = gen + 1
         if background:
@@ -685,15 +693,16 @@ class SearchIndexer:
         out: dict[str, tuple[bytes, int]] = {}
         for vb in sorted({int(vb) for (vb,) in self.conn.execute(f"SELECT DISTINCT vbucket FROM {CHANGELOG_TABLE}")}):
             for key, (_seqno, version) in self.changelog.versions(vb).items():
-                if version[:1] == _LIVE:
-                    out[_k(key)] = (bytes(version[1:]), vb)
+                body = _body(version)
+                if body is not None:
+                    out[_k(key)] = (body, vb)
         return out
 
     def status(self) -> dict[str, Any]:
         """Counters and the per-vbucket positions searches see (thread-safe: no store access)."""
         vis = self.visible
         return {"topic": self.topic, "generation": vis.generation, "mapping_id": self.mapping.id,
-                "backend_error": self.backend_error, "pending_docs": len(self._pending) + self._pending_changes, "records_consumed": self.consumer.records_consumed,
+                "backend_error": self.backend_error, "pending_docs": self._pending_count(), "records_consumed": self.consumer.records_consumed,
                 **asdict(self.stats),
                 "vbuckets": [{"vbucket": vb, "vbuuid": p.vbuuid, "indexed_seqno": p.seqno}
                              for vb, p in sorted(vis.positions.items())],
