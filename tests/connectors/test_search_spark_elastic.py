@@ -7,8 +7,6 @@ commit lost, as after a driver crash) is skipped."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -26,6 +24,7 @@ pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e 
 from connectors.search import spark_job
 from connectors.search.elastic import ElasticsearchBackend, ElasticsearchSettings
 from tests.connectors.noida_es import FLAVOR_PARAMS, NoidaElasticsearch
+from tests.connectors.spark_jobs import run_in_session
 from tests.harness import Harness, write
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.kafka, pytest.mark.xdist_group("spark")]
@@ -57,11 +56,7 @@ def job(h: Harness, d: Path, es: NoidaElasticsearch, backend: str, index: str, s
     argv = ["--topic", h.topic, "--index-dir", str(d), "--bootstrap", h.broker.bootstrap_servers, "--once",
             "--backend", backend, "--es-url", es.url, "--es-index", index]
     if spark is not None:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            rc = spark_job.main(argv, spark=spark)
-        assert rc == 0, out.getvalue()[-3000:]
-        return json.loads(out.getvalue().strip().splitlines()[-1])  # type: ignore[no-any-return]
+        return run_in_session(spark_job.main, argv, spark)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.run([sys.executable, "-m", "connectors.search.spark_job", *argv],
                           capture_output=True, text=True, timeout=300, env=env)

@@ -6,8 +6,6 @@ change and bad input."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import socket
@@ -21,6 +19,7 @@ import pytest
 from connectors.xdcr import spark_job
 from engine import vbucket_of
 from gateway.broker import Broker
+from tests.connectors.spark_jobs import run_in_session
 from tests.connectors.xdcr.harness import diverging, source_docs, target_docs, target_node
 from tests.harness import Harness, write
 
@@ -47,11 +46,7 @@ def job(h: Harness, port: int, checkpoint: Path, *extra: str, spark: Any = None)
     in this process -- the command's code without a JVM start per run (the suite's time); without, the command
     itself."""
     if spark is not None:
-        out_text = io.StringIO()
-        with contextlib.redirect_stdout(out_text):
-            rc = spark_job.main(_argv(h, port, checkpoint, *extra), spark=spark)
-        assert rc == 0, out_text.getvalue()[-3000:]
-        return dict(json.loads(out_text.getvalue().strip().splitlines()[-1]))
+        return run_in_session(spark_job.main, _argv(h, port, checkpoint, *extra), spark)
     p = run_job(h, port, checkpoint, *extra)
     assert p.returncode == 0, p.stderr[-3000:]
     out: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
