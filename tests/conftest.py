@@ -29,6 +29,11 @@ os.environ[ADMIN_PASSWORD_ENV] = ADMIN_PASSWORD
 # Every gateway a test starts picks a free KV port (docs/kv-protocol.md): the default 11210 would collide
 # between tests and with other processes on the machine.
 os.environ.setdefault("DCPGW_KV_PORT", "0")
+# Every JVM a test starts (the shared SparkSession of tests/connectors/conftest.py, a Spark job's command run as a
+# process) lives for seconds to minutes: C1 compilation only and the serial collector. On 2 cores the C2 compiler
+# and the parallel collector's threads cost more CPU than they give back in a run that short (measured: a
+# warm-up query and two more 66 -> 47 CPU seconds). Speed only: the jobs' results do not depend on it.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 # A long-lived xdist worker runs hundreds of tests that each start brokers' clients, node processes and servers;
 # librdkafka releases a client's sockets and pipes only when its handle is destroyed, so tests that abandon a
 # consumer to simulate a crash hold some descriptors for a while. A soft limit of 1024 (common on CI machines)
