@@ -1173,6 +1173,7 @@ def tail(
 
     from gateway.exceptions import RecordFormatError
     from gateway.kafka import consumer
+    from gateway.resume import READ_TO_END_FETCH_WAIT_MS
     from schemas.codec import decode
     from schemas.topics import partition_for
 
@@ -1183,7 +1184,8 @@ def tail(
         _fail("no running gateway found: pass --bootstrap and --topic (or set KAFKA_BOOTSTRAP_SERVERS)")
     if vbucket < 0:
         _fail(f"vbucket {vbucket} is negative")
-    c = consumer(_kafka_client(bootstrap), {"enable.auto.commit": False, "enable.partition.eof": True},
+    c = consumer(_kafka_client(bootstrap), {"enable.auto.commit": False, "enable.partition.eof": True,
+                                            "fetch.wait.max.ms": READ_TO_END_FETCH_WAIT_MS},
                  group_id=f"dcpgw-tail-{os.getpid()}")
     try:
         try:

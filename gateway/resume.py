@@ -253,10 +253,17 @@ def topic_record_limit(
     return limit
 
 
+#: ``fetch.wait.max.ms`` of the consumers that read partitions to their end (recovery, replay of the tail)
+READ_TO_END_FETCH_WAIT_MS = 20
+
+
 def _consumer(client_config: dict[str, Any]) -> Consumer:
     return consumer(client_config, {
         "enable.auto.commit": False,
         "enable.partition.eof": True,
+        # a partition's EOF is reported only after a fetch that came back empty, and the broker holds an empty
+        # fetch up to fetch.wait.max.ms (500 by default): each read to the end would wait that long
+        "fetch.wait.max.ms": READ_TO_END_FETCH_WAIT_MS,
         "auto.offset.reset": "earliest",
         "fetch.max.bytes": 64 * 1024 * 1024,
     }, group_id=f"dcpgw-recovery-{uuid.uuid4()}")

@@ -14,6 +14,7 @@ pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip i
 
 from engine import Bucket, BucketConfig  # noqa: E402
 from gateway.broker import Broker  # noqa: E402
+from gateway.resume import READ_TO_END_FETCH_WAIT_MS  # noqa: E402
 from schemas.records import RecordType  # noqa: E402
 from tests.gateway.kafka_util import read_topic  # noqa: E402
 from tests.gateway.processes import NVB, GatewayProc, docs, replicate_process  # noqa: E402
@@ -327,7 +328,8 @@ def _kafka_source_rows(bootstrap: str, topic: str) -> list[tuple[Any, ...]]:
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4()}", "enable.partition.eof": True,
-                  "auto.offset.reset": "earliest", "enable.auto.commit": False})
+                  "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                  "fetch.wait.max.ms": READ_TO_END_FETCH_WAIT_MS})
     out = []
     try:
         parts = sorted(c.list_topics(topic, timeout=10).topics[topic].partitions)

@@ -10,6 +10,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from gateway.resume import READ_TO_END_FETCH_WAIT_MS
 from schemas.codec import decode
 from schemas.records import DecodedRecord, RecordType
 
@@ -20,7 +21,8 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> list[tuple[
     md = admin.list_topics(topic, timeout=10).topics[topic]
     parts = sorted(md.partitions)
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4()}", "enable.auto.commit": False,
-                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+                  "enable.partition.eof": True, "auto.offset.reset": "earliest",
+                  "fetch.wait.max.ms": READ_TO_END_FETCH_WAIT_MS})
     out: list[tuple[int, int, DecodedRecord]] = []
     try:
         c.assign([TopicPartition(topic, p, 0) for p in parts])

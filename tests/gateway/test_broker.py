@@ -21,6 +21,7 @@ from gateway.broker import (
     select_broker,
 )
 from gateway.exceptions import BrokerError, BrokerStartError, DcpGatewayError, GatewayError
+from gateway.resume import READ_TO_END_FETCH_WAIT_MS
 
 PARTITIONS = 4
 
@@ -47,6 +48,7 @@ def consume_all(
                 "group.id": f"reader-{topic}",
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,
+                "fetch.wait.max.ms": READ_TO_END_FETCH_WAIT_MS,
             }
         )
     )

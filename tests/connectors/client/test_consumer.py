@@ -29,6 +29,7 @@ from connectors.client.replay import Snapshot
 from connectors.exceptions import ConnectorError, DecodeError
 from connectors.replicate import Replicator
 from gateway.broker import Broker
+from gateway.resume import READ_TO_END_FETCH_WAIT_MS
 from schemas.codec import read_change, read_change_value
 from tests.harness import Harness, write
 
@@ -266,7 +267,7 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
 
 def _dlq_records(bootstrap: str, topic: str) -> list[Any]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4()}", "enable.partition.eof": True,
-                  "auto.offset.reset": "earliest"})
+                  "auto.offset.reset": "earliest", "fetch.wait.max.ms": READ_TO_END_FETCH_WAIT_MS})
     out = []
     try:
         c.assign([TopicPartition(topic, 0, 0)])
