@@ -120,9 +120,8 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
         node_cpu0 = _cpu_s(node.pid or 0)
         t = time.perf_counter()
         cluster.start_persistence("n0")
-        fast = {**client, "fetch.wait.max.ms": 20}
         while True:
-            cps = load_checkpoints(fast, topic)
+            cps = load_checkpoints(client, topic)
             if all(cps.get(vb) is not None and cps[vb].seqno >= h for vb, h in highs.items() if h):
                 break
             if time.monotonic() > deadline:

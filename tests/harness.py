@@ -48,9 +48,7 @@ class Harness:
         prev = getattr(self, "pub", None)
         if prev is not None:
             self.old.append(prev)  # replaced (or abandoned, as after kill -9): closed at teardown
-        # short fetch waits: partition EOF comes sooner (recovery reads every partition to its end)
-        fast = {**self.client, "fetch.wait.max.ms": 20}
-        positions = recover_positions(fast, self.topic, self.partitions, self.nvb)
+        positions = recover_positions(self.client, self.topic, self.partitions, self.nvb)
         args = {**self.pub_kw, **kw}
         fmt = args.pop("value_format", ValueFormat.AVRO)
         p = Publisher(self.bucket, producer_conf(self.broker), self.topic, self.partitions, RecordEncoder(fmt),
@@ -116,7 +114,7 @@ class ClusterHarness(TopicChecks):
         self.written = 0
 
     def new_publisher(self) -> Publisher:
-        positions = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, self.partitions, CLUSTER_NVB)
+        positions = recover_positions(self.client, self.topic, self.partitions, CLUSTER_NVB)
         p = Publisher(self.cluster, producer_conf(self.broker), self.topic, self.partitions,
                       self.pub_kw.get("encoder") or RecordEncoder(ValueFormat.AVRO), positions,
                       **{k: v for k, v in self.pub_kw.items() if k != "encoder"})

@@ -245,7 +245,7 @@ class _Topic:
     def publisher(self) -> Publisher:
         conf = {**self.client, "enable.idempotence": True, "acks": "all", "linger.ms": 5,
                 "message.max.bytes": SMALL_LIMIT}
-        pos = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, self.parts, NVB)
+        pos = recover_positions(self.client, self.topic, self.parts, NVB)
         p = Publisher(self.bucket, conf, self.topic, self.parts, RecordEncoder(), pos)
         p.open()
         return p

@@ -48,8 +48,7 @@ class ProcessHarness(TopicChecks):
             self.client = {"bootstrap.servers": broker.bootstrap_servers}
             self.topic = f"dcp.pc{uuid.uuid4().hex[:10]}"
             self.partitions = ensure_topics(self.client, self.topic, NVB)
-            positions = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, self.partitions,
-                                          NVB)
+            positions = recover_positions(self.client, self.topic, self.partitions, NVB)
             self.pub = Publisher(self.cluster, producer_conf(broker), self.topic, self.partitions,
                                  RecordEncoder(ValueFormat.AVRO), positions, **pub_kw)
             self.pub.open()

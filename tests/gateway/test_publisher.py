@@ -284,11 +284,10 @@ def test_records_timed_out_in_librdkafka_renewed_producer_resumes_from_the_tail_
     h = harness()
     write(h.bucket, 50)
     h.settle()
-    fast = {**h.client, "fetch.wait.max.ms": 20}
     conf = {**producer_conf(h.broker), "message.timeout.ms": 1000}
     h.old.append(h.pub)
     h.pub = pub = Publisher(h.bucket, conf, h.topic, h.partitions, RecordEncoder(ValueFormat.AVRO),
-                            recover_positions(fast, h.topic, h.partitions, NVB))
+                            recover_positions(h.client, h.topic, h.partitions, NVB))
     pub.open()
     kafka_broker.pause()  # type: ignore[attr-defined]
     try:
@@ -309,7 +308,7 @@ def test_records_timed_out_in_librdkafka_renewed_producer_resumes_from_the_tail_
     finally:
         kafka_broker.resume()  # type: ignore[attr-defined]
     time.sleep(1.0)  # records that were in flight when they timed out may still land: the tail shows them
-    pub.add_vbuckets(recover_positions(fast, h.topic, h.partitions, NVB))
+    pub.add_vbuckets(recover_positions(h.client, h.topic, h.partitions, NVB))
     write(h.bucket, 100, prefix="q")
     h.settle(100_000)
     h.check()  # invariants, replay equals the engine, no (vbucket, vbuuid, seqno) twice

@@ -87,7 +87,7 @@ class ClusterSide:
             self.client = {"bootstrap.servers": broker.bootstrap_servers}
             self.topic = f"dcp.x{uuid.uuid4().hex[:10]}"
             parts = ensure_topics(self.client, self.topic, nvb)
-            positions = recover_positions({**self.client, "fetch.wait.max.ms": 20}, self.topic, parts, nvb)
+            positions = recover_positions(self.client, self.topic, parts, nvb)
             self.pub = Publisher(self.cluster, producer_conf(broker), self.topic, parts,
                                  RecordEncoder(ValueFormat.AVRO), positions)
             self.pub.open()
