@@ -73,6 +73,8 @@ class NodeProcess:
     port: int = 0
     client: RemoteNode | None = None
     starts: int = 0
+    #: SIGTERM already sent (:meth:`begin_stop`): :meth:`stop` only waits
+    stopping: bool = False
 
     @property
     def up(self) -> bool:
@@ -89,6 +91,12 @@ class NodeProcess:
 
     def start(self, timeout: float = 30.0) -> int:
         """Spawn the node (warmup from its data directory) and wait for its READY line; returns the port."""
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def spawn(self) -> None:
+        """Start the node's process without waiting for it (:meth:`wait_ready`): several nodes then import and
+        warm up at the same time."""
         if self.up:
             raise InvalidArgument(f"node {self.name} is already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +114,11 @@ class NodeProcess:
             self.proc = subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=log)
         finally:
             log.close()
-        assert self.proc.stdout is not None
+        self.stopping = False
+
+    def wait_ready(self, timeout: float = 30.0) -> int:
+        """Wait for the READY line of the process :meth:`spawn` started; returns the port."""
+        assert self.proc is not None and self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         line = b""
         while not line.endswith(b"\n"):
@@ -143,16 +155,24 @@ class NodeProcess:
             if p.stdout is not None:
                 p.stdout.close()
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM: a clean shutdown (flushed, clean-shutdown marker); SIGKILL if it does not exit."""
+    def begin_stop(self) -> None:
+        """Send SIGTERM (a clean shutdown) without waiting for the exit: :meth:`stop` then waits (several nodes
+        shut down at the same time)."""
         if self.client is not None:
             self.client.close()
             self.client = None
         p = self.proc
+        if p is not None and p.poll() is None and not self.stopping:
+            p.terminate()
+            self.stopping = True
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM: a clean shutdown (flushed, clean-shutdown marker); SIGKILL if it does not exit."""
+        self.begin_stop()
+        p = self.proc
         if p is None:
             return
         if p.poll() is None:
-            p.terminate()
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -200,8 +220,10 @@ class ProcessCluster(ClusterManager):
                                         replication_buffer_bytes)
         cluster = cls(base, members, vbmap)
         try:
+            for name in names:  # every process imports and warms up at the same time
+                members[name].spawn()
             for name in names:
-                members[name].start()
+                members[name].wait_ready()
             for name in names:
                 cluster._apply_states(name)
             cluster._save_map()
@@ -542,6 +564,9 @@ class ProcessCluster(ClusterManager):
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, clean: bool = True) -> None:
         """Stop every node process (SIGTERM, clean shutdown; SIGKILL with ``clean=False``)."""
+        if clean:
+            for name in sorted(self.nodes):  # every node shuts down at the same time
+                self.nodes[name].begin_stop()
         for name in sorted(self.nodes):
             node = self.nodes[name]
             if clean:
