@@ -44,11 +44,19 @@ if _soft != resource.RLIM_INFINITY and _soft < _want:
     resource.setrlimit(resource.RLIMIT_NOFILE, (_want, _hard))
 
 
+#: the per-test timeout of the Spark tests (the others: pyproject's 300 s). A timeout interrupts a py4j call and
+#: leaves the worker's one shared SparkSession unusable, so every later Spark test fails too; on a machine loaded
+#: by other jobs a Spark test can need more than 300 s (README "Tests").
+SPARK_TEST_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Every test using the broker carries the `kafka` marker, so `-m "not kafka"` deselects them all.
     for item in items:
+        # Every test using the broker carries the `kafka` marker, so `-m "not kafka"` deselects them all.
         if "kafka_broker" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kafka)
+        if item.get_closest_marker("spark") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SPARK_TEST_TIMEOUT_S))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
