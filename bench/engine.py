@@ -29,8 +29,6 @@ import os
 import resource
 import sqlite3
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
@@ -38,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.report import figure
+from bench.report import child_result, figure
 from engine import Bucket, BucketConfig, Item
 
 VALUE_SIZE = 256
@@ -186,13 +184,8 @@ def ingest_round(n: int, tmp: Path) -> dict[str, float]:
 
 
 def ingest_in_own_process(n: int, tmp: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-m", "bench.engine", "--ingest-round", "--docs", str(n),
-                          "--work-dir", str(tmp)], capture_output=True, text=True)
-    if out.returncode != 0:
-        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-        raise SystemExit(f"error: an ingest round failed (exit status {out.returncode}): "
-                         f"{lines[-1].strip() if lines else 'no output'}")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    return child_result("bench.engine", ["--ingest-round", "--docs", str(n), "--work-dir", str(tmp)],
+                        "an ingest round")
 
 
 def main() -> None:

@@ -36,13 +36,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from bench.report import child_result
 
 NVB = 1024
 #: the issue's reference size (go-dcp-kafka's and the Couchbase Kafka connector's published runs)
@@ -131,15 +131,11 @@ def gateway_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path,
 def in_own_process(kind: str, conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path,
                    extra: list[str] | None = None) -> Result:
     """One timed run in a fresh ``python -m bench.gateway --run KIND`` process; its JSON result."""
-    out = subprocess.run([sys.executable, "-m", "bench.gateway", "--run", kind, "--docs", str(n),
-                          "--kafka", json.dumps({"producer": conf, "client": client}), "--work-dir", str(tmp),
-                          *(extra or [])], capture_output=True, text=True)
-    if out.returncode != 0:
-        # one line: the run's own error (e.g. bench/scaleout.py: a gateway member exited during the timed part)
-        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-        raise SystemExit(f"error: the {kind} run failed (exit status {out.returncode}): "
-                         f"{lines[-1].strip() if lines else 'no output'}")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    # a failure: one line with the run's own error (e.g. bench/scaleout.py: a gateway member exited during the
+    # timed part)
+    return child_result("bench.gateway", ["--run", kind, "--docs", str(n), "--kafka",
+                                          json.dumps({"producer": conf, "client": client}), "--work-dir", str(tmp),
+                                          *(extra or [])], f"the {kind} run")
 
 
 def median_round(rounds: list[tuple[Result, Result]]) -> tuple[Result, Result]:

@@ -24,6 +24,20 @@ def figure(name: str, value: float, unit: str, baseline: float, target: float | 
 #                           rate (bench.latency): mitigation on / off and the raw producer
 #   gateway-rss.png         the resident set of the publishing process over time (each run in its own process)
 
+def child_result(module: str, args: list[str], what: str) -> dict[str, Any]:
+    """Run ``python -m module *args`` (one timed run in a fresh process) and return the JSON of its last stdout
+    line; a failed run ends the benchmark with one line naming ``what`` and the run's own last error line."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        raise SystemExit(f"error: {what} failed (exit status {out.returncode}): "
+                         f"{lines[-1].strip() if lines else 'no output'}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 CHARTS = ("gateway-throughput.png", "gateway-lag.png", "gateway-rss.png")
 
 
