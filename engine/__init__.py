@@ -11,6 +11,10 @@ Quick use::
         ...
 """
 
+# First: decides whether the engine's compiled modules or their sources run (engine/compiled.py).
+import engine.compiled  # noqa: F401
+
+# isort: split
 from engine.bucket import Bucket, open_bucket
 from engine.config import BucketConfig
 from engine.dcp.producer import DcpProducer

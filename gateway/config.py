@@ -48,6 +48,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from engine.compiled import PURE_PYTHON_ENV
 from engine.config import BucketConfig
 from gateway.exceptions import ConfigError
 from gateway.kafka.properties import check_properties, consumer_only, producer_only
@@ -83,7 +84,9 @@ CONFIG_FILE_ENV: Final = "DCPGW_CONFIG_FILE"
 #: ``DCPGW_*`` variables that are not settings; any other unknown ``DCPGW_*`` variable is an error (a typo).
 RESERVED_ENV_VARS: frozenset[str] = frozenset({CONFIG_FILE_ENV, "DCPGW_BROKER",
                                               # the CLI's credentials and CA (docs/security.md "CLI")
-                                              "DCPGW_USER", "DCPGW_PASSWORD", "DCPGW_CACERT"})
+                                              "DCPGW_USER", "DCPGW_PASSWORD", "DCPGW_CACERT",
+                                              # the engine's sources instead of its compiled modules
+                                              PURE_PYTHON_ENV})
 #: What a secret value is replaced with wherever settings are shown.
 MASK: Final = "**********"
 #: Bound on the producer's local queue (librdkafka ``queue.buffering.max.kbytes``): 64 MiB, so that the

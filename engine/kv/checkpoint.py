@@ -38,9 +38,9 @@ Entry = Item | bytes | None
 
 def entry_size(key: bytes, e: Item | bytes) -> int:
     """Bytes an entry of ``key`` is charged against the checkpoint memory quota."""
-    if type(e) is bytes:
+    if isinstance(e, bytes):
         return ITEM_OVERHEAD + len(key) + value_size(e)
-    v = e.value  # type: ignore[union-attr]
+    v = e.value
     return ITEM_OVERHEAD + len(key) + (len(v) if v is not None else 0)
 
 PERSISTENCE_CURSOR: Final = "persistence"
@@ -83,7 +83,7 @@ class Checkpoint:
     def queued_items(self, vbucket: int) -> list[Item]:
         """The items this checkpoint of ``vbucket`` queues, in seqno order (holes skipped; stored values made
         items)."""
-        return [unpack(k, it, vbucket) if type(it) is bytes else it  # type: ignore[misc]
+        return [unpack(k, it, vbucket) if isinstance(it, bytes) else it
                 for k, it in zip(self.keys, self.items, strict=True) if it is not None]
 
     @property
@@ -198,7 +198,7 @@ class CheckpointManager:
         if old_pos is not None:
             entry = ck.items[old_pos]
             assert entry is not None
-            old = unpack(key, entry, self.vbucket) if type(entry) is bytes else entry  # type: ignore[assignment]
+            old = unpack(key, entry, self.vbucket) if isinstance(entry, bytes) else entry
             assert old is not None
             if item.op >= 3 or old.op >= 3 or item.sync or old.sync:
                 # kv_engine: prepares, commits and aborts never de-duplicate (a prepare replaced in the open
@@ -349,7 +349,7 @@ class CheckpointManager:
                     for k, it in zip(ck.keys[pos:], items[pos:], strict=True):
                         if it is None:
                             continue
-                        if type(it) is bytes:
+                        if isinstance(it, bytes):
                             # stored_value.unpack, inlined for a plain mutation (a cursor's per-item path)
                             seqno, cas, rev, prev, flags, exp, dt, bits = _unpack_header(it)
                             if bits:
@@ -357,8 +357,9 @@ class CheckpointManager:
                             else:
                                 add(Item(k, it[_HEADER_SIZE:], vb, seqno, rev, cas, flags, exp, dt, _MUTATION, prev))
                         else:
-                            add(it)  # type: ignore[arg-type]
+                            add(it)
                     segments.append(Segment(ck.seqnos[pos], ck.seqnos[-1], chunk, first))
+                    count += len(chunk)
                 else:
                     entries: list[Item | bytes] = []
                     keys: list[bytes] = []
@@ -367,8 +368,7 @@ class CheckpointManager:
                             keys.append(k)
                             entries.append(it)
                     segments.append(EntrySegment(ck.seqnos[pos], ck.seqnos[-1], keys, entries, first))
-                    chunk = entries  # type: ignore[assignment]
-                count += len(chunk)
+                    count += len(entries)
                 pos = n
                 cursor.last_read = ck.seqnos[-1]
             if pos >= n and not ck.is_open:

@@ -101,15 +101,15 @@ class HashTable:
         self.raw: dict[bytes, Item | bytes] = {}
 
     def _item(self, key: bytes, v: Item | bytes) -> Item:
-        return unpack(key, v, self.vbucket) if type(v) is bytes else v  # type: ignore[return-value]
+        return unpack(key, v, self.vbucket) if isinstance(v, bytes) else v
 
     def get(self, key: bytes, default: Item | None = None) -> Item | None:
         v = self.raw.get(key)
         if v is None:
             return default
-        if type(v) is bytes:
+        if isinstance(v, bytes):
             return unpack(key, v, self.vbucket)
-        return v  # type: ignore[return-value]
+        return v
 
     def __getitem__(self, key: bytes) -> Item:
         return self._item(key, self.raw[key])
@@ -135,12 +135,12 @@ class HashTable:
     def values(self) -> Iterator[Item]:
         vb = self.vbucket
         for k, v in self.raw.items():
-            yield unpack(k, v, vb) if type(v) is bytes else v  # type: ignore[misc]
+            yield unpack(k, v, vb) if isinstance(v, bytes) else v
 
     def items(self) -> Iterator[tuple[bytes, Item]]:
         vb = self.vbucket
         for k, v in self.raw.items():
-            yield k, (unpack(k, v, vb) if type(v) is bytes else v)  # type: ignore[misc]
+            yield k, (unpack(k, v, vb) if isinstance(v, bytes) else v)
 
     def pop(self, key: bytes, default: Item | None = None) -> Item | None:
         v = self.raw.pop(key, None)

@@ -326,9 +326,9 @@ class VBucket:
         if self.locks:
             cas = check_lock(self, key, cas)
         ht = self.ht.raw
-        old: Item | None = ht.get(key)  # type: ignore[assignment]
-        if type(old) is bytes:  # type: ignore[comparison-overlap]
-            old = unpack(key, old, self.id)  # a stored value: its item (engine/kv/stored_value.py)
+        entry = ht.get(key)
+        # a stored value: its item (engine/kv/stored_value.py)
+        old = unpack(key, entry, self.id) if isinstance(entry, bytes) else entry
         live = old
         if old is not None and (old.op is not _MUTATION or (old.expiry and old.expiry <= self.clock())):
             live = None

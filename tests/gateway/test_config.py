@@ -194,6 +194,7 @@ def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DCPGW_KAFKA__EXTRA", json.dumps({"socket.timeout.ms": 5000, "debug": "broker"}))
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "b1:9092, b2:9092")
     monkeypatch.setenv("DCPGW_BROKER", "embedded")  # gateway.broker's variable: not a setting, not an error
+    monkeypatch.setenv("DCPGW_PURE_PYTHON", "1")  # engine/compiled.py's: neither
     s = load_settings()
     assert (s.http_port, s.bucket, s.stream_from, s.key_filter_regex) == (9000, "travel", "now", "^user::")
     k = s.kafka
