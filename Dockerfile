@@ -8,13 +8,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine ./engine
 COPY gateway ./gateway
 COPY connectors ./connectors
 COPY bench ./bench
 COPY schemas ./schemas
-RUN pip install '.[elasticsearch]' && useradd --create-home --uid 10001 dcpgw && mkdir /data && chown dcpgw /data
+# gcc for the install only: it compiles the engine's ingest path (setup.py, docs/performance.md "Compiled modules")
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install '.[elasticsearch]' \
+    && apt-get purge -y --auto-remove gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 dcpgw && mkdir /data && chown dcpgw /data
 
 USER dcpgw
 EXPOSE 8080
