@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from engine import Bucket, InvalidArgument, TemporaryFailure
+from engine import compiled as engine_build
 from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
 from engine.cluster.recovery import RecoveryReport
@@ -210,8 +211,8 @@ class GatewayService:
         ]
         if not s.rollback_mitigation:
             self._tasks.append(asyncio.create_task(self._every(s.flush_interval_s, self._flush), name="flush"))
-        log.info("gateway up: topic %s (%d partitions), %s://%s:%d", self.topic, partitions, self.http_scheme,
-                 s.http_host, self.http_port)
+        log.info("gateway up: topic %s (%d partitions), %s://%s:%d; engine %s", self.topic, partitions,
+                 self.http_scheme, s.http_host, self.http_port, engine_build.mode)
 
     async def _open_security(self) -> None:
         """The user store (first start: the user ``Administrator``) and the TLS context, before Kafka is waited

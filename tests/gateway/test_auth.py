@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from engine import compiled as engine_build
 from engine.security import ADMIN_USER, Role, allows
 from gateway.api import app_routes
 from gateway.auth import AUTHENTICATED, PUBLIC, ROUTE_ACCESS, access_of
@@ -328,5 +329,8 @@ def test_no_secret_in_logs_stats_errors_or_repr(kafka_broker: Broker, tmp_path: 
     everything = "\n".join(seen) + "\n".join(r.getMessage() for r in caplog.records) + caplog.text
     for secret in ("frank-S3cret", ADMIN_PASSWORD, token):
         assert secret not in everything
+    # the start line says which engine build runs (engine/compiled.py)
+    up = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gateway up:")]
+    assert up and up[0].endswith(f"; engine {engine_build.mode}"), up
     assert "**********" in repr(load_settings(None, admin_password="hidden-pw"))
     assert "hidden-pw" not in repr(load_settings(None, admin_password="hidden-pw"))
