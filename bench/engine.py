@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.report import child_result, figure
+from bench.report import child_result, engine_build, figure
 from engine import Bucket, BucketConfig, Item
 
 VALUE_SIZE = 256
@@ -203,6 +203,7 @@ def main() -> None:
     if args.ingest_round:
         print(json.dumps(ingest_round(n, Path(args.work_dir))), flush=True)
         return
+    engine_build()
     rss_start = rss_bytes()
 
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as td:

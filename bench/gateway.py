@@ -196,11 +196,12 @@ def main() -> None:
         run_one(args)
         return
 
-    from bench.report import figure
+    from bench.report import engine_build, figure
     from gateway.broker import select_broker
     from gateway.config import load_settings
 
     n = args.docs
+    engine_build()
     with select_broker() as broker, tempfile.TemporaryDirectory() as td:
         settings = load_settings(None)
         conf = {**settings.producer_config(), "bootstrap.servers": broker.bootstrap_servers}

@@ -15,6 +15,14 @@ def figure(name: str, value: float, unit: str, baseline: float, target: float | 
                       "ratio": round(ratio, 3), "target": target, "better": better}), flush=True)
 
 
+def engine_build() -> None:
+    """Print ``{"info": "engine_build", "mode": ...}``: whether the engine's compiled modules ran, or its sources
+    and why (engine/compiled.py; docs/performance.md "Compiled modules") -- figures of the two differ."""
+    from engine import compiled
+
+    print(json.dumps({"info": "engine_build", "mode": compiled.mode}), flush=True)
+
+
 # ---------------------------------------------------------------------------------------------- the charts
 # ``python -m bench.report [--docs N] [--out DIR]``: PNG charts of the gateway's runs (issue 17 "Pictures"),
 # drawn with matplotlib (the `dev` extra) into docs/img/ and shown in docs/performance.md:

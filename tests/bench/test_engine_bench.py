@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from engine import compiled
+
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["figure", "value", "unit", "baseline", "ratio", "target", "better"]
 
@@ -30,6 +32,9 @@ def test_tiny_run_prints_every_figure_and_ingest_from_paired_rounds() -> None:
     assert figs["engine.ingest"]["target"] == 0.15 and figs["engine.peak_rss"]["target"] is None
     rounds = [x for x in lines if x.get("info") == "ingest_round"]
     assert [r["round"] for r in rounds] == [0, 1, 2]
+    # which engine build the figures are of (docs/performance.md "Compiled modules")
+    (build,) = [x for x in lines if x.get("info") == "engine_build"]
+    assert build["mode"] == compiled.mode
     # the figure is the round with the median ratio, with that round's own baseline
     ratios = sorted(r["engine"] / r["baseline"] for r in rounds)
     ingest = figs["engine.ingest"]
