@@ -15,8 +15,8 @@ Every one of them is imported from its ``.py`` source instead when
   would run the old code. ``pip install -e .`` compiles them again.
 
 All or none: compiled modules call each other's functions directly in C, so a compiled module next to a source
-one would still run the compiled copy of the other. Standard library only: ``setup.py`` loads this file on its own (not
-the engine) for :data:`MODULES` and the stamp.
+one would still run the compiled copy of the other. Standard library only: ``setup.py`` loads this file on its
+own (not the engine) for :data:`MODULES` and the stamp.
 """
 
 from __future__ import annotations
