@@ -28,7 +28,6 @@ import json
 import os
 import resource
 import sqlite3
-import statistics
 import tempfile
 import time
 import zlib
@@ -36,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.report import child_result, engine_build, figure
+from bench.report import child_result, engine_build, figure, median_round
 from engine import Bucket, BucketConfig, Item
 
 VALUE_SIZE = 256
@@ -320,8 +319,7 @@ def main() -> None:
         for r, rnd in enumerate(rounds):
             print(json.dumps({"info": "ingest_round", "round": r, **rnd,
                               "ratio": round(rnd["engine"] / rnd["baseline"], 3)}), flush=True)
-        ratios = [rnd["engine"] / rnd["baseline"] for rnd in rounds]
-        median = rounds[ratios.index(statistics.median_low(ratios))]
+        median = median_round(rounds, lambda rnd: rnd["engine"] / rnd["baseline"])
         figure("engine.ingest", median["engine"], "items/s", median["baseline"], 0.15, "higher")
     os.sync()
 

@@ -35,14 +35,13 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.report import child_result
+from bench.report import child_result, median_round, paired_rate_ratio
 
 NVB = 1024
 #: the issue's reference size (go-dcp-kafka's and the Couchbase Kafka connector's published runs)
@@ -138,13 +137,6 @@ def in_own_process(kind: str, conf: dict[str, Any], client: dict[str, Any], n: i
                                           *(extra or [])], f"the {kind} run")
 
 
-def median_round(rounds: list[tuple[Result, Result]]) -> tuple[Result, Result]:
-    """The (gateway, baseline) round whose ratio is the (lower) median of the paired ratios."""
-    ratios = [g["rate"] / b["rate"] for g, b in rounds]
-    m = statistics.median_low(ratios)
-    return rounds[ratios.index(m)]
-
-
 #: issue 17: peak RSS of a gateway process, MiB (400 MB)
 RSS_TARGET_MIB = 400 * 1000 * 1000 / 2**20
 
@@ -221,9 +213,9 @@ def main() -> None:
             print(json.dumps({"info": "round", "raw": base, "on": on[-1][0], "off": off[-1][0],
                               **({"scaleout": {"one": scale[-1][1], "many": scale[-1][0]}} if scale else {})}),
                   flush=True)
-        g, b = median_round(on)
+        g, b = median_round(on, paired_rate_ratio)
         figure("gateway.publish", g["rate"], "docs/s", b["rate"], 0.8, "higher")
-        go, bo = median_round(off)
+        go, bo = median_round(off, paired_rate_ratio)
         figure("gateway.publish_unpersisted", go["rate"], "docs/s", bo["rate"], None, "higher")
         figure("gateway.wall_s", g["wall_s"], "s", b["wall_s"], 8.0 if n == REFERENCE_DOCS else None, "lower")
         figure("gateway.cpu_s", g["cpu_s"], "s", b["cpu_s"], None, "lower")
@@ -231,7 +223,7 @@ def main() -> None:
         # resident data included; with --gateways K the per-process figures below report the engine apart
         figure("gateway.rss_mib", g["rss_mib"], "MiB", b["rss_mib"], RSS_TARGET_MIB, "lower")
         if scale:
-            gm, g1 = median_round(scale)
+            gm, g1 = median_round(scale, paired_rate_ratio)
             figure("gateway.scaleout", gm["rate"], "docs/s", g1["rate"], 1.6, "higher")
             print(json.dumps({"info": "gateway.scaleout.cpu_s", **scaleout_cpu(g1, gm, os.cpu_count() or 1)}),
                   flush=True)

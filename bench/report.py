@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+R = TypeVar("R")
 
 
 def figure(name: str, value: float, unit: str, baseline: float, target: float | None, better: str) -> None:
@@ -13,6 +17,18 @@ def figure(name: str, value: float, unit: str, baseline: float, target: float | 
     ratio = value / baseline if baseline else 0.0
     print(json.dumps({"figure": name, "value": round(value, 1), "unit": unit, "baseline": round(baseline, 1),
                       "ratio": round(ratio, 3), "target": target, "better": better}), flush=True)
+
+
+def median_round(rounds: Sequence[R], ratio: Callable[[R], float]) -> R:
+    """The paired round whose ratio is the (lower) median of every round's ratio (issue 17 "Proof": alternate
+    the baseline and the measured side, report the median of the paired ratios with that round's baseline)."""
+    ratios = [ratio(r) for r in rounds]
+    return rounds[ratios.index(statistics.median_low(ratios))]
+
+
+def paired_rate_ratio(pair: tuple[dict[str, Any], dict[str, Any]]) -> float:
+    """A (measured, baseline) pair's ratio of their ``rate``."""
+    return float(pair[0]["rate"] / pair[1]["rate"])
 
 
 def engine_build() -> None:

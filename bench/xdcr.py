@@ -26,7 +26,6 @@ import json
 import os
 import pickle
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,7 +109,7 @@ def main() -> None:
         print(json.dumps({"rate": rate, "cpu_s": time.process_time() - cpu}), flush=True)
         return
 
-    from bench.report import figure
+    from bench.report import figure, median_round, paired_rate_ratio
     from engine.network.process_cluster import NodeProcess
     from gateway.broker import select_broker
     from gateway.config import load_settings
@@ -144,8 +143,7 @@ def main() -> None:
                               "ratio": round(xd["rate"] / raw["rate"], 3),
                               "cpu_s": {"xdcr": round(xd["cpu_s"], 2), "raw": round(raw["cpu_s"], 2)},
                               "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
-    ratios = [r["rate"] / b["rate"] for r, b in rounds]
-    xd, raw = rounds[ratios.index(statistics.median_low(ratios))]
+    xd, raw = median_round(rounds, paired_rate_ratio)
     figure("xdcr.throughput", xd["rate"], "docs/s", raw["rate"], 0.7, "higher")
 
 
