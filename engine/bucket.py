@@ -564,10 +564,31 @@ class Bucket:
         return self.flusher.flush(max_items)
 
     def flush_all(self) -> int:
-        n = 0
-        while self._dirty:
-            n += self.flush()
-        return n
+        """Flush until no vbucket is dirty (a background flush in flight lands first)."""
+        self._check_open()
+        return self.flusher.flush_all()
+
+    def start_flush(self, max_items: int | None = None) -> int:
+        """Start persisting up to ``max_items`` queued items in the background (docs/engine.md "Background
+        flush"): the transaction runs on the storage's writer thread while this thread goes on. Returns how
+        many items it holds (0: nothing dirty). The items count as persisted -- persisted seqnos, OBSERVE_SEQNO,
+        rollback mitigation, persist durability levels -- only once it landed (:meth:`complete_flush`, or any
+        later flush or storage access). A background flush still in flight lands first (waiting for it)."""
+        self._check_open()
+        return self.flusher.begin(max_items)
+
+    def complete_flush(self, wait: bool = False) -> int:
+        """Land the background flush if its transaction ended (or, with ``wait``, once it has): free what it
+        persisted and check persist-level sync writes. Raises its :class:`~engine.exceptions.StorageError` if
+        it failed -- its items stay queued and their vbuckets dirty, as after a failed :meth:`flush`. Returns
+        the vbuckets whose persisted seqno moved."""
+        self._check_open()
+        return self.flusher.settle(wait)
+
+    @property
+    def flush_pending(self) -> bool:
+        """A background flush is in flight, or landed and not completed (:meth:`complete_flush`)."""
+        return self.flusher.pending
 
     @property
     def dirty_vbuckets(self) -> int:
@@ -608,6 +629,7 @@ class Bucket:
             raise StateCasMismatch(vb.id, vb.state_cas, cas)
 
     def _save_state(self, vb: VBucket) -> None:
+        self.storage.settle()  # a background flush lands first: the record then includes what it persisted
         self.storage.save_states([vbucket_record(vb)])
         self._state_saves += 1
 

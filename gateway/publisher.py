@@ -644,6 +644,17 @@ class Publisher:
         src = self.source
         dcp = src.producer_for(0) if self._topo is not None else None
         assert dcp is not None, "open() first"
+        if self.rollback_mitigation and isinstance(src, BucketSource):
+            # The bucket persists in the background (docs/gateway.md "Publishing path"): a step may return
+            # items the flush in flight has not landed yet, held here as in cluster mode until persisted.
+            src.before_step(True)
+            n = self._step_held(dcp, max_messages)
+            while n == 0 and src.flush_in_flight:
+                # Nothing to publish before the flush lands: wait for it (the writer thread works meanwhile)
+                # rather than answer 0, which tells the caller everything written is published.
+                src.before_step(True, wait=True)
+                n = self._step_held(dcp, max_messages)
+            return n
         src.before_step(self.rollback_mitigation)
         msgs = dcp.step(max_messages)
         if msgs:
@@ -690,25 +701,39 @@ class Publisher:
             if held is None:
                 self._publish(mine)
                 continue
-            for m in mine:
-                vb = m.vbucket
-                if type(m) is StreamEnd:
-                    q = self._unhold(vb)
-                    if q:
-                        # Not persisted everywhere, never published: dropped; the re-request streams what
-                        # survived again.
-                        self._buffer_ack(p, sum(x.dcp_size for x in q))
-                    self._publish([m])
-                else:
-                    q = held.get(vb)
-                    if q is None:
-                        q = held[vb] = deque()
-                    q.append(m)
+            self._hold(p, mine)
         if held:
             n += self._release()
         # after the step: streams that ended (STATE_CHANGED) were published as stream-end records first
         self._follow()
         return n
+
+    def _step_held(self, dcp: DcpConnection, max_messages: int) -> int:
+        """One DCP step of a bucket that persists in the background: hold what it returns, publish what is
+        persisted; returns the messages moved."""
+        msgs = dcp.step(max_messages)
+        if msgs:
+            self._hold(dcp, msgs)
+        return len(msgs) + (self._release() if self._held else 0)
+
+    def _hold(self, p: DcpConnection, msgs: list[DcpMessage]) -> None:
+        """Queue ``msgs`` of connection ``p`` per vbucket until persisted (:meth:`_release`); a stream end is
+        published at once and drops what its vbucket held."""
+        held = self._held
+        for m in msgs:
+            vb = m.vbucket
+            if type(m) is StreamEnd:
+                q = self._unhold(vb)
+                if q:
+                    # Not persisted everywhere, never published: dropped; the re-request streams what
+                    # survived again.
+                    self._buffer_ack(p, sum(x.dcp_size for x in q))
+                self._publish([m])
+            else:
+                q = held.get(vb)
+                if q is None:
+                    q = held[vb] = deque()
+                q.append(m)
 
     def _release(self) -> int:
         """Publish held messages that are persisted on the active and every replica (Couchbase Kafka connector

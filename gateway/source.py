@@ -99,14 +99,25 @@ class BucketSource:
     def checkpoint_memory(self) -> int:
         return self.bucket.counter.used
 
-    def before_step(self, mitigation: bool) -> None:
+    def before_step(self, mitigation: bool, wait: bool = False) -> None:
+        """Persisted-only publishing (docs/gateway.md "Publishing path"): land the background flush whose
+        transaction ended (or, with ``wait``, once it has; raising its error: the pump fails and is retried,
+        the items stay queued) and start the next one, of at most MITIGATION_FLUSH_ITEMS -- the flusher builds
+        a row per item, so a backlog of a million items flushed at once would be the peak of the process's
+        memory (docs/performance.md). The storage's writer thread runs it while this thread publishes what the
+        previous one persisted; the publisher holds what a DCP step returns until it is persisted."""
         b = self.bucket
-        if mitigation and b.dirty_vbuckets:
-            # Persisted-only publishing (docs/gateway.md): everything the next step returns is on disk. In
-            # transactions of at most MITIGATION_FLUSH_ITEMS: the flusher builds a row per item, so a backlog
-            # of a million items flushed at once is the peak of the process's memory (docs/performance.md).
-            while b.dirty_vbuckets:
-                b.flush(MITIGATION_FLUSH_ITEMS)
+        if not mitigation:
+            return
+        if b.flush_pending:
+            b.complete_flush(wait)
+        if b.dirty_vbuckets and not b.flush_pending:
+            b.start_flush(MITIGATION_FLUSH_ITEMS)
+
+    @property
+    def flush_in_flight(self) -> bool:
+        """A background flush of :meth:`before_step` has not landed yet."""
+        return self.bucket.flush_pending
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
         return self.bucket.vbucket(vb).persisted_seqno

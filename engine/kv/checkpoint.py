@@ -44,6 +44,8 @@ def entry_size(key: bytes, e: Item | bytes) -> int:
     return ITEM_OVERHEAD + len(key) + (len(v) if v is not None else 0)
 
 PERSISTENCE_CURSOR: Final = "persistence"
+#: the cursor that pins what a background flush in flight read (CheckpointManager.pin_persistence)
+FLUSH_PIN_CURSOR: Final = "persistence-in-flight"
 _pack_header = HEADER.pack
 _unpack_header = HEADER.unpack_from
 _HEADER_SIZE: Final = HEADER.size
@@ -147,6 +149,7 @@ class CheckpointManager:
         "checkpoints",
         "counter",
         "cursors",
+        "flush_pin",
         "max_bytes",
         "max_items",
         "open",
@@ -172,6 +175,10 @@ class CheckpointManager:
         self.checkpoints: deque[Checkpoint] = deque([self.open])
         self.cursors: dict[str, Cursor] = {}
         self.cursors[PERSISTENCE_CURSOR] = Cursor(PERSISTENCE_CURSOR, self.open, 0, high_seqno, False)
+        #: while a background flush of this vbucket is in flight: where the persistence cursor was before it
+        #: read the flush's items (:meth:`pin_persistence`), registered as a cursor so that nothing it read is
+        #: freed or de-duplicated before the flush lands (docs/engine.md "Background flush")
+        self.flush_pin: Cursor | None = None
         #: the vbucket's hash table: told which items the checkpoints drop, so it packs the current versions
         #: among them (engine/kv/stored_value.py; None: a checkpoint manager of its own, in tests)
         self.table: HashTable | None = None
@@ -205,14 +212,17 @@ class CheckpointManager:
                 # checkpoint would hide it from replicas): a new checkpoint instead (docs/durability.md "DCP").
                 self.create_checkpoint()
                 return self.queue(item)
-            ck.items[old_pos] = None
-            osize = entry_size(key, entry)
-            ck.mem -= osize
-            self.counter.used -= osize
-            ck.live -= 1
             # The older entry reaches disk only if the persistence cursor already read it.
             pcur = self.cursors[PERSISTENCE_CURSOR]
-            item.prev_seqno = old.seqno if (pcur.ckpt is ck and pcur.pos > old_pos) else old.prev_seqno
+            if pcur.ckpt is ck and pcur.pos > old_pos:
+                item.prev_seqno = old.seqno
+                if self._in_flight(ck, old_pos):
+                    old = None  # kept, not de-duplicated (_in_flight)
+                else:
+                    self._dedup(ck, old_pos, key, entry)
+            else:
+                item.prev_seqno = old.prev_seqno
+                self._dedup(ck, old_pos, key, entry)
         index[key] = len(ck.items)
         ck.items.append(item)
         ck.keys.append(key)
@@ -242,13 +252,14 @@ class CheckpointManager:
                     self.create_checkpoint()
                     return self.queue_mutation(key, value, seqno, cas, rev, prev, flags, expiry, datatype)
                 oseqno, oprev = entry.seqno, entry.prev_seqno
-            ck.items[old_pos] = None
-            osize = entry_size(key, entry)
-            ck.mem -= osize
-            self.counter.used -= osize
-            ck.live -= 1
             pcur = self.cursors[PERSISTENCE_CURSOR]
-            prev = oseqno if (pcur.ckpt is ck and pcur.pos > old_pos) else oprev
+            if pcur.ckpt is ck and pcur.pos > old_pos:
+                prev = oseqno
+                if not self._in_flight(ck, old_pos):
+                    self._dedup(ck, old_pos, key, entry)
+            else:
+                prev = oprev
+                self._dedup(ck, old_pos, key, entry)
         stored = _pack_header(seqno, cas, rev, prev, flags, expiry, datatype, 0) + value  # pack_mutation, inlined
         size = ITEM_OVERHEAD + len(key) + len(value)
         items = ck.items
@@ -262,6 +273,44 @@ class CheckpointManager:
         if ck.live >= self.max_items or ck.mem >= self.max_bytes:
             self.create_checkpoint()
         return stored
+
+    def _in_flight(self, ck: Checkpoint, pos: int) -> bool:
+        """The entry at ``pos`` of the open checkpoint ``ck``, read by the persistence cursor, belongs to the
+        background flush in flight: it stays queued (not de-duplicated) until that flush lands, so that a
+        failed flush reads it again (:meth:`pin_persistence`). DCP cursors that did not read it yet send both
+        versions, which DCP allows (de-duplication is an optimisation)."""
+        pin = self.flush_pin
+        return pin is not None and not (pin.ckpt is ck and pin.pos > pos)
+
+    def _dedup(self, ck: Checkpoint, pos: int, key: bytes, entry: Item | bytes) -> None:
+        """Drop the entry at ``pos`` of ``ck``: a newer version of ``key`` replaces it."""
+        ck.items[pos] = None
+        size = entry_size(key, entry)
+        ck.mem -= size
+        self.counter.used -= size
+        ck.live -= 1
+
+    def pin_persistence(self) -> Cursor:
+        """Register :attr:`flush_pin` where the persistence cursor is now, before a background flush reads
+        past it. It is a cursor like the others (not droppable): the checkpoints and items it has not passed
+        are kept, and expelling moves it with them; :meth:`unpin_persistence` ends it."""
+        pcur = self.cursors[PERSISTENCE_CURSOR]
+        pin = Cursor(FLUSH_PIN_CURSOR, pcur.ckpt, pcur.pos, pcur.last_read, False)
+        self.cursors[FLUSH_PIN_CURSOR] = pin
+        self.flush_pin = pin
+        return pin
+
+    def unpin_persistence(self, restore: bool) -> None:
+        """End :attr:`flush_pin`: the flush landed, or (``restore``) failed -- then the persistence cursor
+        goes back to it, to read the same items again."""
+        pin = self.flush_pin
+        if pin is None:
+            return
+        if restore:
+            pcur = self.cursors[PERSISTENCE_CURSOR]
+            pcur.ckpt, pcur.pos, pcur.last_read = pin.ckpt, pin.pos, pin.last_read
+        self.flush_pin = None
+        self.remove_cursor(FLUSH_PIN_CURSOR)
 
     def create_checkpoint(self) -> Checkpoint:
         """Close the open checkpoint (if it holds anything) and open a new one."""
@@ -485,6 +534,7 @@ class CheckpointManager:
                 self.table.expelled(ck.items)
         for name in [n for n in self.cursors if n != PERSISTENCE_CURSOR]:
             self.remove_cursor(name)
+        self.flush_pin = None
         self.open = Checkpoint(self._take_id(), high_seqno + 1)
         self.checkpoints = deque([self.open])
         self.cursors[PERSISTENCE_CURSOR] = Cursor(PERSISTENCE_CURSOR, self.open, 0, high_seqno, False)

@@ -8,12 +8,15 @@ nothing is lost: the cursors and persisted seqnos are restored and the vbuckets 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
+from engine.exceptions import StorageError
 from engine.kv.checkpoint import PERSISTENCE_CURSOR
 from engine.kv.item import Item
-from engine.kv.storage import Row, Storage, vbucket_record
+from engine.kv.storage import Row, Storage, VBucketRecord, vbucket_record
 from engine.kv.stored_value import HAS_SYNC, HEADER, HEADER_SIZE, NO_VALUE, unpack
 from engine.kv.vbucket import VBucket
 
@@ -47,11 +50,34 @@ def _rows(batches: list[tuple[int, list[bytes], list[Item | bytes]]], superseded
                 add((it.seqno, vbid, sync >> 2))
 
 
+@dataclass(slots=True)
+class _Batch:
+    """One flush's read: the rows' sources, the marks they imply, and per touched vbucket its cursor position
+    before the read (sync flush) or its pin (background flush), its first and last seqno read."""
+
+    batches: list[tuple[int, list[bytes], list[Item | bytes]]]
+    count: int
+    #: (vbucket, saved persistence cursor (ckpt, pos, last_read), first seqno, last seqno)
+    touched: list[tuple[VBucket, Any, int, int]]
+    superseded: list[tuple[int, int, int]] = field(default_factory=list)
+    #: the snapshot range each touched vbucket's state record gets (:meth:`Flusher._records`)
+    snaps: list[tuple[int, int]] = field(default_factory=list)
+
+
 class Flusher:
     """Persists the queued items of ``vbuckets`` to ``storage``.
 
     ``dirty`` holds the ids of vbuckets with items the flusher has not read (each vbucket adds itself through
     its ``on_dirty`` callback); ``batch_items`` bounds one :meth:`flush`.
+
+    A flush runs inline (:meth:`flush`) or in the background (:meth:`begin`, docs/engine.md "Background
+    flush"): the batch is read here, its transaction runs on the storage's writer thread, and it *lands* when
+    the storage hands its outcome back -- at :meth:`settle` or at the start of any storage call, whichever
+    comes first. Only then do its vbuckets' persisted seqnos move (what rollback mitigation, OBSERVE_SEQNO and
+    the persist durability levels read), and only at :meth:`settle` (the bucket's hook, never inside another
+    storage call) its checkpoints are freed and persist-level sync writes checked. A failed background flush
+    leaves its items queued (:meth:`CheckpointManager.pin_persistence`) and its vbuckets dirty, as a failed
+    inline flush does, and :meth:`settle` raises its error.
     """
 
     def __init__(self, storage: Storage, vbuckets: Sequence[VBucket], batch_items: int) -> None:
@@ -60,15 +86,18 @@ class Flusher:
         self.batch_items = batch_items
         self.dirty: set[int] = set()
         self.items_flushed = 0
+        #: the background flush whose outcome the storage has not handed back, if any
+        self._inflight: _Batch | None = None
+        #: vbuckets of landed background flushes awaiting settle()'s follow-up; the error of a failed one
+        self._landed: list[VBucket] = []
+        self._error: StorageError | None = None
 
-    def flush(self, max_items: int | None = None) -> int:
-        """Persist queued items from each dirty vbucket's persistence cursor (one transaction); returns how
-        many were persisted."""
-        limit = max_items or self.batch_items
+    def _read(self, limit: int, pin: bool) -> _Batch | None:
+        """Read up to ``limit`` queued items from the dirty vbuckets' persistence cursors (pinning where each
+        was, for a background flush)."""
         batches: list[tuple[int, list[bytes], list[Item | bytes]]] = []
         count = 0
-        superseded: list[tuple[int, int, int]] = []
-        touched: list[tuple[VBucket, Any, int, int, int]] = []
+        touched: list[tuple[VBucket, Any, int, int]] = []
         dirty = self.dirty
         vbs = self.vbuckets
         while dirty and count < limit:
@@ -77,7 +106,7 @@ class Flusher:
             vb.dirty = False
             ck = vb.ckpt
             cur = ck.cursors[PERSISTENCE_CURSOR]
-            saved = (cur.ckpt, cur.pos, cur.last_read)
+            saved = ck.pin_persistence() if pin else (cur.ckpt, cur.pos, cur.last_read)
             segments = ck.read_entries(cur, limit - count)
             first = None
             for seg in segments:
@@ -87,51 +116,145 @@ class Flusher:
                     if first is None:
                         first = seg.start
             if first is None:
+                if pin:
+                    ck.unpin_persistence(restore=False)  # nothing read: the cursor only moved over holes
                 continue
-            touched.append((vb, saved, vb.persisted_seqno, first, cur.last_read))
+            touched.append((vb, saved, first, cur.last_read))
             if ck.has_items_for(cur):
                 vb.dirty = True
                 dirty.add(vbid)
         if not touched:
-            return 0
+            return None
+        return _Batch(batches, count, touched)
+
+    def _records(self, batch: _Batch) -> tuple[list[VBucketRecord], list[tuple[int, int]]]:
+        """The state records the batch persists (each vbucket's as of its last seqno read) and, for replicas,
+        the complete-snapshot boundaries it reaches."""
         records = []
         boundaries: list[tuple[int, int]] = []
-        for vb, _saved, _old, first, last in touched:
-            vb.persisted_seqno = last
+        batch.snaps = []
+        for vb, _saved, first, last in batch.touched:
             if vb.replica_snaps:
                 # A replica records the producer's marker range (possibly partial) and the complete
                 # snapshots' ends (docs/cluster.md: a replica persists in sequence order).
                 snap, ends = vb.replica_persisted(last)
-                vb.persisted_snap = snap
                 boundaries.extend((vb.id, e) for e in ends)
             else:
-                vb.persisted_snap = (first, last)
-            records.append(vbucket_record(vb))
-        try:
-            self.storage.flush(_rows(batches, superseded), superseded, records, boundaries)
-        except Exception:
-            for vb, saved, old, _first, _last in touched:
-                cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]
-                cur.ckpt, cur.pos, cur.last_read = saved
-                vb.persisted_seqno = old
-                vb.dirty = True
-                dirty.add(vb.id)
-            raise
-        for vb, _saved, _old, _first, last in touched:
+                snap = (first, last)
+            batch.snaps.append(snap)
+            records.append(replace(vbucket_record(vb), high_seqno=last, snap_start=snap[0], snap_end=snap[1]))
+        return records, boundaries
+
+    def _persisted(self, batch: _Batch) -> None:
+        """The batch is on disk: its vbuckets' persisted seqnos and snapshots move to what it wrote."""
+        for (vb, _saved, _first, last), snap in zip(batch.touched, batch.snaps, strict=True):
+            vb.persisted_seqno = last
+            vb.persisted_snap = snap
+        self.items_flushed += batch.count
+
+    def _after(self, vbs: Iterable[VBucket]) -> None:
+        for vb in vbs:
             if vb.replica_snaps:
-                vb.replica_flushed(last)
+                vb.replica_flushed(vb.persisted_seqno)
             vb.ckpt.remove_unreferenced()
             if vb.prepares and vb.durability is not None:
                 vb.durability.check()  # persist levels: the active's own ack moved (docs/durability.md)
-        self.items_flushed += count
-        return count
+
+    def flush(self, max_items: int | None = None) -> int:
+        """Persist queued items from each dirty vbucket's persistence cursor (one transaction); returns how
+        many were persisted. A background flush in flight lands first (:meth:`settle`)."""
+        self.settle()
+        batch = self._read(max_items or self.batch_items, pin=False)
+        if batch is None:
+            return 0
+        records, boundaries = self._records(batch)
+        try:
+            self.storage.flush(_rows(batch.batches, batch.superseded), batch.superseded, records, boundaries)
+        except Exception:
+            dirty = self.dirty
+            for vb, saved, _first, _last in batch.touched:
+                cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]
+                cur.ckpt, cur.pos, cur.last_read = saved
+                vb.dirty = True
+                dirty.add(vb.id)
+            raise
+        self._persisted(batch)
+        self._after(vb for vb, _s, _f, _l in batch.touched)
+        return batch.count
 
     def flush_all(self) -> int:
         """Flush until no vbucket is dirty; returns the items persisted."""
-        n = 0
+        n = self.flush()
         while self.dirty:
             n += self.flush()
         return n
+
+    # ------------------------------------------------------------------ background flush
+    @property
+    def pending(self) -> bool:
+        """A background flush is in flight or landed without :meth:`settle` yet."""
+        return self._inflight is not None or bool(self._landed) or self._error is not None
+
+    @property
+    def landed(self) -> bool:
+        """:meth:`settle` would not wait (no background flush in flight, or its transaction ended)."""
+        return self.storage.flush_done
+
+    def begin(self, max_items: int | None = None) -> int:
+        """Start persisting up to ``max_items`` queued items on the storage's writer thread; returns how many.
+        A background flush already in flight lands first (:meth:`settle`, which may wait)."""
+        self.settle()
+        batch = self._read(max_items or self.batch_items, pin=True)
+        if batch is None:
+            return 0
+        records, boundaries = self._records(batch)
+        rows = list(chain.from_iterable(_rows(batch.batches, batch.superseded)))
+        self._inflight = batch
+        self.storage.submit_flush(rows, batch.superseded, records, boundaries, self._land)
+        return batch.count
+
+    def _land(self, err: StorageError | None) -> None:
+        """The storage's callback: the background flush's transaction ended (committed when ``err`` is None).
+        Bookkeeping only -- it may run inside any storage call."""
+        batch = self._inflight
+        self._inflight = None
+        if batch is None:
+            return
+        # A vbucket reset meanwhile (rollback, state change to dead) dropped the pin with its checkpoints:
+        # what it was persisted for is gone, the reset wrote its own state.
+        keep = [t[0].ckpt.flush_pin is t[1] for t in batch.touched]
+        if not all(keep):
+            live_ids = {t[0].id for t, k in zip(batch.touched, keep, strict=True) if k}
+            batch.count = sum(len(e) for vbid, _keys, e in batch.batches if vbid in live_ids)
+            batch.snaps = [sn for sn, k in zip(batch.snaps, keep, strict=True) if k]
+            batch.touched = [t for t, k in zip(batch.touched, keep, strict=True) if k]
+        live = batch.touched
+        if err is None:
+            for vb, _pin, _first, _last in live:
+                vb.ckpt.unpin_persistence(restore=False)
+            self._persisted(batch)
+            self._landed.extend(vb for vb, _p, _f, _l in live)
+            return
+        dirty = self.dirty
+        for vb, _pin, _first, _last in live:
+            vb.ckpt.unpin_persistence(restore=True)
+            vb.dirty = True
+            dirty.add(vb.id)
+        self._error = err
+
+    def settle(self, wait: bool = True) -> int:
+        """Land the background flush (waiting for its transaction unless ``wait`` is False and it has not
+        ended), free what it persisted and check persist-level sync writes; raises its
+        :class:`StorageError` if it failed (its items stay queued, its vbuckets dirty). Returns the vbuckets
+        whose persisted seqno moved."""
+        if self._inflight is not None and (wait or self.storage.flush_done):
+            self.storage.settle()
+        landed, self._landed = self._landed, []
+        self._after(landed)
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+        return len(landed)
 
 
 __all__ = ["Flusher"]

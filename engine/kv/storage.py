@@ -16,13 +16,20 @@ Layout: one database per bucket.
 
 Every flush is one transaction: a disk snapshot with its seqno range (docs/engine.md "Snapshots, de-duplication and
 consistency").
+
+A flush can also run in the background (:meth:`Storage.submit_flush`, docs/engine.md "Background flush"): the
+same transaction on a writer thread of the storage's own, with its own connection, in multi-row statements so
+that SQLite works with the GIL released. At most one is in flight, and every other method of the storage first
+waits for it and hands its outcome to the submitter's callback: the database is only ever used by one side at a
+time, and what a caller reads or writes comes after the background transaction, as if it had run inline.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -104,6 +111,33 @@ _UPSERT_STATE: Final = (
     "INSERT OR REPLACE INTO vbstate (vb, state, failover, high_seqno, snap_start, snap_end, purge_seqno, "
     "max_cas, history_start, max_deleted_rev) VALUES (?,?,?,?,?,?,?,?,?,?)"
 )
+_BOUNDARY: Final = "INSERT OR IGNORE INTO snapshots (vb, seqno) VALUES (?, ?)"
+
+#: rows per multi-row statement of a background flush (:func:`_write_rows`): each statement is one
+#: ``sqlite3_step`` with the GIL released, and each takes the GIL back once (up to the interpreter's switch
+#: interval, 5 ms, while the event loop's thread runs Python), so few large statements, not a step per row
+MULTIROW_ROWS: Final = 2048
+
+
+def _write_rows(db: sqlite3.Connection, head: str, width: int, flat: Sequence[object], tail: str = "") -> None:
+    """``head VALUES (?,..),(?,..),.. tail`` over ``flat`` (rows of ``width`` values laid end to end), in
+    statements of at most :data:`MULTIROW_ROWS` rows (the full-size one cached by the connection)."""
+    row = "(" + ",".join("?" * width) + ")"
+    step = MULTIROW_ROWS * width
+    full = f"{head}{','.join([row] * MULTIROW_ROWS)}{tail}"
+    for i in range(0, len(flat), step):
+        part = flat[i:i + step]
+        n = len(part) // width
+        db.execute(full if n == MULTIROW_ROWS else f"{head}{','.join([row] * n)}{tail}", part)
+
+
+_INSERT_HEAD: Final = _INSERT[:_INSERT.index("VALUES") + 7]
+_STATE_HEAD: Final = _UPSERT_STATE[:_UPSERT_STATE.index("VALUES") + 7]
+_BOUNDARY_HEAD: Final = _BOUNDARY[:_BOUNDARY.index("VALUES") + 7]
+#: the superseded marks ``(newer_seqno, vb, old_seqno)`` of a background flush: one UPDATE ... FROM a VALUES list
+#: (a primary-key search per mark, as :data:`_SUPERSEDE` does)
+_SUPERSEDE_HEAD: Final = "UPDATE items SET superseded=v.column1 FROM (VALUES "
+_SUPERSEDE_TAIL: Final = ") AS v WHERE items.vb=v.column2 AND items.seqno=v.column3"
 
 
 @dataclass(slots=True)
@@ -143,13 +177,26 @@ class VBucketRecord:
 PAGE_CACHE_KIB: Final = 65536
 
 
+#: what :meth:`Storage.submit_flush` hands the submitter when its transaction ended: None (committed) or the error
+Landed = Callable[[StorageError | None], None]
+
+
 class Storage:
-    """The bucket's SQLite store. Single-threaded: owned by the bucket."""
+    """The bucket's SQLite store. Owned by the bucket and used from one thread, but for the writer thread of a
+    background flush (:meth:`submit_flush`), which no other method overlaps."""
 
     def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise StorageError(f"invalid sqlite synchronous mode {synchronous!r}")
         self.path = path
+        self._synchronous = synchronous.upper()
+        self._busy_timeout_s = 5.0
+        #: the writer thread and its connection (made at the first background flush), the flush in flight and
+        #: its submitter's callback
+        self._writer: ThreadPoolExecutor | None = None
+        self._writer_db: sqlite3.Connection | None = None
+        self._job: Future[None] | None = None
+        self._landed: Landed | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
@@ -164,23 +211,112 @@ class Storage:
         except (sqlite3.Error, OSError) as e:
             raise StorageError(f"cannot open storage at {path}: {e}") from e
 
+    @property
+    def busy_timeout_s(self) -> float:
+        """How long a write waits for another connection's write lock before it fails (SQLite's busy timeout,
+        on both connections; sqlite3's default, 5 s)."""
+        return self._busy_timeout_s
+
+    @busy_timeout_s.setter
+    def busy_timeout_s(self, seconds: float) -> None:
+        self.settle()
+        self._busy_timeout_s = seconds
+        for db in (self._db, self._writer_db):
+            if db is not None:
+                db.execute(f"PRAGMA busy_timeout={int(seconds * 1000)}")
+
+    # ------------------------------------------------------------------ background flush
+    @property
+    def flush_pending(self) -> bool:
+        """A background flush was submitted and its outcome not handed over yet (:meth:`settle`)."""
+        return self._job is not None
+
+    @property
+    def flush_done(self) -> bool:
+        """No background flush is pending, or its transaction ended (:meth:`settle` would not wait)."""
+        return self._job is None or self._job.done()
+
+    def submit_flush(self, rows: Sequence[object], superseded: Sequence[tuple[int, int, int]],
+                     states: Iterable[VBucketRecord], boundaries: Sequence[tuple[int, int]],
+                     landed: Landed) -> None:
+        """:meth:`flush` on the writer thread: ``rows`` are the rows laid end to end (10 values each, as
+        :data:`Row`). Returns at once; ``landed`` is called with None or the :class:`StorageError` from
+        :meth:`settle` (this thread), which every other method calls first."""
+        self.settle()
+        params = [r.as_params() for r in states]
+        flat_states = [v for p in params for v in p]
+        # one mark per row, the last (an UPDATE ... FROM applies one of several matches, executemany the last)
+        last = {(vb, old): newer for newer, vb, old in superseded}
+        flat_marks = [v for (vb, old), newer in last.items() for v in (newer, vb, old)]
+        flat_bounds = [v for b in boundaries for v in b]
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"storage-writer-{self.path.name}")
+        self._landed = landed
+        self._job = self._writer.submit(self._write_batch, rows, flat_marks, flat_states, flat_bounds)
+
+    def _write_batch(self, rows: Sequence[object], marks: Sequence[object], states: Sequence[object],
+                     bounds: Sequence[object]) -> None:
+        """The writer thread: one background flush's transaction (what :meth:`flush` writes)."""
+        db = self._writer_db
+        try:
+            if db is None:
+                db = self._writer_db = sqlite3.connect(str(self.path), timeout=self._busy_timeout_s,
+                                                       isolation_level=None, check_same_thread=False)
+                db.execute(f"PRAGMA synchronous={self._synchronous}")
+                db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
+            db.execute("BEGIN")
+            _write_rows(db, _INSERT_HEAD, 10, rows)
+            if marks:
+                _write_rows(db, _SUPERSEDE_HEAD, 3, marks, _SUPERSEDE_TAIL)
+            if bounds:
+                _write_rows(db, _BOUNDARY_HEAD, 2, bounds)
+            _write_rows(db, _STATE_HEAD, 10, states)
+            db.execute("COMMIT")
+        except sqlite3.Error as e:
+            if db is not None and db.in_transaction:
+                db.execute("ROLLBACK")
+            raise StorageError(f"flush failed: {e}") from e
+
+    def settle(self) -> None:
+        """Wait for the background flush in flight, if any, and hand its outcome to its submitter."""
+        job = self._job
+        if job is None:
+            return
+        try:
+            job.result()
+            err: StorageError | None = None
+        except StorageError as e:
+            err = e
+        except Exception as e:  # the writer's connection could not even be opened (sqlite3 raises only Error)
+            err = StorageError(f"flush failed: {e}")
+        landed = self._landed
+        self._job = self._landed = None
+        if landed is not None:
+            landed(err)
+
     def release_cache(self) -> None:
         """Free what SQLite's page cache holds (``PRAGMA shrink_memory``); it refills as reads need it."""
+        self.settle()
         try:
             self._db.execute("PRAGMA shrink_memory")
+            if self._writer_db is not None:
+                self._writer_db.execute("PRAGMA shrink_memory")
         except sqlite3.Error as e:
             raise StorageError(f"cannot release the page cache: {e}") from e
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str) -> str | None:
+        self.settle()
         row = self._db.execute("SELECT v FROM meta WHERE k=?", (key,)).fetchone()
         return None if row is None else str(row[0])
 
     def set_meta(self, key: str, value: str) -> None:
+        self.settle()
         self._db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (key, value))
 
     # ------------------------------------------------------------------ vbucket states
     def load_states(self) -> dict[int, VBucketRecord]:
+        self.settle()
         out: dict[int, VBucketRecord] = {}
         for row in self._db.execute(
             "SELECT vb, state, failover, high_seqno, snap_start, snap_end, purge_seqno, max_cas, "
@@ -191,6 +327,7 @@ class Storage:
         return out
 
     def save_states(self, records: Iterable[VBucketRecord]) -> None:
+        self.settle()
         self._db.executemany(_UPSERT_STATE, [r.as_params() for r in records])
 
     # ------------------------------------------------------------------ flush
@@ -204,6 +341,7 @@ class Storage:
         """Persist one batch atomically: new rows, superseded marks ``(newer_seqno, vb, old_seqno)``, states
         and replica snapshot boundaries ``(vb, end_seqno)``. ``rows`` may be an iterator that fills
         ``superseded`` as it goes (the flusher's): it is consumed first."""
+        self.settle()
         db = self._db
         try:
             db.execute("BEGIN")
@@ -211,7 +349,7 @@ class Storage:
             if superseded:
                 db.executemany(_SUPERSEDE, superseded)
             if boundaries:
-                db.executemany("INSERT OR IGNORE INTO snapshots (vb, seqno) VALUES (?, ?)", boundaries)
+                db.executemany(_BOUNDARY, boundaries)
             db.executemany(_UPSERT_STATE, [r.as_params() for r in states])
             db.execute("COMMIT")
         except sqlite3.Error as e:
@@ -222,12 +360,14 @@ class Storage:
     # ------------------------------------------------------------------ reads
     def scan(self, vb: int, after: int, upto: int, limit: int) -> list[Row]:
         """Rows of the consistent state as of ``upto`` with seqno in ``(after, upto]``, in seqno order."""
+        self.settle()
         return self._db.execute(_SCAN, (vb, after, upto, upto, limit)).fetchall()
 
     def max_visible_seqno(self, vb: int, after: int, upto: int) -> int:
         """The highest seqno in ``(after, upto]`` of the state as of ``upto`` that is a mutation, deletion or
         expiration (not a prepare or abort); 0 if none. kv_engine's max-visible-seqno: the disk snapshot end a
         DCP client without sync writes is given. Walks backwards from ``upto``, so it is cheap."""
+        self.settle()
         row = self._db.execute(
             "SELECT seqno FROM items WHERE vb=? AND seqno>? AND seqno<=? AND op<3 AND "
             "(superseded IS NULL OR superseded>?) ORDER BY seqno DESC LIMIT 1", (vb, after, upto, upto)).fetchone()
@@ -235,6 +375,7 @@ class Storage:
 
     def current(self, vb: int) -> Iterator[Row]:
         """The current version of every key of ``vb`` (tombstones included), in seqno order."""
+        self.settle()
         return iter(
             self._db.execute(
                 "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
@@ -245,6 +386,7 @@ class Storage:
 
     def current_all(self) -> Iterator[Row]:
         """The current version of every key of every vbucket (warmup), by vbucket and seqno."""
+        self.settle()
         return iter(
             self._db.execute(
                 "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
@@ -253,6 +395,7 @@ class Storage:
         )
 
     def get(self, vb: int, key: bytes) -> Row | None:
+        self.settle()
         row = self._db.execute(
             "SELECT vb, seqno, key, value, flags, expiry, cas, rev, datatype, op FROM items "
             "WHERE vb=? AND key=? AND superseded IS NULL",
@@ -261,10 +404,12 @@ class Storage:
         return None if row is None else tuple(row)
 
     def count(self, vb: int) -> int:
+        self.settle()
         return int(self._db.execute("SELECT COUNT(*) FROM items WHERE vb=?", (vb,)).fetchone()[0])
 
     def snapshot_boundary(self, vb: int, seqno: int) -> int:
         """The newest persisted complete-snapshot end of replica ``vb`` at or below ``seqno`` (0 if none)."""
+        self.settle()
         (b,) = self._db.execute(
             "SELECT COALESCE(MAX(seqno), 0) FROM snapshots WHERE vb=? AND seqno<=?", (vb, seqno)).fetchone()
         return int(b)
@@ -276,6 +421,7 @@ class Storage:
         Returns False (and changes nothing) when older versions needed for that were purged
         (``seqno < history_start``): the caller must then rebuild the vbucket from zero.
         """
+        self.settle()
         if seqno < record.history_start:
             return False
         db = self._db
@@ -294,6 +440,7 @@ class Storage:
 
     def reset_vbucket(self, vb: int, record: VBucketRecord | None) -> None:
         """Delete every row of ``vb`` (rollback to zero / vbucket deletion)."""
+        self.settle()
         db = self._db
         db.execute("BEGIN")
         db.execute("DELETE FROM items WHERE vb=?", (vb,))
@@ -311,6 +458,7 @@ class Storage:
         Returns ``(max purged superseded seqno, max purged tombstone seqno)`` (0 when nothing was purged):
         the caller raises ``history_start`` and the purge seqno from them.
         """
+        self.settle()
         db = self._db
         db.execute("BEGIN")
         try:
@@ -339,10 +487,20 @@ class Storage:
         return int(hmax), int(tmax)
 
     def close(self) -> None:
+        """Close the connections (after the background flush in flight, whose outcome goes to its submitter)."""
         try:
-            self._db.close()
-        except sqlite3.Error as e:  # pragma: no cover - close failure is unusual
-            raise StorageError(f"close failed: {e}") from e
+            self.settle()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            try:
+                if self._writer_db is not None:
+                    self._writer_db.close()
+                    self._writer_db = None
+                self._db.close()
+            except sqlite3.Error as e:  # pragma: no cover - close failure is unusual
+                raise StorageError(f"close failed: {e}") from e
 
 
 _OPS: Final = tuple(Op)

@@ -1,0 +1,306 @@
+"""The background flush (docs/engine.md "Background flush"): ``Bucket.start_flush`` / ``complete_flush``.
+
+Real SQLite throughout: the fault is a real one (another connection holding the database's write lock, so the
+writer thread's transaction fails with "database is locked"), the crash a real SIGKILL of a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import Bucket, BucketConfig, Item, KeyNotFound
+from engine.exceptions import StorageError
+from engine.kv.checkpoint import FLUSH_PIN_CURSOR
+
+ROOT = Path(__file__).resolve().parents[3]
+NVB = 4
+
+
+def _open(path: Path, **overrides: object) -> Bucket:
+    cfg: dict[str, object] = {"data_dir": path, "num_vbuckets": NVB, "seed": 3, "checkpoint_max_items": 8}
+    cfg.update(overrides)
+    b = Bucket(BucketConfig(**cfg))  # type: ignore[arg-type]
+    b.storage.busy_timeout_s = 0.05  # a write-locked database fails a flush at once
+    return b
+
+
+def _db_file(b: Bucket) -> Path:
+    return b.storage.path
+
+
+def _on_disk(path: Path) -> tuple[dict[int, int], dict[bytes, list[tuple[int, bytes | None, int]]]]:
+    """Read by a connection of its own: per vbucket the highest committed seqno, and per key its current rows
+    (``superseded IS NULL``: exactly one per key when the disk is consistent)."""
+    db = sqlite3.connect(str(path))
+    try:
+        highs = {vb: s for vb, s in db.execute("SELECT vb, MAX(seqno) FROM items GROUP BY vb")}
+        current: dict[bytes, list[tuple[int, bytes | None, int]]] = {}
+        for key, seqno, value, op in db.execute(
+                "SELECT key, seqno, value, op FROM items WHERE superseded IS NULL ORDER BY seqno"):
+            current.setdefault(bytes(key), []).append((seqno, value, op))
+        return highs, current
+    finally:
+        db.close()
+
+
+@contextmanager
+def _write_locked(path: Path) -> Iterator[None]:
+    """Another connection holds the database's write lock: every write transaction fails (no busy timeout)."""
+    db = sqlite3.connect(str(path), isolation_level=None)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+
+
+def _assert_persisted_is_on_disk(b: Bucket) -> None:
+    highs, _cur = _on_disk(_db_file(b))
+    for vb in range(NVB):
+        v = b.vbucket(vb)
+        assert v.persisted_seqno <= highs.get(vb, 0) or v.persisted_seqno == 0, (vb, v.persisted_seqno, highs)
+
+
+def _assert_disk_equals(b: Bucket, model: dict[bytes, bytes | None]) -> None:
+    _highs, current = _on_disk(_db_file(b))
+    for key, rows in current.items():
+        assert len(rows) == 1, (key, rows)  # one current version per key: every superseded mark was written
+    live = {k: rows[0][1] for k, rows in current.items() if rows[0][2] == 0}
+    assert live == {k: v for k, v in model.items() if v is not None}
+
+
+def test_background_flush_counts_as_persisted_only_once_landed(tmp_path: Path) -> None:
+    b = _open(tmp_path / "d")
+    try:
+        for i in range(100):
+            b.set(f"k{i}", b'{"a": %d}' % i)
+        assert b.start_flush() == 100
+        assert b.flush_pending
+        # nothing counts as persisted before it landed, whatever the writer thread has done by now
+        assert all(b.vbucket(vb).persisted_seqno == 0 for vb in range(NVB))
+        assert b.complete_flush(wait=True) == NVB
+        assert not b.flush_pending
+        assert {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)} == {
+            vb: b.vbucket(vb).high_seqno for vb in range(NVB)}
+        _assert_persisted_is_on_disk(b)
+        assert FLUSH_PIN_CURSOR not in b.vbucket(0).ckpt.cursors
+        assert b.vbucket_stats(0)["cursors"] == 1  # the pin is gone with the flush
+    finally:
+        b.close()
+
+
+def test_any_storage_access_lands_the_flush_first(tmp_path: Path) -> None:
+    """A state save after a background flush writes a record that includes what the flush persisted (the
+    record is made after the flush landed), so the vbucket state on disk never goes back."""
+    b = _open(tmp_path / "d")
+    try:
+        for i in range(40):
+            b.set(f"k{i}", b"v")
+        b.start_flush()
+        high = b.vbucket(1).high_seqno
+        b.set_vbucket_state(1, "replica")
+        assert b.vbucket(1).persisted_seqno == high
+        db = sqlite3.connect(str(_db_file(b)))
+        (on_disk,) = db.execute("SELECT high_seqno FROM vbstate WHERE vb=1").fetchone()
+        db.close()
+        assert on_disk == high
+        b.complete_flush()
+    finally:
+        b.close()
+
+
+def test_failed_background_flush_loses_nothing_and_is_retried(tmp_path: Path) -> None:
+    b = _open(tmp_path / "d", checkpoint_max_items=10_000)  # one open checkpoint: writes de-duplicate
+    model: dict[bytes, bytes | None] = {}
+    try:
+        for i in range(60):
+            b.set(f"k{i}", b"one")
+            model[f"k{i}".encode()] = b"one"
+        b.flush_all()
+        for i in range(60):  # new versions: the flush below has to mark the old rows superseded
+            b.set(f"k{i}", b"two")
+            model[f"k{i}".encode()] = b"two"
+        before = {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)}
+        with _write_locked(_db_file(b)):
+            assert b.start_flush() == 60
+            # written again while the flush is in flight: kept queued, not de-duplicated (it may fail)
+            for i in range(0, 60, 3):
+                b.set(f"k{i}", b"three")
+                model[f"k{i}".encode()] = b"three"
+            with pytest.raises(StorageError, match="locked"):
+                b.complete_flush(wait=True)
+        assert {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)} == before
+        assert b.dirty_vbuckets == NVB
+        assert not b.flush_pending
+        b.start_flush(10_000)
+        b.complete_flush(wait=True)
+        b.flush_all()
+        _assert_persisted_is_on_disk(b)
+        _assert_disk_equals(b, model)
+    finally:
+        b.close()
+    again = _open(tmp_path / "d")
+    try:
+        for k, v in model.items():
+            assert again.get(k).value == v
+    finally:
+        again.close()
+
+
+def test_sync_flush_and_close_land_the_background_flush(tmp_path: Path) -> None:
+    b = _open(tmp_path / "d")
+    for i in range(30):
+        b.set(f"k{i}", b"v")
+    b.start_flush(5)
+    b.flush()  # lands the one in flight first, then flushes inline
+    assert not b.flush_pending
+    b.start_flush()
+    b.close(clean=False)  # the storage waits for the writer thread before it closes
+    again = _open(tmp_path / "d")
+    try:
+        assert sum(again.vbucket(vb).high_seqno for vb in range(NVB)) == 30
+    finally:
+        again.close()
+
+
+# ---------------------------------------------------------------------------------------------------- property
+_keys = st.sampled_from([f"k{i}".encode() for i in range(12)])
+#: a write: a new value, or a delete (None)
+_writes = st.lists(st.tuples(_keys, st.one_of(st.none(), st.binary(min_size=0, max_size=12))), max_size=12)
+#: one round of a history: writes; a background flush of up to N items started (the database write-locked by
+#: another connection or not); writes while it is in flight; landed (waiting or not); an inline flush or not;
+#: the DCP stream read or not
+_rounds = st.lists(st.tuples(_writes, st.booleans(), st.one_of(st.none(), st.integers(1, 30)), _writes,
+                             st.booleans(), st.booleans(), st.booleans()), max_size=12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rounds=_rounds, max_items=st.sampled_from([8, 10_000]))
+def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
+        tmp_path_factory: pytest.TempPathFactory, rounds: list[tuple[Any, ...]], max_items: int) -> None:
+    """Random histories of writes, background flushes (landing or failing), inline flushes and a DCP stream:
+    a persisted seqno never claims what is not committed, the disk ends with exactly the written state (one
+    current row per key: a write that replaces an item of a flush in flight keeps that item queued, so a
+    failed flush writes it again with its superseded mark), the stream replays to it, and a reopened bucket
+    holds it."""
+    path = tmp_path_factory.mktemp("bg") / "d"
+    b = _open(path, checkpoint_max_items=max_items)  # 10,000: one open checkpoint, writes de-duplicate
+    model: dict[bytes, bytes | None] = {}
+    dcp = b.dcp_producer("replay")
+    for vb in range(NVB):
+        dcp.stream_request(vb, 0)
+    seen: dict[bytes, bytes | None] = {}
+
+    def write(writes: list[tuple[bytes, bytes | None]]) -> None:
+        for key, value in writes:
+            if value is not None:
+                b.set(key, value)
+                model[key] = value
+                continue
+            try:
+                b.delete(key)
+                model[key] = None
+            except KeyNotFound:
+                assert model.get(key) is None
+
+    try:
+        for before, locked, start, during, wait, inline, step in rounds:
+            write(before)
+            with _write_locked(_db_file(b)) if locked else nullcontext():
+                if start is not None:
+                    with suppress(StorageError):  # the previous one failed: raised here, retried later
+                        b.start_flush(start)
+                write(during)
+                with suppress(StorageError):
+                    b.complete_flush(wait=wait)
+            if inline:
+                with suppress(StorageError):
+                    b.flush()
+            if step:
+                for m in dcp.step(10_000):
+                    if isinstance(m, Item):
+                        seen[m.key] = m.value if m.op.value == 0 else None
+            _assert_persisted_is_on_disk(b)
+        b.flush_all()
+        for m in dcp.step(10_000):
+            if isinstance(m, Item):
+                seen[m.key] = m.value if m.op.value == 0 else None
+        _assert_persisted_is_on_disk(b)
+        _assert_disk_equals(b, model)
+        assert {k: v for k, v in seen.items() if v is not None} == {k: v for k, v in model.items() if v is not None}
+        assert all(b.vbucket(vb).persisted_seqno == b.vbucket(vb).high_seqno for vb in range(NVB))
+    finally:
+        b.close(clean=False)
+    again = _open(path, checkpoint_max_items=max_items)
+    try:
+        for k, v in model.items():
+            if v is None:
+                with pytest.raises(KeyNotFound):
+                    again.get(k)
+            else:
+                assert again.get(k).value == v
+    finally:
+        again.close()
+
+
+# ---------------------------------------------------------------------------------------------------- crash
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from engine import Bucket, BucketConfig
+    b = Bucket(BucketConfig(data_dir=Path(sys.argv[1]), num_vbuckets=4, seed=3))
+    n = 0
+    for rnd in range(20):
+        for i in range(500):
+            b.set(f"k{n}", b'{"n": %d}' % n)
+            n += 1
+        b.start_flush(700)
+        b.complete_flush(wait=rnd % 2 == 0)
+        print(json.dumps({"persisted": {vb: b.vbucket(vb).persisted_seqno for vb in range(4)}}), flush=True)
+    print("READY", flush=True)  # a flush may be in flight now
+    time.sleep(60)
+""")
+
+
+def test_sigkill_with_a_background_flush_in_flight_keeps_every_landed_item(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(data)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    last: dict[str, int] = {}
+    for line in proc.stdout:
+        if line.strip() == "READY":
+            break
+        last = json.loads(line)["persisted"]
+    else:
+        proc.wait()
+        raise AssertionError(f"child exited early with {proc.returncode}")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert last and any(last.values())
+    b = _open(data, checkpoint_max_items=10_000)
+    try:
+        assert not b.was_clean
+        for vb, persisted in last.items():
+            # everything that had landed survived the kill (the flush in flight may or may not have)
+            assert b.vbucket(int(vb)).high_seqno >= persisted
+        highs, current = _on_disk(_db_file(b))
+        assert all(len(rows) == 1 for rows in current.values())
+        assert sum(highs.values()) == len(current)  # one version per key: no update in this run
+    finally:
+        b.close()
