@@ -591,6 +591,11 @@ class Bucket:
         return self.flusher.pending
 
     @property
+    def flush_done(self) -> bool:
+        """No background flush is in flight, or its transaction ended: :meth:`complete_flush` would not wait."""
+        return self.flusher.landed
+
+    @property
     def dirty_vbuckets(self) -> int:
         return len(self._dirty)
 

@@ -88,10 +88,12 @@ from schemas.failover_log import FailoverEntry
 log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)
 REPLICATION_BUFFER_BYTES = 10 * 1024 * 1024
-#: items the flusher persists in one transaction before the event loop serves the connections again: kv_engine's
-#: flusher runs on a writer thread of its own and never holds up the front end; here it shares the loop, so a
-#: backlog (1M items after START_PERSISTENCE) is flushed in steps, every request answered in between
+#: items per flush transaction: as kv_engine's flusher, which runs on a writer thread of its own and never holds
+#: up the front end, the transactions run on the storage's writer thread (docs/engine.md "Background flush")
+#: while the loop serves the connections; a backlog (1M items after START_PERSISTENCE) goes in steps
 FLUSH_STEP_ITEMS = 10_000
+#: how often the flusher task looks whether the transaction in flight ended (it only waits while one runs)
+FLUSH_POLL_S = 0.002
 T = TypeVar("T")
 
 
@@ -321,20 +323,28 @@ class NodeServer:
             self.bucket.close(clean=clean)
 
     async def _flusher(self) -> None:
-        # kv_engine's flusher task: persist whatever the checkpoints queued, in seqno order, per vbucket.
-        while not self.bucket.closed:
+        # kv_engine's flusher task: persist whatever the checkpoints queued, in seqno order, per vbucket -- in
+        # the background: the loop serves the connections while the writer thread commits a step; the step
+        # lands (persisted seqnos move, OBSERVE_SEQNO and the persist levels see it) once committed.
+        b = self.bucket
+        while not b.closed:
             await asyncio.sleep(self.flush_interval)
-            while self.persistence and not self.bucket.closed and self.bucket.dirty_vbuckets:
+            while not b.closed and (b.flush_pending or (self.persistence and b.dirty_vbuckets)):
+                if not b.flush_done:
+                    await asyncio.sleep(FLUSH_POLL_S)  # the connections' turn while the transaction runs
+                    continue
                 try:
-                    n = self.bucket.flush(FLUSH_STEP_ITEMS)
+                    landed = b.complete_flush() if b.flush_pending else 0
+                    n = b.start_flush(FLUSH_STEP_ITEMS) if self.persistence and b.dirty_vbuckets else 0
                 except EngineError as e:
                     log.warning("flush failed: %s", e)
                     break
-                self.kick()
+                if landed:
+                    self.kick()
                 if not n:
                     break
-                await asyncio.sleep(0)  # the connections' turn (a STAT, a DCP step) before the next step
-            if not self.bucket.closed and self.bucket.process_durability_timeouts():
+                await asyncio.sleep(0)
+            if not b.closed and b.process_durability_timeouts():
                 self.kick()  # the durability timeout task (kv_engine DurabilityTimeoutTask): aborts to send
 
     async def _watch_parent(self) -> None:
@@ -509,6 +519,8 @@ class NodeServer:
             return self._dcp(conn, f)
         if op == Opcode.STOP_PERSISTENCE:
             self.persistence = False
+            if b.flush_pending:
+                b.complete_flush(wait=True)  # the step handed to the writer lands now; nothing after it
             return response(op, opaque=f.opaque)
         if op == Opcode.START_PERSISTENCE:
             self.persistence = True
