@@ -293,7 +293,10 @@ class CheckpointManager:
     def pin_persistence(self) -> Cursor:
         """Register :attr:`flush_pin` where the persistence cursor is now, before a background flush reads
         past it. It is a cursor like the others (not droppable): the checkpoints and items it has not passed
-        are kept, and expelling moves it with them; :meth:`unpin_persistence` ends it."""
+        are kept, and expelling moves it with them; :meth:`unpin_persistence` ends it. A pin already there (the
+        flush reads the vbucket twice) stays: it marks where the flush began."""
+        if self.flush_pin is not None:
+            return self.flush_pin
         pcur = self.cursors[PERSISTENCE_CURSOR]
         pin = Cursor(FLUSH_PIN_CURSOR, pcur.ckpt, pcur.pos, pcur.last_read, False)
         self.cursors[FLUSH_PIN_CURSOR] = pin
