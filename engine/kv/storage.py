@@ -121,14 +121,17 @@ MULTIROW_ROWS: Final = 2048
 
 def _write_rows(db: sqlite3.Connection, head: str, width: int, flat: Sequence[object], tail: str = "") -> None:
     """``head VALUES (?,..),(?,..),.. tail`` over ``flat`` (rows of ``width`` values laid end to end), in
-    statements of at most :data:`MULTIROW_ROWS` rows (the full-size one cached by the connection)."""
+    statements of at most :data:`MULTIROW_ROWS` rows and of at most the connection's limit of parameters
+    (SQLite's SQLITE_MAX_VARIABLE_NUMBER: 32,766 by default, 999 in builds older than 3.32); the full-size
+    statement is cached by the connection."""
+    per = max(1, min(MULTIROW_ROWS, db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // width))
     row = "(" + ",".join("?" * width) + ")"
-    step = MULTIROW_ROWS * width
-    full = f"{head}{','.join([row] * MULTIROW_ROWS)}{tail}"
+    step = per * width
+    full = f"{head}{','.join([row] * per)}{tail}"
     for i in range(0, len(flat), step):
         part = flat[i:i + step]
         n = len(part) // width
-        db.execute(full if n == MULTIROW_ROWS else f"{head}{','.join([row] * n)}{tail}", part)
+        db.execute(full if n == per else f"{head}{','.join([row] * n)}{tail}", part)
 
 
 _INSERT_HEAD: Final = _INSERT[:_INSERT.index("VALUES") + 7]
