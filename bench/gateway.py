@@ -151,7 +151,8 @@ def scaleout_cpu(one: Result, many: Result, cores: int) -> dict[str, Any]:
     """CPU seconds of the gateways and of the engine node process in the timed part of the one-gateway and
     the K-gateway run, and the best K-over-one ratio those costs allow on ``cores`` cores (docs/scale-out.md
     "Why 2 gateways are not 2x on 2 cores"): a run takes at least its busiest process's CPU time (one gateway
-    is one thread; the engine serves every member on one event loop) and at least the total over the cores."""
+    is one thread; the engine serves every member on one event loop, its flush on a writer thread beside it) and
+    at least the total over the cores."""
     g, e, k = float(one["cpu_s"]), float(one["engine_cpu_s"]), int(many["gateways"])
 
     def floor(members: int) -> float:
