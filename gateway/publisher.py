@@ -649,9 +649,10 @@ class Publisher:
             # items the flush in flight has not landed yet, held here as in cluster mode until persisted.
             src.before_step(True)
             n = self._step_held(dcp, max_messages)
-            while n == 0 and src.flush_in_flight:
-                # Nothing to publish before the flush lands: wait for it (the writer thread works meanwhile)
-                # rather than answer 0, which tells the caller everything written is published.
+            while n == 0 and self._held and src.flush_in_flight:
+                # What is held waits for the flush in flight: wait for it (the writer thread works meanwhile)
+                # rather than answer 0, which tells the caller everything written is published. Nothing held
+                # (a publisher without streams, as `dcpgw up --gateways K`'s own): nothing to wait for.
                 src.before_step(True, wait=True)
                 n = self._step_held(dcp, max_messages)
             return n
