@@ -444,3 +444,30 @@ def test_a_flush_backlog_is_persisted_in_steps_with_requests_answered_between(ma
         assert node.on_loop(lambda: bucket.dirty_vbuckets) == 0
     finally:
         node.close()
+
+
+def test_stop_persistence_answers_after_the_step_in_flight_landed_and_nothing_persists_after_it(spawn) -> None:
+    """The node's flusher persists in the background (docs/engine.md "Background flush"): STOP_PERSISTENCE
+    lands the step in flight before it answers, so the persisted seqnos it leaves are final -- they do not move
+    afterwards, and a SIGKILL then keeps exactly the items up to them."""
+    node = spawn()
+    c = node.require()
+    written: dict[int, list[tuple[str, int]]] = {vb: [] for vb in range(NVB)}
+    for vb in range(NVB):
+        for k in keys_on(vb, 400):
+            written[vb].append((k, c.set(k, b"v", vbucket=vb).seqno))
+    c.stop_persistence()  # while the flusher is most likely persisting what was just written
+    persisted = {vb: c.vbucket_info(vb).persisted_seqno for vb in range(NVB)}
+    time.sleep(0.3)  # many flush intervals
+    assert {vb: c.vbucket_info(vb).persisted_seqno for vb in range(NVB)} == persisted
+    node.kill()
+    node.start()
+    c = node.require()
+    for vb in range(NVB):
+        assert c.vbucket_info(vb).high_seqno == persisted[vb]
+        for k, seqno in written[vb]:
+            if seqno <= persisted[vb]:
+                assert c.get(k, vbucket=vb).value == b"v"
+            else:
+                with pytest.raises(KeyNotFound):
+                    c.get(k, vbucket=vb)
