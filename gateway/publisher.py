@@ -647,16 +647,15 @@ class Publisher:
         if self.rollback_mitigation and isinstance(src, BucketSource):
             # The bucket persists in the background (docs/gateway.md "Publishing path"): a step may return
             # items the flush in flight has not landed yet, held here as in cluster mode until persisted.
-            src.before_step(True)
+            src.before_step()
             n = self._step_held(dcp, max_messages)
             while n == 0 and self._held and src.flush_in_flight:
                 # What is held waits for the flush in flight: wait for it (the writer thread works meanwhile)
                 # rather than answer 0, which tells the caller everything written is published. Nothing held
                 # (a publisher without streams, as `dcpgw up --gateways K`'s own): nothing to wait for.
-                src.before_step(True, wait=True)
+                src.before_step(wait=True)
                 n = self._step_held(dcp, max_messages)
             return n
-        src.before_step(self.rollback_mitigation)
         msgs = dcp.step(max_messages)
         if msgs:
             self._publish(msgs)

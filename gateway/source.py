@@ -13,8 +13,10 @@ The publisher only needs a few things from its source (docs/gateway-cluster.md):
 * ``topology()``: a token that changes whenever the map or the set of live nodes changes (the publisher re-tries
   vbuckets it could not stream when it does: the DCP client rule "on NOT_MY_VBUCKET reload the map");
 * ``persisted_everywhere(vb, vbuuid)``: what rollback mitigation waits for (Couchbase Kafka connector: publish a
-  change only once observe-by-seqno says it is persisted on the active and on every replica);
-* ``before_step(mitigation)``: the single-node mitigation (flush the engine before every DCP step).
+  change only once observe-by-seqno says it is persisted on the active and on every replica).
+
+A cluster's nodes flush on their own; with one bucket the publisher drives its flush with rollback mitigation
+(:meth:`BucketSource.before_step`: a background flush per pump round).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class BucketSource:
     def checkpoint_memory(self) -> int:
         return self.bucket.counter.used
 
-    def before_step(self, mitigation: bool, wait: bool = False) -> None:
+    def before_step(self, wait: bool = False) -> None:
         """Persisted-only publishing (docs/gateway.md "Publishing path"): land the background flush whose
         transaction ended (or, with ``wait``, once it has; raising its error: the pump fails and is retried,
         the items stay queued) and start the next one, of at most MITIGATION_FLUSH_ITEMS -- the flusher builds
@@ -107,8 +109,6 @@ class BucketSource:
         memory (docs/performance.md). The storage's writer thread runs it while this thread publishes what the
         previous one persisted; the publisher holds what a DCP step returns until it is persisted."""
         b = self.bucket
-        if not mitigation:
-            return
         if b.flush_pending:
             b.complete_flush(wait)
         if b.dirty_vbuckets and not b.flush_pending:
@@ -228,9 +228,6 @@ class ClusterSource:
 
     def checkpoint_memory(self) -> int:
         return sum(b.counter.used for b in self._live())
-
-    def before_step(self, mitigation: bool) -> None:
-        """Nothing: the cluster's own pump flushes its nodes, and mitigation checks persistence itself."""
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
         """The highest seqno persisted on the active and on every replica of the chain (0 when unknown): see
@@ -372,9 +369,6 @@ class ProcessClusterSource:
 
     def checkpoint_memory(self) -> int:
         return self._node_stat("checkpoint_memory")
-
-    def before_step(self, mitigation: bool) -> None:
-        """Nothing: the nodes flush on their own, and mitigation checks persistence itself."""
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
         """Observe-by-seqno over TCP on the active and every replica: see :func:`persisted_everywhere`."""
@@ -557,9 +551,6 @@ class AttachedNodesSource:
 
     def checkpoint_memory(self) -> int:
         return self._node_stat("checkpoint_memory")
-
-    def before_step(self, mitigation: bool) -> None:
-        """Nothing: the nodes flush on their own, and mitigation checks persistence itself."""
 
     def _persisted_table(self, name: str) -> dict[int, tuple[int, int]] | None:
         """The node's (vbuuid, persisted seqno) per vbucket, at most ``persistence_poll_interval`` old; None
