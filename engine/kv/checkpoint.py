@@ -215,14 +215,15 @@ class CheckpointManager:
             # The older entry reaches disk only if the persistence cursor already read it.
             pcur = self.cursors[PERSISTENCE_CURSOR]
             if pcur.ckpt is ck and pcur.pos > old_pos:
-                item.prev_seqno = old.seqno
                 if self._in_flight(ck, old_pos):
-                    old = None  # kept, not de-duplicated (_in_flight)
-                else:
-                    self._dedup(ck, old_pos, key, entry)
+                    # kept, not de-duplicated: a new checkpoint instead, as for a prepare (_in_flight)
+                    self.create_checkpoint()
+                    item.prev_seqno = old.seqno
+                    return self.queue(item)
+                item.prev_seqno = old.seqno
             else:
                 item.prev_seqno = old.prev_seqno
-                self._dedup(ck, old_pos, key, entry)
+            self._dedup(ck, old_pos, key, entry)
         index[key] = len(ck.items)
         ck.items.append(item)
         ck.keys.append(key)
@@ -254,12 +255,14 @@ class CheckpointManager:
                 oseqno, oprev = entry.seqno, entry.prev_seqno
             pcur = self.cursors[PERSISTENCE_CURSOR]
             if pcur.ckpt is ck and pcur.pos > old_pos:
+                if self._in_flight(ck, old_pos):
+                    # kept, not de-duplicated: a new checkpoint instead, as for a prepare (_in_flight)
+                    self.create_checkpoint()
+                    return self.queue_mutation(key, value, seqno, cas, rev, oseqno, flags, expiry, datatype)
                 prev = oseqno
-                if not self._in_flight(ck, old_pos):
-                    self._dedup(ck, old_pos, key, entry)
             else:
                 prev = oprev
-                self._dedup(ck, old_pos, key, entry)
+            self._dedup(ck, old_pos, key, entry)
         stored = _pack_header(seqno, cas, rev, prev, flags, expiry, datatype, 0) + value  # pack_mutation, inlined
         size = ITEM_OVERHEAD + len(key) + len(value)
         items = ck.items
@@ -277,8 +280,8 @@ class CheckpointManager:
     def _in_flight(self, ck: Checkpoint, pos: int) -> bool:
         """The entry at ``pos`` of the open checkpoint ``ck``, read by the persistence cursor, belongs to the
         background flush in flight: it stays queued (not de-duplicated) until that flush lands, so that a
-        failed flush reads it again (:meth:`pin_persistence`). DCP cursors that did not read it yet send both
-        versions, which DCP allows (de-duplication is an optimisation)."""
+        failed flush reads it again (:meth:`pin_persistence`). The newer version goes into a new checkpoint, as
+        kv_engine does for what it may not de-duplicate: a snapshot never holds a key twice."""
         pin = self.flush_pin
         return pin is not None and not (pin.ckpt is ck and pin.pos > pos)
 

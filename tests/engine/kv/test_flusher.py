@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import Bucket, BucketConfig, Item, KeyNotFound
+from engine import Bucket, BucketConfig, Item, KeyNotFound, SnapshotMarker
 from engine.exceptions import StorageError
 from engine.kv.checkpoint import FLUSH_PIN_CURSOR
 
@@ -196,8 +196,8 @@ def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
     """Random histories of writes, background flushes (landing or failing), inline flushes and a DCP stream:
     a persisted seqno never claims what is not committed, the disk ends with exactly the written state (one
     current row per key: a write that replaces an item of a flush in flight keeps that item queued, so a
-    failed flush writes it again with its superseded mark), the stream replays to it, and a reopened bucket
-    holds it."""
+    failed flush writes it again with its superseded mark), the stream never has a key twice in a snapshot
+    and replays to it, and a reopened bucket holds it."""
     path = tmp_path_factory.mktemp("bg") / "d"
     b = _open(path, checkpoint_max_items=max_items)  # 10,000: one open checkpoint, writes de-duplicate
     model: dict[bytes, bytes | None] = {}
@@ -205,6 +205,17 @@ def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
     for vb in range(NVB):
         dcp.stream_request(vb, 0)
     seen: dict[bytes, bytes | None] = {}
+    in_snapshot: dict[int, set[bytes]] = {}
+
+    def read_stream() -> None:
+        for m in dcp.step(10_000):
+            if isinstance(m, SnapshotMarker):
+                in_snapshot[m.vbucket] = set()
+            elif isinstance(m, Item):
+                keys = in_snapshot[m.vbucket]
+                assert m.key not in keys, f"key {m.key!r} twice in one snapshot"  # de-duplication's rule
+                keys.add(m.key)
+                seen[m.key] = m.value if m.op.value == 0 else None
 
     def write(writes: list[tuple[bytes, bytes | None]]) -> None:
         for key, value in writes:
@@ -232,14 +243,10 @@ def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
                 with suppress(StorageError):
                     b.flush()
             if step:
-                for m in dcp.step(10_000):
-                    if isinstance(m, Item):
-                        seen[m.key] = m.value if m.op.value == 0 else None
+                read_stream()
             _assert_persisted_is_on_disk(b)
         b.flush_all()
-        for m in dcp.step(10_000):
-            if isinstance(m, Item):
-                seen[m.key] = m.value if m.op.value == 0 else None
+        read_stream()
         _assert_persisted_is_on_disk(b)
         _assert_disk_equals(b, model)
         assert {k: v for k, v in seen.items() if v is not None} == {k: v for k, v in model.items() if v is not None}
