@@ -100,3 +100,43 @@ def test_this_install_runs_the_compiled_engine() -> None:
         pytest.skip(f"no C compiler ({cc}): the install could not compile the engine")
     assert compiled.mode == "compiled", compiled.mode
     assert not engine.kv.vbucket.__file__.endswith(".py"), engine.kv.vbucket.__file__
+
+
+@pytest.mark.slow
+def test_a_build_without_c_compiler_succeeds_and_the_engine_runs_its_sources(tmp_path: Path) -> None:
+    """setup.py's extensions are optional (docs/performance.md "Compiled modules"): where no C compiler runs (a
+    slim image), the build warns and goes on, and the engine of that tree runs from its sources. Real build:
+    mypyc generates the C, the compiler it is handed does not exist."""
+    root = Path(engine.__file__).resolve().parent.parent
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for f in ("setup.py", "pyproject.toml"):
+        shutil.copy2(root / f, tree / f)
+    for pkg in ("engine", "schemas"):  # MODULES, DEPENDS and what they import
+        shutil.copytree(root / pkg, tree / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "*.sources.json"))
+    env = {k: v for k, v in os.environ.items() if k != PURE_PYTHON_ENV}
+    built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+                           env={**env, "CC": str(tmp_path / "no-such-cc")}, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    for m in MODULES:  # mypyc ran (its C is there), the compiler did not: each extension failed, with a warning
+        assert f'building extension "{m}" failed' in built.stdout + built.stderr, m
+    assert not [p for p in tree.rglob("*") if p.suffix in (".so", ".pyd")]
+    code = (
+        "import pathlib, tempfile\n"
+        "import engine, engine.compiled as c, engine.kv.vbucket as v\n"
+        "from engine import Bucket, BucketConfig\n"
+        "b = Bucket(BucketConfig(data_dir=pathlib.Path(tempfile.mkdtemp()), num_vbuckets=4))\n"
+        "b.set(b'k', b'{\"a\": 1}'); b.set(b'k', b'{\"a\": 2}'); b.flush()\n"
+        "assert b.get(b'k').value == b'{\"a\": 2}'\n"
+        "b.close()\n"
+        "print(engine.__file__); print(c.mode); print(v.__file__)\n"
+    )
+    ran = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], cwd=tmp_path,
+                         env={**env, "PYTHONPATH": str(tree)}, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    where, mode, vbucket = ran.stdout.splitlines()
+    assert Path(where).resolve().is_relative_to(tree), where  # the tree built here, not this checkout
+    assert mode.startswith("source: not compiled"), mode
+    assert vbucket.endswith("vbucket.py"), vbucket
