@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -115,9 +113,10 @@ def in_process(reader: str, client: dict[str, Any], topic: str, tmp: Path) -> tu
 
 def in_own_process(reader: str, client: dict[str, Any], topic: str, tmp: Path) -> tuple[float, int, int]:
     """The reader in a fresh ``python -m bench.client --reader ...`` process; its JSON result."""
-    out = subprocess.run([sys.executable, "-m", "bench.client", "--reader", reader, "--kafka", json.dumps(client),
-                          "--topic", topic, "--state-dir", str(tmp)], check=True, capture_output=True, text=True)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    from bench.report import child_result
+
+    r = child_result("bench.client", ["--reader", reader, "--kafka", json.dumps(client), "--topic", topic,
+                                      "--state-dir", str(tmp)], f"the {reader} reader")
     return float(r["rate"]), int(r["records"]), int(r["changes"])
 
 

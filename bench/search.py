@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
@@ -99,10 +97,10 @@ def _cpu() -> float:
 
 
 def in_own_process(role: str, client: dict[str, Any], topic: str, d: Path, n: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "bench.search", "--role", role, "--kafka", json.dumps(client),
-                          "--topic", topic, "--dir", str(d), "--docs", str(n)], check=True, capture_output=True,
-                         text=True)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    from bench.report import child_result
+
+    return child_result("bench.search", ["--role", role, "--kafka", json.dumps(client), "--topic", topic,
+                                         "--dir", str(d), "--docs", str(n)], f"the {role} run")
 
 
 def main() -> None:

@@ -26,8 +26,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,9 +80,10 @@ def xdcr(client: dict[str, Any], topic: str, port: int, state: Path, n: int) -> 
 
 def in_own_process(kind: str, port: int, work: Path, args: list[str]) -> dict[str, float]:
     """One timed side in a fresh ``python -m bench.xdcr --run KIND`` process: its rate and CPU seconds."""
-    out = subprocess.run([sys.executable, "-m", "bench.xdcr", "--run", kind, "--port", str(port),
-                          "--work-dir", str(work), *args], check=True, capture_output=True, text=True)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    from bench.report import child_result
+
+    return child_result("bench.xdcr", ["--run", kind, "--port", str(port), "--work-dir", str(work), *args],
+                        f"the {kind} run")
 
 
 def main() -> None:
