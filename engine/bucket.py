@@ -812,6 +812,8 @@ class Bucket:
             "checkpoint_quota": self.config.checkpoint_quota_bytes,
             "dirty_vbuckets": len(self._dirty),
             "items_flushed": self.items_flushed,
+            "flush_failures": self.flusher.failures,
+            "flush_error": self.flusher.error or "",
             "cursors_dropped": self.cursors_dropped,
             "producers": len(self.producers),
             "replica_rollbacks": self.replica_rollbacks,

@@ -86,6 +86,10 @@ class Flusher:
         self.batch_items = batch_items
         self.dirty: set[int] = set()
         self.items_flushed = 0
+        #: flushes whose transaction failed (kv_engine counts the items, ``ep_item_flush_failed``), and the error
+        #: of the last flush if it failed -- None once a flush committed again (docs/reliability.md "Full disk")
+        self.failures = 0
+        self.error: str | None = None
         #: the background flush whose outcome the storage has not handed back, if any
         self._inflight: _Batch | None = None
         #: vbuckets of landed background flushes awaiting settle()'s follow-up; the error of a failed one
@@ -147,6 +151,7 @@ class Flusher:
 
     def _persisted(self, batch: _Batch) -> None:
         """The batch is on disk: its vbuckets' persisted seqnos and snapshots move to what it wrote."""
+        self.error = None
         for (vb, _saved, _first, last), snap in zip(batch.touched, batch.snaps, strict=True):
             vb.persisted_seqno = last
             vb.persisted_snap = snap
@@ -170,7 +175,8 @@ class Flusher:
         records, boundaries = self._records(batch)
         try:
             self.storage.flush(_rows(batch.batches, batch.superseded), batch.superseded, records, boundaries)
-        except Exception:
+        except Exception as e:
+            self._failed(e)
             dirty = self.dirty
             for vb, saved, _first, _last in batch.touched:
                 cur = vb.ckpt.cursors[PERSISTENCE_CURSOR]
@@ -240,7 +246,12 @@ class Flusher:
             vb.ckpt.unpin_persistence(restore=True)
             vb.dirty = True
             dirty.add(vb.id)
+        self._failed(err)
         self._error = err
+
+    def _failed(self, e: BaseException) -> None:
+        self.failures += 1
+        self.error = str(e) or type(e).__name__
 
     def settle(self, wait: bool = True) -> int:
         """Land the background flush (waiting for its transaction unless ``wait`` is False and it has not

@@ -94,6 +94,9 @@ REPLICATION_BUFFER_BYTES = 10 * 1024 * 1024
 FLUSH_STEP_ITEMS = 10_000
 #: how often the flusher task looks whether the transaction in flight ended (it only waits while one runs)
 FLUSH_POLL_S = 0.002
+#: the longest pause between flush attempts while they fail (a full disk): the pause doubles from the flush
+#: interval up to this; one log line when flushing fails, one when it works again (docs/reliability.md)
+FLUSH_RETRY_MAX_S = 1.0
 T = TypeVar("T")
 
 
@@ -327,9 +330,13 @@ class NodeServer:
         # the background: the loop serves the connections while the writer thread commits a step; the step
         # lands (persisted seqnos move, OBSERVE_SEQNO and the persist levels see it) once committed.
         b = self.bucket
+        loop = asyncio.get_running_loop()
+        failing = 0  # failed attempts in a row
+        pause = retry_at = 0.0
         while not b.closed:
             await asyncio.sleep(self.flush_interval)
-            while not b.closed and (b.flush_pending or (self.persistence and b.dirty_vbuckets)):
+            while not b.closed and loop.time() >= retry_at and (
+                    b.flush_pending or (self.persistence and b.dirty_vbuckets)):
                 if not b.flush_done:
                     await asyncio.sleep(FLUSH_POLL_S)  # the connections' turn while the transaction runs
                     continue
@@ -337,9 +344,21 @@ class NodeServer:
                     landed = b.complete_flush() if b.flush_pending else 0
                     n = b.start_flush(FLUSH_STEP_ITEMS) if self.persistence and b.dirty_vbuckets else 0
                 except EngineError as e:
-                    log.warning("flush failed: %s", e)
+                    # e.g. a full disk: the items stay queued (acknowledged in memory) and are tried again after
+                    # a pause doubling up to FLUSH_RETRY_MAX_S; said once (the bucket's stats carry
+                    # flush_failures and flush_error)
+                    if not failing:
+                        log.warning("persisting failed: %s (retried until it works, at least every %.0f s)", e,
+                                    FLUSH_RETRY_MAX_S)
+                    failing += 1
+                    pause = min(max(pause * 2, self.flush_interval), FLUSH_RETRY_MAX_S)
+                    retry_at = loop.time() + pause
                     break
                 if landed:
+                    if failing:
+                        log.warning("persisting works again after %d failed attempts", failing)  # paired with the failure
+                        failing = 0
+                        pause = 0.0
                     self.kick()
                 if not n:
                     break

@@ -144,11 +144,17 @@ def test_failed_background_flush_loses_nothing_and_is_retried(tmp_path: Path) ->
                 model[f"k{i}".encode()] = b"three"
             with pytest.raises(StorageError, match="locked"):
                 b.complete_flush(wait=True)
+            assert b.stats()["flush_failures"] == 1 and "locked" in str(b.stats()["flush_error"])
+            with pytest.raises(StorageError, match="locked"):  # the inline flush counts the same
+                b.flush()
+            assert b.stats()["flush_failures"] == 2
         assert {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)} == before
         assert b.dirty_vbuckets == NVB
         assert not b.flush_pending
         b.start_flush(10_000)
         b.complete_flush(wait=True)
+        # the error is the last flush's: gone once one committed; the count stays (docs/reliability.md)
+        assert b.stats()["flush_error"] == "" and b.stats()["flush_failures"] == 2
         b.flush_all()
         _assert_persisted_is_on_disk(b)
         _assert_disk_equals(b, model)

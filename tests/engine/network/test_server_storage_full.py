@@ -1,0 +1,82 @@
+"""A node process whose disk fills (engine/network/server.py ``_flusher``, docs/reliability.md "Full disk on a
+node"): it keeps serving, says so once in its log and in its stats (``flush_failures``, ``flush_error``), retries
+with a pause that grows up to ``FLUSH_RETRY_MAX_S`` (not a warning every 10 ms), and once the disk has room again
+persists everything it acknowledged -- which a SIGKILL and a restart then find. Real process, real fault:
+RLIMIT_FSIZE of the running node lowered with prlimit(2) to the size of its largest data file, then lifted."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from typing import Any
+
+import pytest
+
+from engine.network.process_cluster import ProcessCluster
+from tests.engine.nodes import wait_for
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = ProcessCluster
+CLUSTER_DEFAULTS: dict[str, Any] = {"num_vbuckets": 4}
+
+
+def _persisted_everything(c: ProcessCluster) -> bool:
+    infos = [c.client("n0").vbucket_info(vb) for vb in range(4)]
+    return all(i.persisted_seqno == i.high_seqno for i in infos)
+
+
+def test_a_node_with_a_full_disk_keeps_serving_says_it_once_and_loses_nothing(make_cluster) -> None:
+    c = make_cluster(nodes=1, replicas=0)
+    node = c.node("n0")
+    assert node.pid is not None
+    log = node.data_dir.parent / "n0.log"
+    docs: dict[str, bytes] = {}
+    for i in range(20):
+        docs[f"before{i}"] = json.dumps({"n": i}).encode()
+        c.write(f"before{i}", docs[f"before{i}"])
+    wait_for(lambda: _persisted_everything(c))
+
+    # The disk is full: no file of the node's data directory can grow.
+    largest = max(f.stat().st_size for f in node.data_dir.rglob("*") if f.is_file())
+    hard = resource.prlimit(node.pid, resource.RLIMIT_FSIZE)[1]
+    resource.prlimit(node.pid, resource.RLIMIT_FSIZE, (largest, hard))
+    try:
+        pad = "x" * 2000
+        i = 0
+        deadline = time.monotonic() + 30
+        while int(c.client("n0").stats()["flush_failures"]) == 0:  # writes until a flush needs more room
+            assert time.monotonic() < deadline, "no flush failed with the data directory's files capped"
+            for _ in range(50):
+                key = f"during{i}"
+                docs[key] = json.dumps({"n": i, "pad": pad}).encode()
+                c.write(key, docs[key])  # acknowledged: in memory, not durable
+                i += 1
+            time.sleep(0.05)
+        time.sleep(1.5)  # a few retry pauses
+        stats = c.client("n0").stats()
+        assert stats["flush_error"], stats
+        failures = int(stats["flush_failures"])
+        # retried with a growing pause: not a failure per 10 ms flush interval (150 in 1.5 s)
+        assert 1 <= failures <= 15, failures
+        assert not _persisted_everything(c)
+        # still serving reads and writes meanwhile
+        assert c.get("during0").value == docs["during0"]
+        docs["while-full"] = b'{"late": true}'
+        c.write("while-full", docs["while-full"])
+        text = log.read_text(errors="replace")
+        assert text.count("persisting failed") == 1, text[-3000:]
+    finally:
+        resource.prlimit(node.pid, resource.RLIMIT_FSIZE, (hard, hard))
+
+    # Room again: everything acknowledged is persisted, the error clears, the log says so once.
+    wait_for(lambda: _persisted_everything(c), timeout=30)
+    stats = c.client("n0").stats()
+    assert stats["flush_error"] == "" and int(stats["flush_failures"]) >= failures, stats
+    wait_for(lambda: "persisting works again" in log.read_text(errors="replace"))
+
+    c.kill("n0")
+    c.restart("n0")
+    for key, value in docs.items():
+        assert c.get(key).value == value, key
