@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import ConfigResource, NewTopic
 
 from gateway.exceptions import BrokerError, GatewayError
@@ -354,16 +354,20 @@ class CheckpointFollower:
     """Follows the checkpoint topic of ``topic`` in a daemon thread: :attr:`positions` holds the newest
     acknowledged position per vbucket written by any gateway process (``dcpgw up --gateways K``: the members'
     progress, which the ``up`` process's own API reports, docs/scale-out.md). Starts at the partition's end: the
-    ``up`` process read everything before at its start (:func:`recover_positions`)."""
+    ``up`` process read everything before at its start (:func:`recover_positions`); with ``from_beginning`` at
+    its start (bench.gateway's scale-out runs: one consumer reading on, not :func:`load_checkpoints` again and
+    again)."""
 
-    def __init__(self, client_config: dict[str, Any], topic: str, poll_s: float = 0.2) -> None:
+    def __init__(self, client_config: dict[str, Any], topic: str, poll_s: float = 0.2, *,
+                 from_beginning: bool = False) -> None:
         self.topic = topic
         self.poll_s = poll_s
         #: vbucket -> the newest checkpointed position seen (replaced whole: read from any thread)
         self.positions: dict[int, PublishPosition] = {}
         self._consumer = consumer(client_config, {"enable.auto.commit": False, "auto.offset.reset": "latest"},
                                   group_id=f"dcpgw-progress-{uuid.uuid4()}")
-        self._consumer.assign([TopicPartition(checkpoint_topic_name(topic), 0, OFFSET_END)])
+        self._consumer.assign([TopicPartition(checkpoint_topic_name(topic), 0,
+                                              OFFSET_BEGINNING if from_beginning else OFFSET_END)])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcpgw-checkpoint-follower", daemon=True)
 

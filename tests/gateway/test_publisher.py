@@ -352,3 +352,39 @@ def test_a_corrupt_checkpoint_record_is_skipped_with_a_warning(kafka_broker: Bro
             time.sleep(0.05)
     finally:
         follower.close()
+
+
+def test_checkpoint_follower_from_the_beginning_reads_what_was_written_before_it(kafka_broker: Broker) -> None:
+    """bench.gateway's scale-out runs follow the members' progress with ``CheckpointFollower(from_beginning=
+    True)``: positions checkpointed before the follower started count too, and later ones replace them."""
+    from confluent_kafka import Producer
+
+    from gateway.resume import CheckpointFollower, checkpoint_topic_name
+
+    client = {"bootstrap.servers": kafka_broker.bootstrap_servers}
+    topic = f"dcp.cpb{uuid.uuid4().hex[:10]}"
+    ensure_topics(client, topic, 4)
+    old = {vb: PublishPosition(vb) for vb in range(4)}
+    for vb, pos in old.items():
+        pos.seqno, pos.offset = 10 + vb, vb
+    p = Producer(client)
+    for pos in old.values():
+        p.produce(checkpoint_topic_name(topic), key=str(pos.vbucket).encode(), value=pos.to_json(), partition=0)
+    p.flush(10)
+    follower = CheckpointFollower(client, topic, poll_s=0.05, from_beginning=True)
+    follower.start()
+    try:
+        deadline = time.monotonic() + 30
+        while follower.positions != old:
+            assert time.monotonic() < deadline, follower.positions
+            time.sleep(0.05)
+        newer = PublishPosition(1)
+        newer.seqno, newer.offset = 99, 9
+        p.produce(checkpoint_topic_name(topic), key=b"1", value=newer.to_json(), partition=0)
+        p.flush(10)
+        while follower.positions.get(1) != newer:
+            assert time.monotonic() < deadline, follower.positions
+            time.sleep(0.05)
+        assert follower.positions == {**old, 1: newer}
+    finally:
+        follower.close()
