@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -178,6 +179,19 @@ class VBucketRecord:
 #: SQLite's page cache of a storage connection, KiB: a fixed amount per bucket, not per item (docs/performance.md
 #: "Engine"); :meth:`Storage.release_cache` hands it back
 PAGE_CACHE_KIB: Final = 65536
+#: the interpreter's switch interval once a storage runs a writer thread: the writer takes the GIL back after each
+#: statement (and to start a flush), and waits for the thread running Python -- the event loop's -- to drop it,
+#: up to the switch interval (CPython's default, 5 ms). At 1 ms a background flush starts in ~1.3 ms instead of
+#: ~5 ms and rollback mitigation's write -> Kafka lag halves (docs/engine.md "Background flush": measured
+#: 2026-12-02); bulk publishing is not slower. Lowered only, never raised (a process may already use less).
+WRITER_SWITCH_INTERVAL_S: Final = 0.001
+
+
+def hand_gil_over_promptly() -> None:
+    """Lower the interpreter's switch interval to :data:`WRITER_SWITCH_INTERVAL_S` (a process-wide setting)
+    unless it is lower already."""
+    if sys.getswitchinterval() > WRITER_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(WRITER_SWITCH_INTERVAL_S)
 
 
 #: what :meth:`Storage.submit_flush` hands the submitter when its transaction ended: None (committed) or the error
@@ -253,6 +267,7 @@ class Storage:
         flat_marks = [v for (vb, old), newer in last.items() for v in (newer, vb, old)]
         flat_bounds = [v for b in boundaries for v in b]
         if self._writer is None:
+            hand_gil_over_promptly()
             self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"storage-writer-{self.path.name}")
         self._landed = landed
         self._job = self._writer.submit(self._write_batch, rows, flat_marks, flat_states, flat_bounds)

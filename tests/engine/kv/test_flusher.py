@@ -334,3 +334,29 @@ def test_multirow_statements_stay_within_the_connections_parameter_limit(limit: 
                 ") AS v WHERE t.a=v.column1")
     assert db.execute("SELECT a, b, c FROM t ORDER BY a").fetchall() == [
         (i, b"v%d" % i, 7 if i % 2 == 0 else 0) for i in range(5_000)]
+
+
+@pytest.mark.parametrize("before", [0.005, 0.0005])
+def test_a_storage_with_a_writer_thread_hands_the_gil_over_within_a_millisecond(before: float) -> None:
+    """engine/kv/storage.py WRITER_SWITCH_INTERVAL_S: the first background flush lowers the interpreter's switch
+    interval (CPython's default 5 ms) to 1 ms -- never raises a lower one. Its own process: the setting is
+    process-wide."""
+    code = textwrap.dedent(f"""
+        import pathlib, sys, tempfile
+        from engine import Bucket, BucketConfig
+        sys.setswitchinterval({before})
+        b = Bucket(BucketConfig(data_dir=pathlib.Path(tempfile.mkdtemp()), num_vbuckets=4))
+        b.set(b"k", b'{{"a": 1}}')
+        b.flush()
+        inline = sys.getswitchinterval()  # an inline flush starts no writer thread
+        b.set(b"k", b'{{"a": 2}}')
+        assert b.start_flush() == 1
+        b.complete_flush(wait=True)
+        b.close()
+        print(inline, sys.getswitchinterval())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    inline, after = map(float, out.stdout.split())
+    assert inline == pytest.approx(before)
+    assert after == pytest.approx(min(before, 0.001))
