@@ -87,7 +87,7 @@ class Flusher:
         self.dirty: set[int] = set()
         self.items_flushed = 0
         #: flushes whose transaction failed (kv_engine counts the items, ``ep_item_flush_failed``), and the error
-        #: of the last flush if it failed -- None once a flush committed again (docs/reliability.md "Full disk")
+        #: of the last flush if it failed -- None once a flush committed again (docs/reliability.md "Full disk on a node")
         self.failures = 0
         self.error: str | None = None
         #: the background flush whose outcome the storage has not handed back, if any
