@@ -52,6 +52,20 @@ __all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "GC_YOUNG_THRESHOLD", "Change
 
 log = logging.getLogger(__name__)
 
+
+class _NotAboutConsumerProperties(logging.Filter):
+    """Drops librdkafka's CONFWARN that a consumer property of the caller's configuration "will be ignored by
+    this producer instance": the consumer's own AdminClient and dead-letter producer are given that
+    configuration (its connection and security settings), and its consumer tuning does not concern them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is a consumer property and will be ignored" not in record.getMessage()
+
+
+#: where librdkafka's lines of the consumer's own AdminClient and dead-letter producer go (not raw to stderr)
+_aux_log = logging.getLogger(f"{__name__}.librdkafka")
+_aux_log.addFilter(_NotAboutConsumerProperties())
+
 #: librdkafka fetch settings of the client unless the caller's config sets them (bench.client gives its raw
 #: baseline consumer the same ones):
 #:
@@ -187,7 +201,11 @@ class ChangeStreamConsumer:
         self._unflushed = 0
         self._unflushed_offsets: dict[int, int] = {}
         conf: dict[str, Any] = ({"bootstrap.servers": kafka} if isinstance(kafka, str) else dict(kafka))
+        #: the AdminClient's and the dead-letter producer's configuration: the caller's, without the group and
+        #: offset settings; its librdkafka lines to a Python logger that drops "consumer property ... ignored"
         self._client_conf = {k: v for k, v in conf.items() if not k.startswith(("group.", "enable.", "auto."))}
+        if "logger" not in self._client_conf:
+            self._client_conf["logger"] = _aux_log
         conf.update({"group.id": group_id or f"dcpgw-client-{uuid.uuid4().hex}", "enable.auto.commit": False,
                      "enable.partition.eof": True, "auto.offset.reset": "earliest"})
         for k, v in FETCH_DEFAULTS.items():

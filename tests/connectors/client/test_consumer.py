@@ -661,3 +661,38 @@ def test_a_fresh_manual_assignment_starts_at_the_partitions_first_offsets(harnes
     with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
         assert _snapshot_docs(c) == h.bucket.state_snapshot()
     assert assigned[1] == [consumer_module.OFFSET_BEGINNING] * 2
+
+
+def test_consumer_tuning_properties_raise_no_librdkafka_warning_from_its_own_clients(
+        harness: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    """The caller's consumer tuning (session.timeout.ms, fetch.max.bytes, ...) also reaches the consumer's own
+    AdminClient (the partitions' first offsets) and dead-letter producer, which librdkafka made say on stderr
+    "Configuration property ... is a consumer property and will be ignored by this producer instance" -- noise
+    about the caller's correct settings. Those clients log through Python logging, without that line."""
+    h = harness(nvb=2)
+    write(h.bucket, 10)
+    h.settle()
+    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    hdrs = [("dcp.type", b"mutation"), ("dcp.format", b"avro"), ("dcp.vbucket", b"0"), ("dcp.vbuuid", b"1"),
+            ("dcp.seqno", b"99"), ("dcp.snap.start", b"99"), ("dcp.snap.end", b"99")]
+    p.produce(h.topic, key=b"bad", value=b"\xc3\x01garbage-not-avro", partition=0, headers=hdrs)
+    p.flush(10)
+    capfd.readouterr()
+    conf = {"bootstrap.servers": h.broker.bootstrap_servers, "session.timeout.ms": 12_000,
+            "fetch.max.bytes": 2 << 20, "max.poll.interval.ms": 600_000}
+    docs: dict[bytes, bytes] = {}
+    with ChangeStreamConsumer(conf, h.topic) as c:
+        deadline = time.monotonic() + 60
+        while not c.caught_up():
+            assert time.monotonic() < deadline
+            try:
+                for ev in c.events(until_caught_up=True):
+                    assert isinstance(ev, Snapshot)
+                    docs.update((ch.key, ch.value) for ch in ev.changes if ch.value is not None)
+                    c.commit(ev)
+            except DecodeError:
+                continue  # the bad record: copied to the dead-letter topic, the stream goes on
+    assert docs == {k: v for k, (v, _vb) in h.bucket.state_snapshot().items()}
+    assert len(_dlq_records(h.broker.bootstrap_servers, f"{h.topic}.dlq")) == 1  # the producer did run
+    err = capfd.readouterr().err
+    assert "is a consumer property" not in err, err[-2000:]
