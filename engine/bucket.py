@@ -596,6 +596,17 @@ class Bucket:
         return self.flusher.landed
 
     @property
+    def flush_failures(self) -> int:
+        """Flushes (inline or background) whose transaction failed since the bucket was opened."""
+        return self.flusher.failures
+
+    @property
+    def flush_error(self) -> str | None:
+        """The error of the last flush if it failed; None once a flush committed (docs/reliability.md "Full disk
+        on a node")."""
+        return self.flusher.error
+
+    @property
     def dirty_vbuckets(self) -> int:
         return len(self._dirty)
 
@@ -812,8 +823,8 @@ class Bucket:
             "checkpoint_quota": self.config.checkpoint_quota_bytes,
             "dirty_vbuckets": len(self._dirty),
             "items_flushed": self.items_flushed,
-            "flush_failures": self.flusher.failures,
-            "flush_error": self.flusher.error or "",
+            "flush_failures": self.flush_failures,
+            "flush_error": self.flush_error or "",
             "cursors_dropped": self.cursors_dropped,
             "producers": len(self.producers),
             "replica_rollbacks": self.replica_rollbacks,

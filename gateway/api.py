@@ -669,7 +669,10 @@ async def metrics(request: web.Request) -> web.Response:
     svc = _svc(request)
     assert svc.publisher is not None
     svc.metrics.collect_health(svc.publisher.oldest_unacked_age(), len(svc.readiness.stalled), svc.unacked.total)
-    svc.metrics.collect_conflicts(svc.settings.conflict_resolution, ConflictCounters.total(b.conflict_counters for b in svc.buckets()).as_dict())
+    buckets = svc.buckets()
+    svc.metrics.collect_conflicts(svc.settings.conflict_resolution, ConflictCounters.total(b.conflict_counters for b in buckets).as_dict())
+    svc.metrics.collect_storage(sum(b.flush_failures for b in buckets),
+                                sum(1 for b in buckets if b.flush_error is not None))
     if svc.cluster is not None:
         rc = svc.cluster.recovery_counts
         svc.metrics.collect_recovery(rc.repaired, rc.superseded)

@@ -55,6 +55,11 @@ class GatewayMetrics:
         self.superseded = Gauge("dcpgw_rollback_superseded_documents", "Document versions a recovering node "
                                 "dropped because the active had changed the key since the rollback point",
                                 registry=r)
+        self.flush_failures = Gauge("dcpgw_engine_flush_failures", "Engine flushes (SQLite transactions) that "
+                                    "failed since the engine's start, e.g. on a full disk", registry=r)
+        self.flush_failing = Gauge("dcpgw_engine_flush_failing", "Engine buckets whose last flush failed (their "
+                                   "writes are acknowledged in memory, not persisted, until one commits)",
+                                   registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
                       "oversize": 0}
         self._last = (time.monotonic(), 0)
@@ -74,6 +79,11 @@ class GatewayMetrics:
         self.oldest_unacked.set(oldest_age)
         self.stalled.set(stalled)
         self.unacked_bytes.set(unacked_bytes)
+
+    def collect_storage(self, failures: int, failing: int) -> None:
+        """The engine buckets' flush failures (docs/reliability.md "Full disk on a node")."""
+        self.flush_failures.set(failures)
+        self.flush_failing.set(failing)
 
     def collect_recovery(self, repaired: int, superseded: int) -> None:
         self.repaired.set(repaired)

@@ -16,9 +16,19 @@ import pytest
 
 from gateway.broker import Broker
 from tests.gateway.kafka_util import TopicReplica, read_topic
-from tests.gateway.processes import CLEAN_ENV, GatewayProc, call
+from tests.gateway.processes import CLEAN_ENV, GatewayProc, call, request
 
 pytestmark = pytest.mark.slow
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """GET /metrics: the unlabelled samples by name."""
+    out = {}
+    for line in request(url + "/metrics").decode().splitlines():
+        name, _, value = line.partition(" ")
+        if line and not line.startswith("#") and "{" not in name:
+            out[name] = float(value)
+    return out
 
 
 def test_publishing_resumes_after_the_disk_was_full(kafka_broker: Broker, tmp_path: Path) -> None:
@@ -54,6 +64,11 @@ def test_publishing_resumes_after_the_disk_was_full(kafka_broker: Broker, tmp_pa
                     break
             assert time.monotonic() < deadline, "/health/ready never reported the failing storage"
             time.sleep(0.1)
+        # ... and so do the engine's stats and the metrics (docs/reliability.md "Full disk on a node")
+        stats = call(url + "/stats")
+        assert stats["flush_failures"] >= 1 and stats["flush_error"], stats
+        metrics = _metrics(url)
+        assert metrics["dcpgw_engine_flush_failing"] == 1 and metrics["dcpgw_engine_flush_failures"] >= 1, metrics
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
 
         # Space is back: everything reaches Kafka (on main the publishing task had died: lag stayed > 0).
@@ -66,5 +81,8 @@ def test_publishing_resumes_after_the_disk_was_full(kafka_broker: Broker, tmp_pa
         keys = set(replica.state())
         assert {b"before", *(f"during{i}".encode() for i in range(200))} <= keys
         assert "pump failed" in (tmp_path / "gw.log").read_text()
+        assert call(url + "/stats")["flush_error"] == ""
+        metrics = _metrics(url)
+        assert metrics["dcpgw_engine_flush_failing"] == 0 and metrics["dcpgw_engine_flush_failures"] >= 1, metrics
     finally:
         gw.close()
