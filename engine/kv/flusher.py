@@ -9,7 +9,7 @@ nothing is lost: the cursors and persisted seqnos are restored and the vbuckets 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -146,7 +146,7 @@ class Flusher:
             else:
                 snap = (first, last)
             batch.snaps.append(snap)
-            records.append(replace(vbucket_record(vb), high_seqno=last, snap_start=snap[0], snap_end=snap[1]))
+            records.append(vbucket_record(vb, last, snap))
         return records, boundaries
 
     def _persisted(self, batch: _Batch) -> None:

@@ -175,3 +175,26 @@ def test_release_cache_keeps_data_and_a_closed_store_says_so(tmp_path) -> None:
     st.close()
     with pytest.raises(StorageError, match="page cache"):
         st.release_cache()
+
+
+def test_state_records_keep_the_failover_log_after_a_failover(make_bucket) -> None:
+    """The state record's failover log is stored as JSON pairs, newest first; its text is cached per log
+    (engine/kv/storage.py ``_failover_json``): a failover between flushes must still reach the disk."""
+    import json
+    import sqlite3
+
+    b = make_bucket(num_vbuckets=1)
+    b.set("a", b"1")
+    b.flush()
+    before = b.vbucket(0).failover.to_pairs()
+    b.set_vbucket_state(0, "replica")
+    b.set_vbucket_state(0, "active")  # a new branch: a new failover entry
+    b.set("a", b"2")
+    b.flush()
+    after = b.vbucket(0).failover.to_pairs()
+    assert len(after) == len(before) + 1 and after[1:] == before
+    db = sqlite3.connect(b.storage.path)
+    stored = db.execute("SELECT failover FROM vbstate WHERE vb=0").fetchone()[0]
+    db.close()
+    assert json.loads(stored) == [list(p) for p in after]
+    assert b.storage.load_states()[0].failover == after
