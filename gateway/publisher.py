@@ -607,8 +607,13 @@ class Publisher:
         self._produce(vb, rec, 0, pos.copy())
 
     # ------------------------------------------------------------------ pumping
-    def pump(self, max_messages: int = 8192) -> int:
+    def pump(self, max_messages: int = 8192, *, wait_for_flush: bool = True) -> int:
         """One round: serve delivery reports, then DCP step -> Kafka produce. Returns DCP messages handled.
+
+        With rollback mitigation on a single bucket, a round that moved nothing while what it holds waits for
+        the background flush in flight waits for that flush (so that 0 still means "everything written is
+        published"); ``wait_for_flush=False`` returns 0 at once instead -- the service's loop, which must not
+        block, looks again shortly (:attr:`waiting_for_flush`).
 
         Delivery reports are served *before* the step: their DCP buffer-acks free the flow-control budget the
         step then uses. So a round that returns 0 with nothing in flight really had nothing to stream (serving
@@ -649,7 +654,7 @@ class Publisher:
             # items the flush in flight has not landed yet, held here as in cluster mode until persisted.
             src.before_step()
             n = self._step_held(dcp, max_messages)
-            while n == 0 and self._held and src.flush_in_flight:
+            while wait_for_flush and n == 0 and self._held and src.flush_in_flight:
                 # What is held waits for the flush in flight: wait for it (the writer thread works meanwhile)
                 # rather than answer 0, which tells the caller everything written is published. Nothing held
                 # (a publisher without streams, as `dcpgw up --gateways K`'s own): nothing to wait for.
@@ -791,6 +796,12 @@ class Publisher:
             "everywhere %d; %d messages held in all) -- is persistence stopped, a replica down or a disk full?",
             len(stalled), ", ".join(map(str, stalled[:8])) + (", ..." if len(stalled) > 8 else ""),
             now - since[vb], vb, end, self._safe.get(vb, 0), self.held)
+
+    @property
+    def waiting_for_flush(self) -> bool:
+        """Single bucket, rollback mitigation: messages are held for the background flush in flight."""
+        src = self.source
+        return bool(self._held) and isinstance(src, BucketSource) and src.flush_in_flight
 
     @property
     def held(self) -> int:

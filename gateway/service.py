@@ -28,6 +28,7 @@ from engine.cluster.local import Cluster, FailoverReport
 from engine.cluster.rebalance import Rebalance
 from engine.cluster.recovery import RecoveryReport
 from engine.kv.data_dir import DataDirLock, Layout, check_layout
+from engine.network.server import FLUSH_POLL_S
 from engine.security import UserStore, server_context
 from gateway.config import GatewaySettings
 from gateway.exceptions import Backpressure, GatewayError, StartupInterrupted
@@ -477,7 +478,7 @@ class GatewayService:
         acked = pub.records_acked
         while not self._stopping.is_set():
             try:
-                n = pub.pump()
+                n = pub.pump(wait_for_flush=False)  # never blocks the loop on a background flush
                 if cluster is not None:
                     n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
                     if cluster.rebalance_running is not None:
@@ -517,6 +518,14 @@ class GatewayService:
             if n:
                 idle = 0
                 await asyncio.sleep(0)
+                continue
+            if pub.waiting_for_flush:
+                # what was stepped waits for the flush the storage's writer thread commits: the loop serves the
+                # API and the KV port meanwhile and looks again soon (as the node server's flusher does)
+                idle = 0
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=FLUSH_POLL_S)
                 continue
             idle = min(idle + 1, 10)
             self._wake.clear()

@@ -160,6 +160,35 @@ def test_with_mitigation_a_crash_needs_no_rollback(harness) -> None:
     h.check()
 
 
+def test_pump_without_waiting_for_the_flush_returns_while_what_it_holds_is_not_persisted(harness) -> None:
+    """The service's loop pumps with ``wait_for_flush=False`` (gateway/service.py ``_pump_loop``): with rollback
+    mitigation a round that finds everything stepped held for the background flush in flight returns 0 at
+    once (``waiting_for_flush``) instead of waiting for the flush on the event loop's thread. The flush here
+    cannot commit while the test holds the database's write lock (another connection), so a round that waited
+    would stay in pump() until the writer's busy timeout failed it."""
+    import sqlite3
+
+    h = harness()
+    h.settle()
+    sent = h.pub.records_sent
+    write(h.bucket, 50)
+    db = sqlite3.connect(str(h.bucket.storage.path), isolation_level=None)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        stepped = sum(h.pub.pump(wait_for_flush=False) for _ in range(5))
+        assert stepped >= 50  # the items (and their markers) were stepped ...
+        assert h.pub.pump(wait_for_flush=False) == 0
+        assert h.pub.waiting_for_flush  # ... and are held: the flush in flight cannot commit
+        assert h.pub.records_sent == sent  # nothing unpersisted reached Kafka
+        assert h.bucket.flush_pending
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    h.settle()  # the flush commits, lands, and what was held is published
+    assert not h.pub.waiting_for_flush
+    h.check()
+
+
 def test_key_filters(harness) -> None:
     h = harness(key_filter=KeyFilter(prefix="keep", regex=r"[02468]$"))
     for i in range(60):
