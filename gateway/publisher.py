@@ -654,7 +654,7 @@ class Publisher:
             # items the flush in flight has not landed yet, held here as in cluster mode until persisted.
             src.before_step()
             n = self._step_held(dcp, max_messages)
-            while wait_for_flush and n == 0 and self._held and src.flush_in_flight:
+            while wait_for_flush and n == 0 and self.waiting_for_flush:
                 # What is held waits for the flush in flight: wait for it (the writer thread works meanwhile)
                 # rather than answer 0, which tells the caller everything written is published. Nothing held
                 # (a publisher without streams, as `dcpgw up --gateways K`'s own): nothing to wait for.
