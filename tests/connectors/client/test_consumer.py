@@ -284,17 +284,23 @@ def _dlq_records(bootstrap: str, topic: str) -> list[Any]:
     return out
 
 
+def _produce_corrupt(h: Harness, value: bytes) -> None:
+    """A record on partition 0 with a data record's headers and ``value`` as its (undecodable) body."""
+    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    hdrs: list[tuple[str, str | bytes | None]] = [
+        ("dcp.type", b"mutation"), ("dcp.format", b"avro"), ("dcp.vbucket", b"0"), ("dcp.vbuuid", b"1"),
+        ("dcp.seqno", b"99"), ("dcp.snap.start", b"99"), ("dcp.snap.end", b"99")]
+    p.produce(h.topic, key=b"bad", value=value, partition=0, headers=hdrs)
+    p.flush(10)
+
+
 @pytest.mark.parametrize("bad", [b"\xc3\x01garbage-not-avro", b"\xc3\x01" + b"\x00" * 8 + b"\x00"])
 def test_corrupt_record_raises_and_lands_in_the_dead_letter_topic(harness: Any, tmp_path: Path,
                                                                    bad: bytes) -> None:
     h = harness(nvb=2)
     write(h.bucket, 10)
     h.settle()
-    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
-    hdrs = [("dcp.type", b"mutation"), ("dcp.format", b"avro"), ("dcp.vbucket", b"0"), ("dcp.vbuuid", b"1"),
-            ("dcp.seqno", b"99"), ("dcp.snap.start", b"99"), ("dcp.snap.end", b"99")]
-    p.produce(h.topic, key=b"bad", value=bad, partition=0, headers=hdrs)
-    p.flush(10)
+    _produce_corrupt(h, bad)
     write(h.bucket, 10, start=10)
     h.settle()
     db = tmp_path / "r.sqlite"
@@ -672,11 +678,7 @@ def test_consumer_tuning_properties_raise_no_librdkafka_warning_from_its_own_cli
     h = harness(nvb=2)
     write(h.bucket, 10)
     h.settle()
-    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
-    hdrs = [("dcp.type", b"mutation"), ("dcp.format", b"avro"), ("dcp.vbucket", b"0"), ("dcp.vbuuid", b"1"),
-            ("dcp.seqno", b"99"), ("dcp.snap.start", b"99"), ("dcp.snap.end", b"99")]
-    p.produce(h.topic, key=b"bad", value=b"\xc3\x01garbage-not-avro", partition=0, headers=hdrs)
-    p.flush(10)
+    _produce_corrupt(h, b"\xc3\x01garbage-not-avro")
     capfd.readouterr()
     conf = {"bootstrap.servers": h.broker.bootstrap_servers, "session.timeout.ms": 12_000,
             "fetch.max.bytes": 2 << 20, "max.poll.interval.ms": 600_000}
