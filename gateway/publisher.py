@@ -6,8 +6,10 @@ Synchronous and single-threaded like the engine: :meth:`Publisher.pump` moves on
 Delivery (issue "Gateway"):
 
 * idempotent producer, ``acks=all``, ordering preserved per partition;
-* a record's position is *acknowledged* only from its delivery report; delivery reports of one partition arrive
-  in produce order, so a FIFO per partition maps each report to the record it acknowledges;
+* a record's position is *acknowledged* only from a delivery report; delivery reports of one partition arrive
+  in produce order, so a FIFO per partition maps each report to the record it acknowledges. A data record
+  followed by another of its partition in the same batch is produced without a report: the next report
+  acknowledges both, its offset proving, by counting, that every record in between was written;
 * DCP flow control: the bytes of a DCP message are buffer-acknowledged to the engine only when its record was
   delivered, so a slow or paused broker stalls the stream with bounded gateway memory;
 * checkpoints (compacted topic, key = vbucket) are written from acknowledged positions only;
@@ -68,7 +70,7 @@ from gateway.exceptions import GatewayError
 from gateway.kafka.clients import producer as kafka_producer
 from gateway.resume import PublishPosition
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
-from schemas.codec import RecordEncoder
+from schemas.codec import Headers, RecordEncoder
 from schemas.failover_log import FailoverEntry
 from schemas.records import KafkaRecord
 from schemas.topics import partition_for
@@ -95,6 +97,10 @@ HELD_WARN_S: float = 30.0
 _RECORD_OVERHEAD: Final = 128
 
 OversizePolicy = Literal["skip", "fail"]
+#: the publisher's hot path's data record waiting for the next message: (partition, vbucket, key, value,
+#: headers, DCP bytes, position after it or None, its item, its vbucket's sent position)
+_Pending = tuple[int, int, bytes, bytes | None, Headers, int, PublishPosition | None, Item,
+                 PublishPosition]
 
 
 def record_size(rec: KafkaRecord) -> int:
@@ -161,6 +167,10 @@ class _Inflight:
     large: int = 0
     #: time.monotonic() when the record was handed to the publisher (age of the oldest unacknowledged record)
     t: float = 0.0
+    #: Kafka sends a delivery report for this record. False for a filtered item (no record) and for a data
+    #: record produced without a report: it is acknowledged by the next reported record of its partition, whose
+    #: offset proves every record between them was written (docs/gateway.md "Publishing path", "Acknowledge")
+    reported: bool = True
 
 
 class DeliveryBudget:
@@ -368,6 +378,8 @@ class Publisher:
         self._replay_from_zero: set[int] = set()
         #: why the topic is known to have lost acknowledged records (None: it has not); pump() raises TopicLost
         self.lost: str | None = None
+        #: partitions another producer writes to as well: every record produced there gets a delivery report
+        self._shared_parts: set[int] = set()
         #: the producer's fatal error (None: none); pump() raises ProducerFailed
         self.fatal: str | None = None
         #: per partition, the highest offset Kafka acknowledged (a lower one later means the log was lost)
@@ -387,7 +399,13 @@ class Publisher:
             if pub is not None and pub._producer_gen == gen:
                 pub._on_delivery(err, msg)
 
-        return kafka_producer(self._producer_config, on_delivery=on_delivery)
+        # No default delivery callback: each produce() that wants a report passes this one (a record produced
+        # without it costs librdkafka's report nothing on this thread).
+        self._dr = on_delivery
+        #: partitions this producer produced a reported record to: a record may go without a report only after
+        #: one (its run's check needs the offset of the reported record before it)
+        self._reported_parts: set[int] = set()
+        return kafka_producer(self._producer_config)
 
     @property
     def bucket(self) -> Bucket:
@@ -821,6 +839,9 @@ class Publisher:
         # FIFO -- what _produce -> _send -> _try_produce would do, without their calls and per-record
         # item/snapshot references. Anything else (the queue full, a refusal, a large record) takes that path.
         produce = self.kafka.produce
+        dr = self._dr
+        reported_parts = self._reported_parts
+        shared_parts = self._shared_parts
         topic = self.topic
         nparts = self.num_partitions
         inflight = self._inflight
@@ -835,6 +856,10 @@ class Publisher:
         sent_n = sent_bytes = 0
         last_part = -1
         last_q: deque[_Inflight] = deque()
+        # The hot path's last data record, produced when the next message says whether it needs a delivery
+        # report of its own: not when the next is a hot record of the same partition (whose report, or that of
+        # a later one, acknowledges it); every other message, and the end of the batch, produce it with one.
+        pend: _Pending | None = None
         try:
             for m in msgs:
                 if failed and m.vbucket in failed:
@@ -846,6 +871,9 @@ class Publisher:
                     pos = sent[vb]
                     size = m.dcp_size
                     if filtering and not kf(m.key):
+                        if pend is not None:
+                            self._produce_pending(pend, now)
+                            pend = None
                         self.items_filtered += 1
                         pos.seqno = m.seqno
                         done = m.seqno >= pos.snap_end
@@ -862,27 +890,44 @@ class Publisher:
                         pos.seqno = seqno  # on_data inside a snapshot: only the seqno moves (gateway/resume.py)
                         after = None
                     part = vb % nparts
-                    if not backlog and not (blocked and part in blocked) and (
-                            value is None or len(value) <= large_bytes):
+                    hot = not backlog and not (blocked and part in blocked) and (
+                        value is None or len(value) <= large_bytes)
+                    if pend is not None:
+                        ppart, pvb, pkey, pvalue, pheaders = pend[0], pend[1], pend[2], pend[3], pend[4]
+                        quiet = hot and ppart == part and part in reported_parts and part not in shared_parts
                         try:
-                            produce(topic, value, key, partition=part, headers=headers)
+                            if quiet:
+                                produce(topic, pvalue, pkey, partition=ppart, headers=pheaders)
+                            else:
+                                produce(topic, pvalue, pkey, partition=ppart, headers=pheaders, on_delivery=dr)
                         except (BufferError, KafkaException):
-                            pass  # the general path produces it again and handles the refusal / full queue
+                            # the general path produces it again and handles the refusal / full queue
+                            self._produce_pending(pend, now)
+                            hot = hot and not backlog
                         else:
+                            if not quiet:
+                                reported_parts.add(ppart)
                             sent_n += 1
-                            sent_bytes += len(value or b"") + len(key)
-                            if part != last_part:
+                            sent_bytes += len(pvalue or b"") + len(pkey)
+                            if ppart != last_part:
                                 # the items of one snapshot come one after the other: one FIFO lookup per run
-                                last_part = part
-                                q = inflight.get(part)
+                                last_part = ppart
+                                q = inflight.get(ppart)
                                 if q is None:
-                                    q = inflight[part] = deque()
+                                    q = inflight[ppart] = deque()
                                 last_q = q
-                            last_q.append(_Inflight(vb, size, after, False, owner[vb], None, None, 0, now))
-                            continue
+                            last_q.append(_Inflight(pvb, pend[5], pend[6], False, owner[pvb], None, None, 0, now,
+                                                    not quiet))
+                        pend = None
+                    if hot:
+                        pend = (part, vb, key, value, headers, size, after, m, pos)
+                        continue
                     self._produce(vb, KafkaRecord(key, value, headers), size, after, m,
                                   (pos.vbuuid, pos.snap_start, pos.snap_end))
                 elif type(m) is SnapshotMarker:
+                    if pend is not None:
+                        self._produce_pending(pend, now)
+                        pend = None
                     vb = m.vbucket
                     pos = sent[vb]
                     pos.on_snapshot(m.start, m.end)
@@ -890,6 +935,9 @@ class Publisher:
                     self._produce(vb, rec, m.dcp_size, None)
                 else:
                     assert isinstance(m, StreamEnd)
+                    if pend is not None:
+                        self._produce_pending(pend, now)
+                        pend = None
                     vb = m.vbucket
                     pos = sent[vb]
                     self.streaming.discard(vb)
@@ -899,16 +947,37 @@ class Publisher:
                     if self.is_cluster:
                         # STATE_CHANGED (failover), ROLLBACK, DISCONNECTED...: reload the map and re-request.
                         self._detach(vb)
+            if pend is not None:
+                self._produce_pending(pend, now)
         finally:
             self.records_sent += sent_n
             self.bytes_sent += sent_bytes
+
+    def _produce_pending(self, pend: _Pending, now: float) -> None:
+        """Produce the hot path's pending data record with a delivery report (the general path: also when the
+        queue is full or Kafka refuses it)."""
+        part, vb, key, value, headers, size, after, item, pos = pend
+        try:
+            self.kafka.produce(self.topic, value, key, partition=part, headers=headers, on_delivery=self._dr)
+        except (BufferError, KafkaException):
+            self._produce(vb, KafkaRecord(key, value, headers), size, after, item,
+                          (pos.vbuuid, pos.snap_start, pos.snap_end))
+            return
+        self._reported_parts.add(part)
+        self.records_sent += 1
+        self.bytes_sent += len(value or b"") + len(key)
+        q = self._inflight.get(part)
+        if q is None:
+            q = self._inflight[part] = deque()
+        q.append(_Inflight(vb, size, after, False, self._owner[vb], None, None, 0, now))
 
     def _produce(
         self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None,
         item: Item | None = None, meta: tuple[int, int, int] | None = None,
     ) -> None:
         part = partition_for(vb, self.num_partitions)
-        entry = _Inflight(vb, dcp_bytes, pos, rec is None, self._owner[vb], item, meta, t=time.monotonic())
+        entry = _Inflight(vb, dcp_bytes, pos, rec is None, self._owner[vb], item, meta, t=time.monotonic(),
+                          reported=rec is not None)
         if self._backlog or not self._send(part, entry, rec):
             # keep the order: once one record waits for room, every later one waits behind it
             self._backlog.append((part, entry, rec))
@@ -971,7 +1040,8 @@ class Publisher:
         """Produce ``rec``; returns why the producer refused it as too large (None: queued). Raises
         :class:`_QueueFull` when librdkafka's queue has no room now (never waits for it)."""
         try:
-            self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers)
+            self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers,
+                               on_delivery=self._dr)
         except BufferError:
             if len(self.kafka) == 0:
                 # nothing queued to wait for: the record alone is larger than the producer's queue
@@ -985,6 +1055,7 @@ class Publisher:
                 self.fatal = f"{err.name()}: {err.str()}"
                 raise ProducerFailed(self.fatal) from e
             raise
+        self._reported_parts.add(part)
         self.records_sent += 1
         self.bytes_sent += len(rec.value or b"") + len(rec.key or b"")
         return None
@@ -1046,6 +1117,31 @@ class Publisher:
         for waiting in self._blocked.values():
             self._drop_vbucket(waiting, vb, 0)  # (entry, record)
         self._drop_vbucket(self._backlog, vb, 1)  # (partition, entry, record)
+        self._uncover()
+
+    def _uncover(self) -> None:
+        """Records produced without a delivery report whose reported successor on their partition will never be
+        produced (dropped with a stopped vbucket): no report will tell whether they were written, so they leave
+        the partition's FIFO unacknowledged (their positions do not move; a restart finds them in the tail) and
+        the partition's next record is produced with a report."""
+        waiting = {part for part, _e, _r in self._backlog}
+        waiting.update(part for part, w in self._blocked.items() if w)
+        for part, q in self._inflight.items():
+            if not q or q[-1].reported or part in waiting:
+                continue
+            tail = []
+            for e in reversed(q):
+                if e.reported:
+                    break
+                tail.append(e)
+            uncovered = sum(1 for e in tail if not e.filtered)
+            if uncovered:  # (filtered items alone after a reported record are acknowledged with it)
+                for e in tail:
+                    q.pop()
+                    self._discard(e)
+                self._reported_parts.discard(part)
+                log.warning("partition %d: %d record(s) produced without a delivery report are left "
+                            "unacknowledged (the record after them was dropped)", part, uncovered)
 
     def _drop_vbucket(self, waiting: deque[Any], vb: int, at: int) -> None:
         """Remove ``vb``'s records from a waiting queue whose tuples hold their entry at index ``at`` (their DCP
@@ -1107,6 +1203,9 @@ class Publisher:
             log.error("delivery report for partition %s with nothing in flight", part)
             return
         entry = q.popleft()
+        if not entry.reported:
+            self._on_run_delivery(part, q, entry, err, msg)  # type: ignore[arg-type]  # part: checked by q
+            return
         if err is None:
             # the common case, kept short: one delivered record (the general _ack below does the same)
             offset = msg.offset()
@@ -1128,36 +1227,8 @@ class Publisher:
                 while q and q[0].filtered:
                     self._ack(q.popleft(), offset)
                 return
-        if err is not None and err.code() in _TOO_LARGE:
-            reason = f"{err.name()}: {err.str()}"
-            if entry.large and part is not None:
-                # produced alone: nothing after it on the partition was produced; replaced after this poll
-                self._refusals.append((part, entry, reason))
-            else:
-                # refused with a batch it shared: its vbucket cannot be continued without a gap
-                self.errors += 1
-                self._fail_vbucket(entry.vbucket, entry, f"Kafka refused a batch as too large: {reason}")
-            return
-        if err is not None and (err.fatal() or err.code() == KafkaError._FATAL):
-            self.fatal = f"{err.name()}: {err.str()}"
-            return
-        if err is not None and err.code() in _TOPIC_GONE:
-            self.lost = (f"partition {part} of {self.topic} is gone ({err.name()}) after Kafka acknowledged "
-                         f"records up to offset {self._last_offset.get(part or 0, -1)} there")
-            return
         if err is not None:
-            self.errors += 1
-            if err.code() in _RENEWABLE:
-                # never delivered (or possibly, and then found in the tail): its DCP bytes go back to the window,
-                # as for a record dropped by renew_producer()
-                self._discard(entry)
-                # one line per producer, not one per record (thousands time out together)
-                self.timed_out += 1
-                if self.timed_out > 1:
-                    return
-            if self.error is None:
-                self.error = KafkaException(err)
-            log.error("record for vbucket %d not delivered: %s", entry.vbucket, err)
+            self._delivery_failed(part, entry, err)
             return
         offset = msg.offset()
         assert offset is not None and part is not None  # delivered records have offsets
@@ -1172,6 +1243,119 @@ class Publisher:
         # filtered items queued behind this record are acknowledged with it
         while q and q[0].filtered:
             self._ack(q.popleft(), offset)
+
+    def _on_run_delivery(self, part: int, q: deque[_Inflight], first: _Inflight, err: KafkaError | None,
+                         msg: Message) -> None:
+        """The delivery report of a record produced after records without one (``first`` and what follows it
+        up to that record, all of partition ``part``): they were written if the report's offset is exactly as
+        many records after the partition's previous report (delivery reports of a partition come in produce
+        order, and the records between two of them were produced by this producer, one after the other); a
+        failed report fails them all, as if each had its own."""
+        run = [first]
+        while not run[-1].reported:
+            if not q:
+                log.error("delivery report for partition %s: the records before it are not in flight", part)
+                return
+            run.append(q.popleft())
+        if err is not None:
+            for e in run:
+                if e.filtered:
+                    self._discard(e)
+                else:
+                    self._delivery_failed(part, e, err)
+            return
+        offset = msg.offset()
+        assert offset is not None  # delivered records have offsets
+        prev = self._last_offset.get(part, -1)
+        if offset <= prev:
+            self.lost = (f"partition {part} of {self.topic} lost its log: Kafka acknowledged a record at "
+                         f"offset {offset} after acknowledging offset {prev}")
+            return
+        records = sum(1 for e in run if not e.filtered)
+        if offset - prev < records:
+            # fewer offsets than records: one produced without a report was not written (librdkafka failed it
+            # on its own, e.g. message.timeout.ms while queued, and wrote the next). The positions after the
+            # missing record cannot be acknowledged: the publisher stops as after a delivery timeout and resumes
+            # from the partitions' tails (DeliveryTimedOut)
+            self.errors += 1
+            self.timed_out += 1
+            for e in run:
+                self._discard(e)
+            if self.error is None:
+                self.error = KafkaException(KafkaError(
+                    KafkaError._MSG_TIMED_OUT,
+                    f"partition {part}: Kafka acknowledged offset {offset}, {offset - prev} after the previous "
+                    f"report, for {records} records produced in between: {records - (offset - prev)} not written"))
+            log.error("%s", self.error)
+            return
+        if offset - prev > records and part not in self._shared_parts:
+            # more: another producer wrote to the partition in between (a partition several group members
+            # share when the topic has fewer partitions than vbuckets). The count proves nothing there any more:
+            # every later record of the partition is produced with a report of its own
+            self._shared_parts.add(part)
+            log.warning("partition %d of %s: another producer writes to it; its records get a delivery report "
+                        "each from now on", part, self.topic)
+        self._last_offset[part] = offset
+        self.records_acked += records
+        # each record's offset: counted from the previous report's (exact when nothing else wrote in between,
+        # else at or below the record's: a checkpoint's tail replay then starts early, never late); the
+        # reported record's own from its report
+        at = prev
+        reported = run[-1]
+        ack_to = self._ack_to
+        acked = self.acked
+        dirty = self._dirty_acked
+        for e in run:
+            if e.filtered:
+                self._ack(e, at)
+                ack_to = self._ack_to
+                continue
+            at = offset if e is reported else at + 1
+            p = e.producer
+            if p is ack_to and p is not None:
+                self._ack_bytes += e.dcp_bytes
+            elif e.dcp_bytes and p is not None:
+                self._add_buffer_ack(p, e.dcp_bytes)
+                ack_to = self._ack_to
+            pos = e.pos
+            if pos is not None:
+                pos.offset = at
+                acked[e.vbucket] = pos
+                dirty.add(e.vbucket)
+        while q and q[0].filtered:
+            self._ack(q.popleft(), offset)
+
+    def _delivery_failed(self, part: int | None, entry: _Inflight, err: KafkaError) -> None:
+        """Kafka did not take ``entry``'s record (its delivery report said ``err``)."""
+        if err.code() in _TOO_LARGE:
+            reason = f"{err.name()}: {err.str()}"
+            if entry.large and part is not None:
+                # produced alone: nothing after it on the partition was produced; replaced after this poll
+                self._refusals.append((part, entry, reason))
+            else:
+                # refused with a batch it shared: its vbucket cannot be continued without a gap
+                self.errors += 1
+                self._fail_vbucket(entry.vbucket, entry, f"Kafka refused a batch as too large: {reason}")
+            return
+        if err.fatal() or err.code() == KafkaError._FATAL:
+            self.fatal = f"{err.name()}: {err.str()}"
+            return
+        if err.code() in _TOPIC_GONE:
+            self.lost = (f"partition {part} of {self.topic} is gone ({err.name()}) after Kafka acknowledged "
+                         f"records up to offset {self._last_offset.get(part or 0, -1)} there")
+            return
+        self.errors += 1
+        if err.code() in _RENEWABLE:
+            # never delivered (or possibly, and then found in the tail): its DCP bytes go back to the window,
+            # as for a record dropped by renew_producer()
+            self._discard(entry)
+            # one line per producer, not one per record (thousands time out together)
+            self.timed_out += 1
+            if self.timed_out > 1:
+                return
+        if self.error is None:
+            self.error = KafkaException(err)
+        log.error("record for vbucket %d not delivered: %s", entry.vbucket, err)
 
     def _add_buffer_ack(self, p: DcpConnection, nbytes: int) -> None:
         """Count ``nbytes`` of delivered records for a DCP buffer-ack to ``p``. Acknowledged per batch, not per

@@ -417,3 +417,108 @@ def test_checkpoint_follower_from_the_beginning_reads_what_was_written_before_it
         assert follower.positions == {**old, 1: newer}
     finally:
         follower.close()
+
+
+def _count_reports(pub: Publisher) -> list[int]:
+    """Count the delivery reports the publisher's producer serves from now on (its callback, wrapped)."""
+    served = [0]
+    inner = pub._dr
+
+    def counting(err, msg) -> None:
+        served[0] += 1
+        inner(err, msg)
+
+    pub._dr = counting
+    return served
+
+
+def _publish_all(h: Harness) -> None:
+    """Pump until everything the engine has was published and acknowledged (mitigation off: from memory)."""
+    for _ in range(10_000):
+        if h.pub.pump() == 0 and h.pub.inflight == 0:
+            return
+        h.pub.kafka.poll(0.01)
+    raise AssertionError("publisher never settled")
+
+
+def _last_offsets(h: Harness) -> dict[int, int]:
+    """vbucket -> offset of its last record in the topic."""
+    out: dict[int, int] = {}
+    for _part, off, r in h.records():
+        out[r.vbucket] = max(out.get(r.vbucket, -1), off)
+    return out
+
+
+def test_records_between_delivery_reports_are_acknowledged_by_the_next_report(harness) -> None:
+    """docs/gateway.md "Publishing path": a data record followed by another of its partition in the same batch
+    is produced without a delivery report; the next report acknowledges it, its offset proving every record in
+    between was written. Positions still move to the exact offset of each vbucket's last record."""
+    h = harness(rollback_mitigation=False)
+    served = _count_reports(h.pub)
+    write(h.bucket, 400)
+    _publish_all(h)
+    recs = h.check()
+    assert h.pub.records_sent == h.pub.records_acked == len(recs)
+    # one report per batch run of a partition, not per record: 8 vbuckets, a few batches
+    assert 0 < served[0] <= len(recs) // 4
+    last = _last_offsets(h)
+    for vb in range(NVB):
+        assert h.pub.acked[vb].offset == last[vb]
+        assert h.pub.status(vb)["lag"] == 0
+
+
+def _one_vbucket_in_two_batches(harness) -> tuple[Harness, int]:
+    """One vbucket, 60 changes: the first pump publishes 10 DCP messages (its batch ends with a reported
+    record), the rest waits for the next pump. Returns the harness and the offset of batch 1's last record."""
+    h = harness(nvb=1, rollback_mitigation=False)
+    write(h.bucket, 60)
+    h.pub.pump(max_messages=10)
+    assert h.pub.flush(10) == 0
+    return h, h.pub._last_offset[0]
+
+
+def test_another_producer_writing_in_between_makes_the_partition_report_every_record(harness, caplog) -> None:
+    """More offsets than records between two reports: another producer wrote to the partition (a partition two
+    group members share when the topic has fewer partitions than vbuckets). The count proves nothing there any
+    more, so every later record of that partition is produced with a report of its own."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    h, first = _one_vbucket_in_two_batches(harness)
+    c = Consumer({"bootstrap.servers": h.broker.bootstrap_servers, "group.id": f"g{uuid.uuid4().hex[:6]}",
+                  "enable.auto.commit": False})
+    c.assign([TopicPartition(h.topic, 0, first)])
+    msg = c.poll(10)
+    c.close()
+    assert msg is not None and msg.error() is None and msg.offset() == first
+    other = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    # a copy of the gateway's last record: a valid record the checks below can read
+    other.produce(h.topic, msg.value(), msg.key(), partition=0, headers=msg.headers())
+    assert other.flush(10) == 0
+    served = _count_reports(h.pub)
+    with caplog.at_level("WARNING", logger="gateway.publisher"):
+        _publish_all(h)
+    assert "another producer writes to it" in caplog.text
+    assert h.pub.error is None and h.pub.errors == 0
+    assert h.pub.acked[0].offset == _last_offsets(h)[0]
+    before, sent = served[0], h.pub.records_sent
+    write(h.bucket, 20, start=60)
+    _publish_all(h)
+    assert served[0] - before == h.pub.records_sent - sent > 1  # one report per record now
+    assert h.pub.acked[0].offset == _last_offsets(h)[0]
+
+
+def test_fewer_offsets_than_records_between_two_reports_stops_as_after_a_delivery_timeout(harness) -> None:
+    """Fewer offsets than records between two reports: a record produced without a report was not written
+    (librdkafka failed it on its own and wrote the next). Nothing of that run is acknowledged and pump() raises
+    DeliveryTimedOut, after which the publisher resumes from the partitions' tails (as for a timed-out record).
+    Simulated by moving the publisher's last acknowledged offset one up, as if the broker had written one
+    record of the run fewer."""
+    h, first = _one_vbucket_in_two_batches(harness)
+    h.pub._last_offset[0] += 1
+    with pytest.raises(DeliveryTimedOut, match="not written"):
+        for _ in range(1000):
+            h.pub.pump()
+            h.pub.kafka.poll(0.01)
+    # nothing of the run acknowledged: the position stays at the snapshot before it
+    assert h.pub.acked[0].offset < first and h.pub.records_acked == first + 1
+    assert h.pub.dcp is not None and h.pub.dcp.unacked_bytes == 0  # its DCP bytes went back to the window
