@@ -896,10 +896,9 @@ class Publisher:
                         ppart, pvb, pkey, pvalue, pheaders = pend[0], pend[1], pend[2], pend[3], pend[4]
                         quiet = hot and ppart == part and part in reported_parts and part not in shared_parts
                         try:
-                            if quiet:
-                                produce(topic, pvalue, pkey, partition=ppart, headers=pheaders)
-                            else:
-                                produce(topic, pvalue, pkey, partition=ppart, headers=pheaders, on_delivery=dr)
+                            # positional (topic, value, key, partition, on_delivery, callback, timestamp (0:
+                            # now), headers): keyword arguments cost produce() a str and a dict lookup per name
+                            produce(topic, pvalue, pkey, ppart, None if quiet else dr, None, 0, pheaders)
                         except (BufferError, KafkaException):
                             # the general path produces it again and handles the refusal / full queue
                             self._produce_pending(pend, now)
@@ -958,7 +957,7 @@ class Publisher:
         queue is full or Kafka refuses it)."""
         part, vb, key, value, headers, size, after, item, pos = pend
         try:
-            self.kafka.produce(self.topic, value, key, partition=part, headers=headers, on_delivery=self._dr)
+            self.kafka.produce(self.topic, value, key, part, self._dr, None, 0, headers)  # as in _publish
         except (BufferError, KafkaException):
             self._produce(vb, KafkaRecord(key, value, headers), size, after, item,
                           (pos.vbuuid, pos.snap_start, pos.snap_end))
@@ -1040,8 +1039,7 @@ class Publisher:
         """Produce ``rec``; returns why the producer refused it as too large (None: queued). Raises
         :class:`_QueueFull` when librdkafka's queue has no room now (never waits for it)."""
         try:
-            self.kafka.produce(self.topic, rec.value, rec.key, partition=part, headers=rec.headers,
-                               on_delivery=self._dr)
+            self.kafka.produce(self.topic, rec.value, rec.key, part, self._dr, None, 0, rec.headers)  # as in _publish
         except BufferError:
             if len(self.kafka) == 0:
                 # nothing queued to wait for: the record alone is larger than the producer's queue
