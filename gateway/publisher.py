@@ -726,7 +726,7 @@ class Publisher:
                 continue
             self._hold(p, mine)
         if held:
-            n += self._release()
+            n += self._release(max_messages * max(1, len(self.source.producers())))
         # after the step: streams that ended (STATE_CHANGED) were published as stream-end records first
         self._follow()
         return n
@@ -737,7 +737,7 @@ class Publisher:
         msgs = dcp.step(max_messages)
         if msgs:
             self._hold(dcp, msgs)
-        return len(msgs) + (self._release() if self._held else 0)
+        return len(msgs) + (self._release(max_messages) if self._held else 0)
 
     def _hold(self, p: DcpConnection, msgs: list[DcpMessage]) -> None:
         """Queue ``msgs`` of connection ``p`` per vbucket until persisted (:meth:`_release`); a stream end is
@@ -758,21 +758,29 @@ class Publisher:
                     q = held[vb] = deque()
                 q.append(m)
 
-    def _release(self) -> int:
+    def _release(self, limit: int) -> int:
         """Publish held messages that are persisted on the active and every replica (Couchbase Kafka connector
         rollback mitigation). A snapshot is released only once its whole range is persisted everywhere: then
         a promoted replica's branch point is at or above the published snapshot's end, and kv_engine's
         needsRollback (rule 7: snap_end <= upper) answers "no rollback" to the re-request. Order is kept; the
-        marker is published before its items."""
+        marker is published before its items.
+
+        At most ``limit`` messages per call (a landed flush releases up to 16,384 at once: ~0.25 s of the
+        caller's thread, the service's event loop); a vbucket cut short goes to the back of the queue, so the
+        next call starts with the others."""
         released = 0
         safe_seen = self._safe
         since = self._held_since
         now = time.monotonic()
-        for vb in list(self._held):
-            q = self._held[vb]
+        held = self._held
+        for vb in list(held):
+            room = limit - released
+            if room <= 0:
+                break
+            q = held[vb]
             out: list[DcpMessage] = []
             safe = safe_seen.get(vb, 0)
-            while q:
+            while q and len(out) < room:
                 m = q[0]
                 if type(m) is SnapshotMarker and m.end > safe:
                     safe = self.source.persisted_everywhere(vb, self.sent[vb].vbuuid)
@@ -781,7 +789,9 @@ class Publisher:
                         break
                 out.append(q.popleft())
             if not q:
-                del self._held[vb]
+                del held[vb]
+            elif len(out) == room:
+                held[vb] = held.pop(vb)  # cut short by the limit: to the back
             if out:
                 since.pop(vb, None)
                 released += len(out)

@@ -18,7 +18,7 @@ import os
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 
@@ -53,6 +53,11 @@ from schemas.records import ValueFormat
 from schemas.topics import topic_name
 
 log = logging.getLogger(__name__)
+
+#: DCP messages one round of the service's loop steps (and as many held ones it releases) at most: ~15-20 ms of
+#: the loop's thread, which also serves the HTTP API and the KV port (a landed background flush holds up to
+#: 16,384 persisted items: ~0.25 s in one go)
+LOOP_PUMP_MESSAGES: Final = 256
 
 
 def _close_opened(setup: asyncio.Task[dict[str, Bucket]]) -> None:
@@ -478,7 +483,8 @@ class GatewayService:
         acked = pub.records_acked
         while not self._stopping.is_set():
             try:
-                n = pub.pump(wait_for_flush=False)  # never blocks the loop on a background flush
+                # never blocks the loop on a background flush, nor for long on publishing
+                n = pub.pump(LOOP_PUMP_MESSAGES, wait_for_flush=False)
                 if cluster is not None:
                     n += cluster.pump(rounds=1, flush=flush)  # replication: active -> replica DCP streams
                     if cluster.rebalance_running is not None:

@@ -522,3 +522,25 @@ def test_fewer_offsets_than_records_between_two_reports_stops_as_after_a_deliver
     # nothing of the run acknowledged: the position stays at the snapshot before it
     assert h.pub.acked[0].offset < first and h.pub.records_acked == first + 1
     assert h.pub.dcp is not None and h.pub.dcp.unacked_bytes == 0  # its DCP bytes went back to the window
+
+
+def test_a_pump_releases_at_most_max_messages_of_what_mitigation_held(harness) -> None:
+    """A landed background flush releases every item it persisted at once (up to 16,384: ~0.25 s of the
+    caller's thread, in `dcpgw up` the event loop that also serves the API and the KV port). pump(max_messages)
+    publishes at most that many of them per call; a vbucket cut short goes to the back, and the topic is still
+    exactly the engine's history."""
+    h = harness()
+    write(h.bucket, 600)
+    most = 0
+    for _ in range(20_000):
+        before = h.pub.records_sent
+        n = h.pub.pump(max_messages=16)
+        most = max(most, h.pub.records_sent - before)
+        if n == 0 and h.pub.inflight == 0 and not h.bucket.dirty_vbuckets:
+            break
+        if n == 0:
+            h.pub.kafka.poll(0.01)
+    else:
+        raise AssertionError("publisher never settled")
+    assert 0 < most <= 16
+    h.check()
