@@ -730,6 +730,10 @@ class NodeServer:
             # every vbucket's state in one answer (a gateway attached to running nodes learns the actives:
             # docs/scale-out.md)
             stats = {str(v.id): v.state.value for v in b.vbuckets()}
+        elif group == "vbucket-states packed":
+            # the same in one stat "vbuckets", "<vb>:<state>" separated by spaces: one frame instead of one per
+            # vbucket (every attached gateway asks every 0.5 s; reading 1024 frames cost it ~10 ms)
+            stats = {"vbuckets": " ".join(f"{v.id}:{v.state.value}" for v in b.vbuckets())}
         elif group == "vbucket-persisted":
             # what OBSERVE_SEQNO answers (_observe: latest vbuuid, persisted seqno -- a replica's end of its last
             # complete snapshot persisted) for every active and replica vbucket, in one stat "vbuckets" whose

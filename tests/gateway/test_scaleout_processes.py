@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from engine import VBucketState
 from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
 from tests.engine.process_model import actives_state
@@ -514,6 +515,34 @@ def test_persistence_polling_of_attached_nodes_agrees_with_observe_by_seqno(tmp_
     finally:
         c.close(clean=False)
 
+
+
+def test_attached_nodes_learn_the_map_from_packed_states_and_from_older_nodes_per_vbucket(tmp_path: Path) -> None:
+    """docs/scale-out.md: a gateway attached to running nodes learns every vbucket's active and replicas from
+    ``stats vbucket-states packed`` (one frame per node); from a node that does not know it (an older node:
+    asked again per vbucket) the same map, and no topology change."""
+    from gateway.source import AttachedNodesSource
+
+    c = ProcessCluster.start(tmp_path / "engine", nodes=2, replicas=1, num_vbuckets=NVB)
+    try:
+        src = AttachedNodesSource([f"{n.host}:{n.port}" for n in c.nodes.values()], "t", 1 << 20)
+        src.open()
+        try:
+            assert set(src._packed_states.values()) == {True}
+            by_addr = {f"{n.host}:{n.port}": name for name, n in c.nodes.items()}
+            for vb in range(NVB):
+                active = src.active_node(vb)
+                assert active is not None
+                assert c.vbucket_state(by_addr[active], vb) is VBucketState.ACTIVE
+                assert [c.vbucket_state(by_addr[r], vb) for r in src._replicas[vb]] == [VBucketState.REPLICA]
+            before = (list(src._active), list(src._replicas), src.topology())
+            src._packed_states = dict.fromkeys(src.nodes, False)  # as if the nodes were older
+            src.refresh()
+            assert (list(src._active), list(src._replicas), src.topology()) == before
+        finally:
+            src.close()
+    finally:
+        c.close(clean=False)
 
 def test_up_group_host_starts_an_exited_gateway_again_with_a_doubling_pause(tmp_path: Path) -> None:
     """docs/scale-out.md "dcpgw up --gateways": a child gateway process that exits is started again after

@@ -349,6 +349,23 @@ def test_vbucket_persisted_stat_follows_flushes_and_state_changes(spawn) -> None
     assert table()[0] == observed()[0] == (c.failover_log(0)[0].vbuuid, 3)
 
 
+
+def test_packed_vbucket_states_stat_equals_the_per_vbucket_one(spawn) -> None:
+    """``stats vbucket-states packed`` (one frame, what attached gateways read every 0.5 s) says what ``stats
+    vbucket-states`` (one frame per vbucket) says, after state changes too."""
+    c = spawn().require()
+
+    def packed() -> dict[str, str]:
+        raw = c.stats("vbucket-states packed")
+        assert list(raw) == ["vbuckets"]
+        return dict(e.split(":") for e in raw["vbuckets"].split())
+
+    assert packed() == c.stats("vbucket-states") and len(packed()) == NVB
+    c.set_vbucket_state(1, VBucketState.REPLICA)
+    c.set_vbucket_state(2, VBucketState.DEAD)
+    got = packed()
+    assert got == c.stats("vbucket-states") and (got["1"], got["2"], got["0"]) == ("replica", "dead", "active")
+
 class InProcessNode:
     """A :class:`NodeServer` on its own event loop in a thread, over a bucket of the test (as ``dcpgw up --gateways
     K`` serves its engine), and a client of it. :meth:`on_loop` runs a call on the loop that owns the bucket."""
