@@ -536,7 +536,8 @@ class RecordEncoder:
             value = b""
         else:
             branch = _BYTES_BRANCH
-            vlen = _varint(len(value) << 1)
+            z = len(value) << 1
+            vlen = _VARINT[z] if z < 0x4000 else _varint(z)  # (the call costs more than the lookup)
         # The CAS (a 60-bit clock): its bits above 28 change every 2**27 CAS units (~0.13 s of a nanosecond
         # clock), so their varint is remembered; the low 28 bits are two table pieces (2 bytes each, with the
         # continuation bit). Same bytes as _long(cas) (tests/schemas/test_codec.py).
@@ -558,7 +559,7 @@ class RecordEncoder:
             (
                 _CHANGE_PREFIX,
                 _OP_AVRO[op],
-                _varint(len(key) << 1),
+                _VARINT[len(key) << 1] if len(key) < 0x2000 else _varint(len(key) << 1),
                 key,
                 branch,
                 vlen,
