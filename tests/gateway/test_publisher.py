@@ -56,6 +56,19 @@ class Harness(BaseHarness):
         return recs
 
 
+def _rounds(h: Harness, **pump_kw: int) -> Iterator[None]:
+    """Pump until everything written is persisted, published and acknowledged, yielding after every round (the
+    caller watches the publisher between rounds)."""
+    for _ in range(20_000):
+        n = h.pub.pump(**pump_kw)
+        yield
+        if n == 0 and h.pub.inflight == 0 and not h.bucket.dirty_vbuckets:
+            return
+        if n == 0:
+            h.pub.kafka.poll(0.01)
+    raise AssertionError("publisher never settled")
+
+
 @pytest.fixture
 def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Callable[..., Harness]]:
     with harnesses(kafka_broker, tmp_path, Harness) as make:
@@ -286,15 +299,8 @@ def test_full_producer_queue_mid_batch_keeps_order_and_exactly_once(harness) -> 
     h.pub.open()
     write(h.bucket, 1500)
     most = 0
-    for _ in range(20_000):
-        n = h.pub.pump()
+    for _ in _rounds(h):
         most = max(most, h.pub.backlog)
-        if n == 0 and h.pub.inflight == 0 and not h.bucket.dirty_vbuckets:
-            break
-        if n == 0:
-            h.pub.kafka.poll(0.01)
-    else:
-        raise AssertionError("publisher never settled")
     assert most > 0  # the queue really was full
     h.check()
     assert h.pub.dcp is not None and h.pub.dcp.unacked_bytes == 0
@@ -532,15 +538,9 @@ def test_a_pump_releases_at_most_max_messages_of_what_mitigation_held(harness) -
     h = harness()
     write(h.bucket, 600)
     most = 0
-    for _ in range(20_000):
-        before = h.pub.records_sent
-        n = h.pub.pump(max_messages=16)
-        most = max(most, h.pub.records_sent - before)
-        if n == 0 and h.pub.inflight == 0 and not h.bucket.dirty_vbuckets:
-            break
-        if n == 0:
-            h.pub.kafka.poll(0.01)
-    else:
-        raise AssertionError("publisher never settled")
+    sent = h.pub.records_sent
+    for _ in _rounds(h, max_messages=16):
+        most = max(most, h.pub.records_sent - sent)
+        sent = h.pub.records_sent
     assert 0 < most <= 16
     h.check()
