@@ -911,7 +911,7 @@ class Publisher:
                             produce(topic, pvalue, pkey, ppart, None if quiet else dr, None, 0, pheaders)
                         except (BufferError, KafkaException):
                             # the general path produces it again and handles the refusal / full queue
-                            self._produce_pending(pend, now)
+                            self._produce_general(pend)
                             hot = hot and not backlog
                         else:
                             if not quiet:
@@ -965,12 +965,11 @@ class Publisher:
     def _produce_pending(self, pend: _Pending, now: float) -> None:
         """Produce the hot path's pending data record with a delivery report (the general path: also when the
         queue is full or Kafka refuses it)."""
-        part, vb, key, value, headers, size, after, item, pos = pend
+        part, vb, key, value, headers, size, after, _item, _pos = pend
         try:
             self.kafka.produce(self.topic, value, key, part, self._dr, None, 0, headers)  # as in _publish
         except (BufferError, KafkaException):
-            self._produce(vb, KafkaRecord(key, value, headers), size, after, item,
-                          (pos.vbuuid, pos.snap_start, pos.snap_end))
+            self._produce_general(pend)
             return
         self._reported_parts.add(part)
         self.records_sent += 1
@@ -979,6 +978,11 @@ class Publisher:
         if q is None:
             q = self._inflight[part] = deque()
         q.append(_Inflight(vb, size, after, False, self._owner[vb], None, None, 0, now))
+
+    def _produce_general(self, pend: _Pending) -> None:
+        """The hot path's pending data record through the general path (queue full, refused by produce())."""
+        _part, vb, key, value, headers, size, after, item, pos = pend
+        self._produce(vb, KafkaRecord(key, value, headers), size, after, item, (pos.vbuuid, pos.snap_start, pos.snap_end))
 
     def _produce(
         self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None,
@@ -1240,10 +1244,7 @@ class Publisher:
             return
         offset = msg.offset()
         assert offset is not None and part is not None  # delivered records have offsets
-        if offset <= self._last_offset.get(part, -1):
-            # offsets of a partition only grow: the broker lost the log the gateway had published there
-            self.lost = (f"partition {part} of {self.topic} lost its log: Kafka acknowledged a record at "
-                         f"offset {offset} after acknowledging offset {self._last_offset[part]}")
+        if self._log_lost(part, offset):
             return
         self._last_offset[part] = offset
         self.records_acked += 1
@@ -1274,11 +1275,9 @@ class Publisher:
             return
         offset = msg.offset()
         assert offset is not None  # delivered records have offsets
-        prev = self._last_offset.get(part, -1)
-        if offset <= prev:
-            self.lost = (f"partition {part} of {self.topic} lost its log: Kafka acknowledged a record at "
-                         f"offset {offset} after acknowledging offset {prev}")
+        if self._log_lost(part, offset):
             return
+        prev = self._last_offset.get(part, -1)
         records = sum(1 for e in run if not e.filtered)
         if offset - prev < records:
             # fewer offsets than records: one produced without a report was not written (librdkafka failed it
@@ -1310,28 +1309,22 @@ class Publisher:
         # reported record's own from its report
         at = prev
         reported = run[-1]
-        ack_to = self._ack_to
-        acked = self.acked
-        dirty = self._dirty_acked
         for e in run:
-            if e.filtered:
-                self._ack(e, at)
-                ack_to = self._ack_to
-                continue
-            at = offset if e is reported else at + 1
-            p = e.producer
-            if p is ack_to and p is not None:
-                self._ack_bytes += e.dcp_bytes
-            elif e.dcp_bytes and p is not None:
-                self._add_buffer_ack(p, e.dcp_bytes)
-                ack_to = self._ack_to
-            pos = e.pos
-            if pos is not None:
-                pos.offset = at
-                acked[e.vbucket] = pos
-                dirty.add(e.vbucket)
+            if not e.filtered:
+                at = offset if e is reported else at + 1
+            self._ack(e, at)
         while q and q[0].filtered:
             self._ack(q.popleft(), offset)
+
+    def _log_lost(self, part: int, offset: int) -> bool:
+        """Offsets of a partition only grow: a delivery report at or below one already acknowledged says the
+        broker lost the log the gateway had published there (:attr:`lost`; pump() raises TopicLost)."""
+        prev = self._last_offset.get(part, -1)
+        if offset > prev:
+            return False
+        self.lost = (f"partition {part} of {self.topic} lost its log: Kafka acknowledged a record at "
+                     f"offset {offset} after acknowledging offset {prev}")
+        return True
 
     def _delivery_failed(self, part: int | None, entry: _Inflight, err: KafkaError) -> None:
         """Kafka did not take ``entry``'s record (its delivery report said ``err``)."""

@@ -423,9 +423,8 @@ class AttachedNodesSource:
         #: every 100 ms) instead of one OBSERVE_SEQNO round trip per vbucket and pump; None for a node that
         #: does not know the stat group (it is observed per vbucket)
         self.persistence_poll_interval = persistence_poll_interval
-        self._persisted: dict[str, tuple[float, dict[int, tuple[int, int]] | None]] = {}
-        #: per node: the last ``stats vbucket-persisted`` text and its table
-        self._persisted_text: dict[str, tuple[str, dict[int, tuple[int, int]]]] = {}
+        #: per node: (when it was asked, its answer's text, the table parsed from it -- None: an older node)
+        self._persisted: dict[str, tuple[float, str, dict[int, tuple[int, int]] | None]] = {}
         #: per node: False when it does not know ``stats vbucket-states packed`` (asked per vbucket instead)
         self._packed_states: dict[str, bool] = {}
 
@@ -575,24 +574,22 @@ class AttachedNodesSource:
         when the node does not answer ``stats vbucket-persisted`` (an older node: observe per vbucket)."""
         now = self.clock()
         have = self._persisted.get(name)
-        if have is not None and (have[1] is None or now - have[0] < self.persistence_poll_interval):
-            return have[1]
+        if have is not None and (have[2] is None or now - have[0] < self.persistence_poll_interval):
+            return have[2]
         try:
             raw = self.nodes[name].stats("vbucket-persisted")
         except InvalidArgument:
-            self._persisted[name] = (now, None)
+            self._persisted[name] = (now, "", None)
             return None
         # "vb:vbuuid:seqno" entries separated by spaces, parsed in one pass (polled up to every 20 ms); the same
         # text as last time (no flush landed since: most polls during a bulk load) is not parsed again
         text = raw.get("vbuckets", "")
-        last = self._persisted_text.get(name)
-        if last is not None and last[0] == text:
-            table = last[1]
+        if have is not None and have[1] == text:
+            table = have[2]
         else:
             fields = map(int, text.replace(":", " ").split())
             table = {vb: (uuid, seqno) for vb, uuid, seqno in zip(fields, fields, fields, strict=True)}
-            self._persisted_text[name] = (text, table)
-        self._persisted[name] = (now, table)
+        self._persisted[name] = (now, text, table)
         return table
 
     def persisted_everywhere(self, vb: int, vbuuid: int) -> int:
