@@ -364,7 +364,10 @@ class CheckpointFollower:
         self.poll_s = poll_s
         #: vbucket -> the newest checkpointed position seen (replaced whole: read from any thread)
         self.positions: dict[int, PublishPosition] = {}
-        self._consumer = consumer(client_config, {"enable.auto.commit": False, "auto.offset.reset": "latest"},
+        # a fetch that finds nothing new waits at most a poll (librdkafka's default 500 ms: a checkpoint written
+        # just after an empty fetch was seen up to half a second late)
+        self._consumer = consumer(client_config, {"enable.auto.commit": False, "auto.offset.reset": "latest",
+                                                  "fetch.wait.max.ms": max(1, round(poll_s * 1000))},
                                   group_id=f"dcpgw-progress-{uuid.uuid4()}")
         self._consumer.assign([TopicPartition(checkpoint_topic_name(topic), 0,
                                               OFFSET_BEGINNING if from_beginning else OFFSET_END)])

@@ -17,8 +17,9 @@ import contextlib
 import itertools
 import socket
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,20 +143,32 @@ class _Connection:
             self.close()
             raise NodeUnavailable(f"{self.host}:{self.port} closed the connection")
         self.buf.feed(data)
-        # Whatever else is already buffered in the socket, without waiting.
+        self.drain(got=True)  # whatever else is already buffered in the socket, without waiting
+        return True
+
+    def drain(self, *, got: bool = False) -> bool:
+        """Buffer whatever the socket holds now, without waiting; False when it held nothing. A close by the
+        node raises :class:`NodeUnavailable` -- after the data before it, once that was buffered (``got``: the
+        caller buffered some already)."""
+        if self.closed:
+            raise NodeUnavailable(f"connection to {self.host}:{self.port} is closed")
         try:
             self.sock.setblocking(False)
             while True:
                 more = self.sock.recv(_RECV)
                 if not more:
-                    break
+                    if got:
+                        break  # the frames before the close are kept; the next drain reports it
+                    self.close()
+                    raise NodeUnavailable(f"{self.host}:{self.port} closed the connection")
                 self.buf.feed(more)
+                got = True
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as e:
             self.close()
             raise NodeUnavailable(f"{self.host}:{self.port}: {e}") from e
-        return True
+        return got
 
     def close(self) -> None:
         if not self.closed:
@@ -360,6 +373,10 @@ class RemoteNode:
         """Persist everything queued now (private FLUSH_NOW)."""
         self._call(Opcode.FLUSH_NOW)
 
+    def stats_poll(self, group: str, *, clock: Callable[[], float] = time.monotonic) -> StatsPoll:
+        """``stats group`` polled without waiting, on a connection of its own (:class:`StatsPoll`)."""
+        return StatsPoll(self.host, self.port, group, timeout=self.timeout, clock=clock)
+
     def dcp_producer(self, name: str, *, buffer_size: int = 0, poll_timeout: float = 0.05) -> RemoteDcpProducer:
         """Open a DCP producer connection named ``name`` on this node."""
         return RemoteDcpProducer(self.host, self.port, name, buffer_size=buffer_size, poll_timeout=poll_timeout,
@@ -370,6 +387,85 @@ class RemoteNode:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+class StatsPoll:
+    """One STAT group asked for again and again on a connection of its own, without the asker waiting for the
+    node: :meth:`ask` sends the request (one outstanding at most), :meth:`answer` returns the answer once all of
+    it arrived and None before. Rollback mitigation's persistence poll of a gateway attached to running nodes
+    (gateway/source.py, docs/scale-out.md "Persistence polling"): a node busy flushing answers late, and the
+    publishing loop goes on meanwhile instead of waiting for it."""
+
+    def __init__(self, host: str, port: int, group: str, *, timeout: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.host, self.port, self.group, self.timeout = host, port, group, timeout
+        self.clock = clock
+        self._conn: _Connection | None = None
+        self._opaque = 0
+        #: clock() when the outstanding request was sent (None: none outstanding)
+        self.asked_at: float | None = None
+        self._got: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"StatsPoll({self.group!r} {self.host}:{self.port})"
+
+    @property
+    def outstanding(self) -> bool:
+        return self.asked_at is not None
+
+    def ask(self) -> None:
+        """Send the request (nothing when one is outstanding). :class:`NodeUnavailable` when the node cannot
+        be reached."""
+        if self.asked_at is not None:
+            return
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = _Connection(self.host, self.port, self.timeout)
+        self._opaque = next(conn.opaques)
+        self._got = {}
+        conn.send(request(Opcode.STAT, key=self.group.encode(), opaque=self._opaque))
+        self.asked_at = self.clock()
+
+    def answer(self, wait: float = 0.0) -> dict[str, str] | None:
+        """The outstanding request's answer (one entry per statistic) once complete, waiting at most ``wait``
+        seconds for it; None before (or when nothing was asked). The node's error for the request as its typed
+        exception (e.g. :class:`InvalidArgument` for a group it does not know); :class:`NodeUnavailable` when the
+        connection broke or no answer came within the connection timeout."""
+        conn = self._conn
+        if self.asked_at is None or conn is None:
+            return None
+        deadline = self.clock() + wait
+        try:
+            while True:
+                for f in conn.buf.frames():
+                    if f.is_request or f.opaque != self._opaque:
+                        continue
+                    if f.status != Status.SUCCESS:
+                        self.asked_at = None
+                        raise error_from(f, 0)
+                    if not f.key:  # the terminator: the answer is complete
+                        self.asked_at = None
+                        return self._got
+                    self._got[f.key.decode()] = f.value.decode()
+                left = deadline - self.clock()
+                if not (conn.fill(left) if left > 0 else conn.drain()):
+                    if self.clock() - self.asked_at > self.timeout:
+                        conn.close()
+                        raise NodeUnavailable(f"{self}: no answer within {self.timeout} s")
+                    if left <= 0:
+                        return None
+        except ProtocolError:
+            conn.close()
+            raise
+        except NodeUnavailable:
+            self.asked_at = None
+            raise
+
+    def close(self) -> None:
+        self.asked_at = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 @dataclass
@@ -587,4 +683,4 @@ def connect(address: str, **kwargs: Any) -> RemoteNode:
     return RemoteNode(host or "127.0.0.1", int(port), **kwargs)
 
 
-__all__ = ["NodeObserve", "NodeUnavailable", "RemoteDcpProducer", "RemoteNode", "RemoteStream", "connect"]
+__all__ = ["NodeObserve", "NodeUnavailable", "RemoteDcpProducer", "RemoteNode", "RemoteStream", "StatsPoll", "connect"]

@@ -517,6 +517,86 @@ def test_persistence_polling_of_attached_nodes_agrees_with_observe_by_seqno(tmp_
 
 
 
+def test_persistence_poll_of_a_paused_node_goes_on_with_its_last_answer(tmp_path: Path) -> None:
+    """docs/scale-out.md "Persistence polling": only the first ``stats vbucket-persisted`` answer is waited for.
+    With the node paused (SIGSTOP) the request stays outstanding and rollback mitigation goes on with the last
+    answer (a blocking poll would wait for the connection timeout, then know nothing); once the node runs again
+    its answer is taken and a newer flush shows."""
+    from gateway.source import AttachedNodesSource
+
+    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB)
+    try:
+        node = c.node("n0")
+        addr = f"{node.host}:{node.port}"
+        keys = [f"k{i}" for i in range(40)]
+        for k in keys:
+            c.write(k, b'{"v": 1}')
+        c.client("n0").flush()
+        vb = c.vbucket_of(keys[0])
+        now = [0.0]
+        src = AttachedNodesSource([addr], "t", 1 << 20, persistence_poll_interval=1.0, timeout=120.0,
+                                  clock=lambda: now[0])
+        src.open()
+        try:
+            uuid = src.failover_log(vb)[0].vbuuid
+            high = c.client("n0").vbucket_info(vb).high_seqno
+            assert high > 0 and src.persisted_everywhere(vb, uuid) == high  # the first answer, waited for
+            poll = src._polls[addr]
+            assert not poll.outstanding  # the answer is younger than the interval: nothing asked yet
+            os.kill(node.pid or 0, signal.SIGSTOP)
+            try:
+                now[0] = 2.0
+                assert src.persisted_everywhere(vb, uuid) == high and poll.outstanding  # asked, not answered
+                now[0] = 4.0
+                assert src.persisted_everywhere(vb, uuid) == high and poll.outstanding  # still not waited for
+            finally:
+                os.kill(node.pid or 0, signal.SIGCONT)
+            more = [k for k in (f"m{i}" for i in range(400)) if c.vbucket_of(k) == vb][:5]
+            for k in more:
+                c.write(k, b'{"v": 2}')
+            c.client("n0").flush()
+            new_high = c.client("n0").vbucket_info(vb).high_seqno
+            assert new_high == high + len(more)
+
+            def moved() -> bool:
+                now[0] += 2.0
+                return src.persisted_everywhere(vb, uuid) == new_high
+
+            wait_for(moved, "the paused node's answers to reach the source once it runs again", 30)
+        finally:
+            src.close()
+    finally:
+        c.close(clean=False)
+
+
+def test_stats_poll_answers_typed_errors_and_a_closed_node(tmp_path: Path) -> None:
+    """engine/network/remote.py ``StatsPoll``: a stat group the node does not know is its typed error
+    (InvalidArgument: how the source tells an older node); a node that went away is NodeUnavailable."""
+    from engine import InvalidArgument
+    from engine.network.remote import NodeUnavailable, StatsPoll
+
+    c = ProcessCluster.start(tmp_path / "engine", nodes=1, replicas=0, num_vbuckets=NVB)
+    try:
+        node = c.node("n0")
+        poll = StatsPoll(node.host, node.port, "no-such-group", timeout=30.0)
+        poll.ask()
+        with pytest.raises(InvalidArgument):
+            poll.answer(30.0)
+        assert not poll.outstanding
+        ok = c.client("n0").stats_poll("vbucket-persisted")
+        assert ok.answer() is None  # nothing asked
+        ok.ask()
+        got = ok.answer(30.0)
+        assert got is not None and list(got) == ["vbuckets"] and len(got["vbuckets"].split()) == NVB
+    finally:
+        c.close(clean=False)
+    with pytest.raises(NodeUnavailable):  # (the send may still be taken by the kernel: then the answer fails)
+        ok.ask()
+        ok.answer(30.0)
+    poll.close()
+    ok.close()
+
+
 def test_attached_nodes_learn_the_map_from_packed_states_and_from_older_nodes_per_vbucket(tmp_path: Path) -> None:
     """docs/scale-out.md: a gateway attached to running nodes learns every vbucket's active and replicas from
     ``stats vbucket-states packed`` (one frame per node); from a node that does not know it (an older node:
