@@ -171,6 +171,11 @@ class _Inflight:
     #: record produced without a report: it is acknowledged by the next reported record of its partition, whose
     #: offset proves every record between them was written (docs/gateway.md "Publishing path", "Acknowledge")
     reported: bool = True
+    #: records this entry stands for: consecutive records of one vbucket on the partition produced without a
+    #: report are one entry (``dcp_bytes`` summed; ``pos`` the last position among them, after its
+    #: ``pos_at``-th record). Always 1 for a reported record and a filtered item.
+    count: int = 1
+    pos_at: int = 1
 
 
 class DeliveryBudget:
@@ -344,6 +349,8 @@ class Publisher:
         self.sent: dict[int, PublishPosition] = {vb: positions.get(vb, PublishPosition(vb)) for vb in range(nvb)}
         self.acked: dict[int, PublishPosition] = {vb: p.copy() for vb, p in self.sent.items()}
         self._inflight: dict[int, deque[_Inflight]] = {}
+        #: records in those FIFOs beyond one per entry (runs of unreported records share an entry: _Inflight.count)
+        self._merged = 0
         #: records librdkafka's queue had no room for (BufferError), oldest first, with their partitions:
         #: DCP is not stepped while any wait (docs/reliability.md "Stalled broker and health")
         self._backlog: deque[tuple[int, _Inflight, KafkaRecord | None]] = deque()
@@ -476,7 +483,7 @@ class Publisher:
     def unacked(self, vbuckets: Iterable[int]) -> int:
         """Records of ``vbuckets`` produced (or waiting to be) and not yet acknowledged by Kafka."""
         vbs = set(vbuckets)
-        n = sum(1 for q in self._inflight.values() for e in q if e.vbucket in vbs)
+        n = sum(e.count for q in self._inflight.values() for e in q if e.vbucket in vbs)
         n += sum(1 for _p, e, _r in self._backlog if e.vbucket in vbs)
         n += sum(1 for q in self._blocked.values() for e, _r in q if e.vbucket in vbs)
         return n
@@ -863,7 +870,7 @@ class Publisher:
         now = time.monotonic()  # one hand-over time per batch (oldest_unacked_age)
         # records_sent / bytes_sent of the hot path, counted here and added once (finally: also when an error
         # leaves the loop); the FIFO of the last partition produced to (a FIFO is never removed from _inflight)
-        sent_n = sent_bytes = 0
+        sent_n = sent_bytes = merged = 0
         last_part = -1
         last_q: deque[_Inflight] = deque()
         # The hot path's last data record, produced when the next message says whether it needs a delivery
@@ -925,8 +932,19 @@ class Publisher:
                                 if q is None:
                                     q = inflight[ppart] = deque()
                                 last_q = q
-                            last_q.append(_Inflight(pvb, pend[5], pend[6], False, owner[pvb], None, None, 0, now,
-                                                    not quiet))
+                            tail = last_q[-1] if quiet and last_q else None
+                            if tail is not None and not tail.reported and tail.vbucket == pvb \
+                                    and not tail.filtered and tail.producer is owner[pvb]:
+                                # the run goes on: one entry for it (no object and no acknowledgement per record)
+                                n = tail.count = tail.count + 1
+                                tail.dcp_bytes += pend[5]
+                                if pend[6] is not None:
+                                    tail.pos = pend[6]
+                                    tail.pos_at = n
+                                merged += 1
+                            else:
+                                last_q.append(_Inflight(pvb, pend[5], pend[6], False, owner[pvb], None, None, 0, now,
+                                                        not quiet))
                         pend = None
                     if hot:
                         pend = (part, vb, key, value, headers, size, after, m, pos)
@@ -961,6 +979,7 @@ class Publisher:
         finally:
             self.records_sent += sent_n
             self.bytes_sent += sent_bytes
+            self._merged += merged
 
     def _produce_pending(self, pend: _Pending, now: float) -> None:
         """Produce the hot path's pending data record with a delivery report (the general path: also when the
@@ -1146,10 +1165,11 @@ class Publisher:
                 if e.reported:
                     break
                 tail.append(e)
-            uncovered = sum(1 for e in tail if not e.filtered)
+            uncovered = sum(e.count for e in tail if not e.filtered)
             if uncovered:  # (filtered items alone after a reported record are acknowledged with it)
                 for e in tail:
                     q.pop()
+                    self._merged -= e.count - 1
                     self._discard(e)
                 self._reported_parts.discard(part)
                 log.warning("partition %d: %d record(s) produced without a delivery report are left "
@@ -1261,11 +1281,14 @@ class Publisher:
         order, and the records between two of them were produced by this producer, one after the other); a
         failed report fails them all, as if each had its own."""
         run = [first]
+        self._merged -= first.count - 1
         while not run[-1].reported:
             if not q:
                 log.error("delivery report for partition %s: the records before it are not in flight", part)
                 return
-            run.append(q.popleft())
+            e = q.popleft()
+            self._merged -= e.count - 1
+            run.append(e)
         if err is not None:
             for e in run:
                 if e.filtered:
@@ -1278,7 +1301,7 @@ class Publisher:
         if self._log_lost(part, offset):
             return
         prev = self._last_offset.get(part, -1)
-        records = sum(1 for e in run if not e.filtered)
+        records = sum(e.count for e in run if not e.filtered)
         if offset - prev < records:
             # fewer offsets than records: one produced without a report was not written (librdkafka failed it
             # on its own, e.g. message.timeout.ms while queued, and wrote the next). The positions after the
@@ -1306,13 +1329,18 @@ class Publisher:
         self.records_acked += records
         # each record's offset: counted from the previous report's (exact when nothing else wrote in between,
         # else at or below the record's: a checkpoint's tail replay then starts early, never late); the
-        # reported record's own from its report
+        # reported record's own from its report. An entry of several records: its position's record's offset.
         at = prev
         reported = run[-1]
         for e in run:
-            if not e.filtered:
-                at = offset if e is reported else at + 1
-            self._ack(e, at)
+            if e.filtered:
+                self._ack(e, at)
+            elif e is reported:
+                at = offset
+                self._ack(e, at)
+            else:
+                self._ack(e, at + e.pos_at)
+                at += e.count
         while q and q[0].filtered:
             self._ack(q.popleft(), offset)
 
@@ -1409,7 +1437,7 @@ class Publisher:
     def inflight(self) -> int:
         """Records not yet acknowledged: produced, waiting behind a large record, or waiting for room in
         librdkafka's queue."""
-        n = sum(len(q) for q in self._inflight.values()) + len(self._backlog)
+        n = sum(len(q) for q in self._inflight.values()) + self._merged + len(self._backlog)
         if self._blocked:
             n += sum(len(q) for q in self._blocked.values())
         return n
@@ -1518,8 +1546,9 @@ class Publisher:
         for q in self._inflight.values():
             for e in q:
                 self._discard(e)
-            dropped += len(q)
+                dropped += e.count
         self._inflight.clear()
+        self._merged = 0
         for _part, e, _rec in self._backlog:
             self._discard(e)
         dropped += len(self._backlog)

@@ -473,6 +473,25 @@ def test_records_between_delivery_reports_are_acknowledged_by_the_next_report(ha
         assert h.pub.status(vb)["lag"] == 0
 
 
+def test_a_run_of_unreported_records_is_one_entry_counting_them(harness) -> None:
+    """Records of one vbucket produced without a report one after the other share one in-flight entry
+    (``_Inflight.count``): ``inflight`` still counts records, the next report acknowledges them all, and the
+    vbucket's position moves to the exact offset of its last record."""
+    h = harness(nvb=1, rollback_mitigation=False)
+    write(h.bucket, 60)
+    sent = h.pub.pump(max_messages=1000)
+    assert sent > 0
+    fifo = list(h.pub._inflight[0])
+    assert max(e.count for e in fifo) > 1 and all(e.count == 1 for e in fifo if e.reported)
+    assert sum(e.count for e in fifo) == h.pub.inflight == h.pub.records_sent - h.pub.records_acked
+    assert len(fifo) < h.pub.inflight
+    _publish_all(h)
+    recs = h.check()
+    assert h.pub.records_sent == h.pub.records_acked == len(recs) and h.pub.inflight == 0 and h.pub._merged == 0
+    assert h.pub.acked[0].offset == _last_offsets(h)[0]
+    assert h.pub.dcp is not None and h.pub.dcp.unacked_bytes == 0  # every record's DCP bytes acknowledged
+
+
 def _one_vbucket_in_two_batches(harness) -> tuple[Harness, int]:
     """One vbucket, 60 changes: the first pump publishes 10 DCP messages (its batch ends with a reported
     record), the rest waits for the next pump. Returns the harness and the offset of batch 1's last record."""
