@@ -31,7 +31,6 @@ from typing import Any
 
 # Only what the raw reader needs at module level: a reader process imports no more than an application would.
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from bench.topic_fill import fill_topic
 
@@ -54,10 +53,8 @@ def raw_consume(client: dict[str, Any], topic: str, batch: int = 2000) -> tuple[
     # from their start, as the client: at their first offsets, asked for in one request (the client's start,
     # ChangeStreamConsumer._earliest; OFFSET_BEGINNING, resolved by librdkafka partition by partition, comes
     # ~0.2 s later to the first record of 1024 partitions)
-    admin = AdminClient(client)
-    futs = admin.list_offsets({TopicPartition(topic, p): OffsetSpec.earliest() for p in parts}, request_timeout=5)
-    starts = {tp.partition: f.result(timeout=5).offset for tp, f in futs.items()}
-    admin.poll(0)
+    got = c.offsets_for_times([TopicPartition(topic, p, 0) for p in parts], timeout=5)
+    starts = {tp.partition: tp.offset for tp in got if tp.error is None and tp.offset >= 0}
     c.assign([TopicPartition(topic, p, starts.get(p, OFFSET_BEGINNING)) for p in parts])
     pending = set(parts)
     n = 0

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior, Undo
 from connectors.client.replay import Change, ConsumerPosition, Oversize, Rollback, Snapshot, VBucketReplayer
@@ -55,14 +55,15 @@ log = logging.getLogger(__name__)
 
 class _NotAboutConsumerProperties(logging.Filter):
     """Drops librdkafka's CONFWARN that a consumer property of the caller's configuration "will be ignored by
-    this producer instance": the consumer's own AdminClient and dead-letter producer are given that
-    configuration (its connection and security settings), and its consumer tuning does not concern them."""
+    this producer instance": the consumer's dead-letter producer and the AdminClient that creates its topic are
+    given that configuration (its connection and security settings), and its consumer tuning does not concern
+    them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "is a consumer property and will be ignored" not in record.getMessage()
 
 
-#: where librdkafka's lines of the consumer's own AdminClient and dead-letter producer go (not raw to stderr)
+#: where librdkafka's lines of the consumer's dead-letter producer and AdminClient go (not raw to stderr)
 _aux_log = logging.getLogger(f"{__name__}.librdkafka")
 _aux_log.addFilter(_NotAboutConsumerProperties())
 
@@ -302,24 +303,24 @@ class ChangeStreamConsumer:
         """Manual assignment: the partitions read from their start get their first offset, asked for in one
         request, instead of OFFSET_BEGINNING -- which librdkafka resolves itself, partition by partition: the first
         records of a topic of 1024 partitions arrived 0.3-0.45 s after the assignment instead of 0.15 s
-        (docs/search.md "Performance"). Where the answer is missing or odd the partition keeps OFFSET_BEGINNING;
-        a failed request leaves them all so. Nothing else changes: the consumer still treats them as read from
-        their start (a log that starts later when it is fetched is reset to its start by librdkafka, as
-        before)."""
+        (docs/search.md "Performance"). The request is the consumer's own ``offsets_for_times`` at timestamp 0
+        (the first offset whose record's timestamp is >= 0: the first record kept), not an AdminClient's
+        ``list_offsets``: a new AdminClient per assignment crashed the process (SIGSEGV inside
+        ``AdminClient.list_offsets``) about once per dozen test-suite runs (docs/client.md). Where the answer is
+        missing or odd the partition keeps OFFSET_BEGINNING; a failed request leaves them all so. Nothing else
+        changes: the consumer still treats them as read from their start (a log that starts later when it is
+        fetched is reset to its start by librdkafka, as before)."""
         begin = [tp for tp in tps if tp.offset == OFFSET_BEGINNING]
         if not begin:
             return
-        admin: AdminClient | None = None
         try:
-            admin = AdminClient(self._client_conf)
-            futs = admin.list_offsets({TopicPartition(self.topic, tp.partition): OffsetSpec.earliest()
-                                       for tp in begin}, request_timeout=EARLIEST_TIMEOUT)
-            first = {tp.partition: f.result(timeout=EARLIEST_TIMEOUT).offset for tp, f in futs.items()}
-            admin.poll(0)  # (its last event served: librdkafka would log it as purged)
-        except Exception as e:  # (KafkaException, a timeout, a broker without ListOffsets v1+)
+            got = self.consumer.offsets_for_times([TopicPartition(self.topic, tp.partition, 0) for tp in begin],
+                                                  timeout=EARLIEST_TIMEOUT)
+        except (KafkaException, RuntimeError) as e:  # (a timeout, a broker without ListOffsets v1+)
             log.info("%s: the partitions' first offsets could not be asked for (%s): librdkafka resolves them",
                      self.topic, e)
             return
+        first = {r.partition: r.offset for r in got if r.error is None}
         for tp in begin:
             o = first.get(tp.partition)
             if isinstance(o, int) and o >= 0:

@@ -640,9 +640,9 @@ def test_a_decode_error_met_by_prefetch_is_raised_where_it_would_have_been(harne
 
 def test_a_fresh_manual_assignment_starts_at_the_partitions_first_offsets(harness: Any,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The partitions read from their start are assigned at their first offsets (asked for in one request),
-    not at OFFSET_BEGINNING; when that request fails they keep OFFSET_BEGINNING. Either way every record is
-    read."""
+    """The partitions read from their start are assigned at their first offsets (asked for in one request: the
+    consumer's own offsets_for_times, no AdminClient), not at OFFSET_BEGINNING; when that request fails they
+    keep OFFSET_BEGINNING. Either way every record is read."""
     h = harness(nvb=2)
     write(h.bucket, 20)
     h.settle()
@@ -659,11 +659,11 @@ def test_a_fresh_manual_assignment_starts_at_the_partitions_first_offsets(harnes
         assert _snapshot_docs(c) == h.bucket.state_snapshot()
     assert assigned == [[0, 0]]
 
-    class Failing:
-        def __init__(self, conf: Any) -> None:
+    class Failing(Recording):  # the request fails (the broker away): librdkafka resolves OFFSET_BEGINNING
+        def offsets_for_times(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
             raise consumer_module.KafkaException(KafkaError(KafkaError._TRANSPORT))
 
-    monkeypatch.setattr(consumer_module, "AdminClient", Failing)
+    monkeypatch.setattr(consumer_module, "Consumer", Failing)
     with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic) as c:
         assert _snapshot_docs(c) == h.bucket.state_snapshot()
     assert assigned[1] == [consumer_module.OFFSET_BEGINNING] * 2
@@ -672,7 +672,7 @@ def test_a_fresh_manual_assignment_starts_at_the_partitions_first_offsets(harnes
 def test_consumer_tuning_properties_raise_no_librdkafka_warning_from_its_own_clients(
         harness: Any, capfd: pytest.CaptureFixture[str]) -> None:
     """The caller's consumer tuning (session.timeout.ms, fetch.max.bytes, ...) also reaches the consumer's own
-    AdminClient (the partitions' first offsets) and dead-letter producer, which librdkafka made say on stderr
+    dead-letter producer and the AdminClient creating its topic, which librdkafka made say on stderr
     "Configuration property ... is a consumer property and will be ignored by this producer instance" -- noise
     about the caller's correct settings. Those clients log through Python logging, without that line."""
     h = harness(nvb=2)
