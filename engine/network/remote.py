@@ -402,8 +402,10 @@ class StatsPoll:
         self.clock = clock
         self._conn: _Connection | None = None
         self._opaque = 0
-        #: clock() when the outstanding request was sent (None: none outstanding)
+        #: clock() when the outstanding request was sent (None: none outstanding); the caller's bookkeeping --
+        #: waits and the no-answer timeout are real time (time.monotonic), whatever ``clock`` is
         self.asked_at: float | None = None
+        self._sent = 0.0
         self._got: dict[str, str] = {}
 
     def __repr__(self) -> str:
@@ -424,6 +426,7 @@ class StatsPoll:
         self._opaque = next(conn.opaques)
         self._got = {}
         conn.send(request(Opcode.STAT, key=self.group.encode(), opaque=self._opaque))
+        self._sent = time.monotonic()
         self.asked_at = self.clock()
 
     def answer(self, wait: float = 0.0) -> dict[str, str] | None:
@@ -434,7 +437,7 @@ class StatsPoll:
         conn = self._conn
         if self.asked_at is None or conn is None:
             return None
-        deadline = self.clock() + wait
+        deadline = time.monotonic() + wait
         try:
             while True:
                 for f in conn.buf.frames():
@@ -447,9 +450,9 @@ class StatsPoll:
                         self.asked_at = None
                         return self._got
                     self._got[f.key.decode()] = f.value.decode()
-                left = deadline - self.clock()
+                left = deadline - time.monotonic()
                 if not (conn.fill(left) if left > 0 else conn.drain()):
-                    if self.clock() - self.asked_at > self.timeout:
+                    if time.monotonic() - self._sent > self.timeout:
                         conn.close()
                         raise NodeUnavailable(f"{self}: no answer within {self.timeout} s")
                     if left <= 0:

@@ -571,7 +571,8 @@ def test_persistence_poll_of_a_paused_node_goes_on_with_its_last_answer(tmp_path
 
 def test_stats_poll_answers_typed_errors_and_a_closed_node(tmp_path: Path) -> None:
     """engine/network/remote.py ``StatsPoll``: a stat group the node does not know is its typed error
-    (InvalidArgument: how the source tells an older node); a node that went away is NodeUnavailable."""
+    (InvalidArgument: how the source tells an older node); a node that does not answer within the timeout or
+    went away is NodeUnavailable."""
     from engine import InvalidArgument
     from engine.network.remote import NodeUnavailable, StatsPoll
 
@@ -588,6 +589,17 @@ def test_stats_poll_answers_typed_errors_and_a_closed_node(tmp_path: Path) -> No
         ok.ask()
         got = ok.answer(30.0)
         assert got is not None and list(got) == ["vbuckets"] and len(got["vbuckets"].split()) == NVB
+        slow = StatsPoll(node.host, node.port, "vbucket-persisted", timeout=1.0, clock=lambda: 0.0)
+        os.kill(node.pid or 0, signal.SIGSTOP)  # a node that does not answer: NodeUnavailable after the timeout
+        try:
+            slow.ask()
+            assert slow.answer() is None and slow.outstanding
+            with pytest.raises(NodeUnavailable, match="no answer"):
+                slow.answer(3.0)  # real time, whatever the (frozen) clock says
+            assert not slow.outstanding
+        finally:
+            os.kill(node.pid or 0, signal.SIGCONT)
+            slow.close()
     finally:
         c.close(clean=False)
     with pytest.raises(NodeUnavailable):  # (the send may still be taken by the kernel: then the answer fails)
