@@ -425,8 +425,11 @@ class AttachedNodesSource:
         self.persistence_poll_interval = persistence_poll_interval
         #: per node: (when it was asked, its answer's text, the table parsed from it -- None: an older node)
         self._persisted: dict[str, tuple[float, str, dict[int, tuple[int, int]] | None]] = {}
-        #: per node: the persistence poll's own connection (answered without the publishing loop waiting)
+        #: per node: the persistence poll's own connection (answered without the publishing loop waiting), and
+        #: when its socket was last looked at for the answer (at most every quarter interval: mitigation asks
+        #: once per held vbucket, and each look is a system call)
         self._polls: dict[str, StatsPoll] = {}
+        self._looked: dict[str, float] = {}
         #: per node: False when it does not know ``stats vbucket-states packed`` (asked per vbucket instead)
         self._packed_states: dict[str, bool] = {}
 
@@ -576,8 +579,8 @@ class AttachedNodesSource:
         (docs/scale-out.md "Persistence polling"); None when the node does not know that stat group (an older
         node: observe per vbucket). The poll runs on a connection of its own and is not waited for (a node busy
         flushing answered a member's blocking poll after up to tens of milliseconds: 12 % of its time): an
-        answer is taken once it has arrived, and the next request goes out when the last answer is
-        ``persistence_poll_interval`` old. Only the first answer is waited for. A persisted seqno only grows
+        answer is taken once it has arrived (its socket looked at no more than every quarter interval), and the
+        next request goes out when the last answer is ``persistence_poll_interval`` old. Only the first answer is waited for. A persisted seqno only grows
         for a vbuuid, so an answer one poll old is a lower bound of the node's, as a fresh one is."""
         have = self._persisted.get(name)
         if have is not None and have[2] is None:
@@ -585,16 +588,20 @@ class AttachedNodesSource:
         poll = self._polls.get(name)
         if poll is None:
             poll = self._polls[name] = self.nodes[name].stats_poll("vbucket-persisted", clock=self.clock)
+        now = self.clock()
         try:
             asked = poll.asked_at
             if have is None:
                 poll.ask()
                 asked = poll.asked_at
                 raw = poll.answer(poll.timeout)
+            elif asked is not None and now - self._looked.get(name, -1e300) >= self.persistence_poll_interval / 4:
+                self._looked[name] = now
+                raw = poll.answer()
             else:
-                raw = poll.answer() if asked is not None else None
+                raw = None
         except InvalidArgument:
-            self._persisted[name] = (self.clock(), "", None)
+            self._persisted[name] = (now, "", None)
             return None
         except (TemporaryFailure, OSError):
             self._persisted.pop(name, None)  # nothing known until the node answers again
@@ -611,7 +618,7 @@ class AttachedNodesSource:
             have = self._persisted[name] = (asked, text, table)
         if have is None:
             raise NodeUnavailable(f"{name}: no answer to stats vbucket-persisted")
-        if not poll.outstanding and self.clock() - have[0] >= self.persistence_poll_interval:
+        if not poll.outstanding and now - have[0] >= self.persistence_poll_interval:
             with contextlib.suppress(TemporaryFailure, OSError):
                 poll.ask()  # (a node that cannot be reached: the next call tries again)
         return have[2]
@@ -662,6 +669,7 @@ class AttachedNodesSource:
         for poll in self._polls.values():
             poll.close()
         self._polls.clear()
+        self._looked.clear()
         self._persisted.clear()
 
 
