@@ -1001,7 +1001,8 @@ class Publisher:
     def _produce_general(self, pend: _Pending) -> None:
         """The hot path's pending data record through the general path (queue full, refused by produce())."""
         _part, vb, key, value, headers, size, after, item, pos = pend
-        self._produce(vb, KafkaRecord(key, value, headers), size, after, item, (pos.vbuuid, pos.snap_start, pos.snap_end))
+        self._produce(vb, KafkaRecord(key, value, headers), size, after, item,
+                      (pos.vbuuid, pos.snap_start, pos.snap_end))
 
     def _produce(
         self, vb: int, rec: KafkaRecord | None, dcp_bytes: int, pos: PublishPosition | None,

@@ -580,8 +580,9 @@ class AttachedNodesSource:
         node: observe per vbucket). The poll runs on a connection of its own and is not waited for (a node busy
         flushing answered a member's blocking poll after up to tens of milliseconds: 12 % of its time): an
         answer is taken once it has arrived (its socket looked at no more than every quarter interval), and the
-        next request goes out when the last answer is ``persistence_poll_interval`` old. Only the first answer is waited for. A persisted seqno only grows
-        for a vbuuid, so an answer one poll old is a lower bound of the node's, as a fresh one is."""
+        next request goes out when the last answer is ``persistence_poll_interval`` old. Only the first answer
+        is waited for. A persisted seqno only grows for a vbuuid, so an answer one poll old is a lower bound of
+        the node's, as a fresh one is."""
         have = self._persisted.get(name)
         if have is not None and have[2] is None:
             return None
