@@ -30,7 +30,8 @@ class GatewayMetrics:
                                      "refused a record as too large (oversize_policy=fail)", registry=r)
         self.events_per_s = Gauge("dcpgw_events_per_second", "Records acknowledged per second (since the "
                                   "previous scrape)", registry=r)
-        self.lag = Gauge("dcpgw_lag_items", "Sum over vbuckets of engine high seqno - acknowledged seqno",
+        self.lag = Gauge("dcpgw_lag_items", "Sum over vbuckets of how far the partition is from the engine "
+                         "(docs/gateway.md \"Lag\")",
                          registry=r)
         self.max_lag = Gauge("dcpgw_max_vbucket_lag_items", "Largest per-vbucket lag", registry=r)
         self.inflight = Gauge("dcpgw_inflight_records", "Records produced, not yet acknowledged", registry=r)

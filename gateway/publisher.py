@@ -1487,7 +1487,7 @@ class Publisher:
             "published_seqno": self.sent[vb].seqno,
             "acknowledged_seqno": acked.seqno,
             "acknowledged_offset": acked.offset,
-            "lag": max(0, high - acked.seqno),
+            "lag": self._lag_of(vb, high),
             "vbuuid": self.sent[vb].vbuuid,
         }
 
@@ -1501,17 +1501,29 @@ class Publisher:
                 self.observed.add(vb)
 
     def lag(self) -> tuple[int, int]:
-        """(total, worst) over vbuckets (streamed or observed) of the active's high seqno - the acknowledged
-        seqno."""
+        """(total, worst) of :meth:`_lag_of` over the vbuckets streamed or observed."""
         total = worst = 0
         src = self.source
-        acked = self.acked
         for vb in sorted(self.assigned | self.observed):
-            d = src.seqnos(vb)[0] - acked[vb].seqno
+            d = self._lag_of(vb, src.seqnos(vb)[0])
             if d > 0:
                 total += d
                 worst = max(worst, d)
         return total, worst
+
+    def _lag_of(self, vb: int, high: int) -> int:
+        """How far ``vb``'s partition is from the active's ``high`` seqno (docs/gateway.md "Lag"): the seqnos
+        not yet acknowledged; the seqnos the partition holds beyond it (the engine lost them: the rollback
+        record is owed); and at least 1 while a vbucket this publisher streams has no open stream or records
+        in flight that change its branch (a rollback record to the same seqno) -- 0 only when the partition
+        ends at the engine's own history."""
+        acked = self.acked[vb]
+        d = abs(high - acked.seqno)
+        if d == 0 and vb in self.assigned:
+            sent = self.sent[vb]
+            if vb not in self.streaming or sent.seqno != acked.seqno or sent.vbuuid != acked.vbuuid:
+                return 1
+        return d
 
     def following(self) -> dict[int, str]:
         """vbucket -> the node its stream reads from now (cluster mode; streaming vbuckets only)."""
