@@ -190,6 +190,9 @@ class GatewayService:
             # docs/scale-out.md "dcpgw up --gateways": this process serves the engine to K gateway child
             # processes (the group's members) and publishes nothing itself
             self.group = GroupHost(s, self.bootstrap_servers, self.bucket, self.topic)
+            # its lag is the group's over every vbucket from the start (docs/gateway.md "Lag"): the positions
+            # recovered here until the members' checkpoints say more
+            self.publisher.observe_positions(dict(self.publisher.acked))
             await self.group.start()
         from gateway.api import JsonAppRunner, build_app  # local: api imports this module for typing
 
