@@ -1514,14 +1514,19 @@ class Publisher:
     def _lag_of(self, vb: int, high: int) -> int:
         """How far ``vb``'s partition is from the active's ``high`` seqno (docs/gateway.md "Lag"): the seqnos
         not yet acknowledged; the seqnos the partition holds beyond it (the engine lost them: the rollback
-        record is owed); and at least 1 while a vbucket this publisher streams has no open stream or records
-        in flight that change its branch (a rollback record to the same seqno) -- 0 only when the partition
-        ends at the engine's own history."""
+        record is owed); at least 1 while a vbucket this publisher streams awaits its stream request (not opened
+        yet, or re-requested after the map changed) or has a record in flight that changes its branch (a
+        rollback record back to the same seqno). A vbucket waiting for an active (cluster mode: none can stream
+        it now, its high seqno reads 0) counts only the seqnos known to be unpublished."""
         acked = self.acked[vb]
-        d = abs(high - acked.seqno)
+        d = high - acked.seqno
+        if vb in self._waiting:
+            return max(0, d)
+        if d < 0:
+            return -d
         if d == 0 and vb in self.assigned:
             sent = self.sent[vb]
-            if vb not in self.streaming or sent.seqno != acked.seqno or sent.vbuuid != acked.vbuuid:
+            if self._topo is None or vb in self._detached or sent.seqno != acked.seqno or sent.vbuuid != acked.vbuuid:
                 return 1
         return d
 
