@@ -26,7 +26,7 @@ from connectors.search.backend import Checkpoint, Position
 from schemas.failover_log import FailoverEntry, rollback_point
 
 __all__ = ["CONSISTENCY_LEVELS", "GatewaySource", "MutationToken", "SourcePositions", "SourceUnavailable", "SourceVBucket",
-           "covered_seqno", "missing", "token_rollback"]
+           "covered_seqno", "lag_seqnos", "missing", "token_rollback"]
 
 CONSISTENCY_LEVELS: Final = ("not_bounded", "at_plus", "request_plus")
 
@@ -77,6 +77,15 @@ def covered_seqno(pos: Position | None, source_log: Sequence[FailoverEntry]) -> 
     if end is None:
         return 0
     return int(min(pos.seqno, end))
+
+
+def lag_seqnos(pos: Position | None, source: SourceVBucket) -> int:
+    """How far the index is from the source in one vbucket (docs/search.md "Lag"): the source's seqnos the
+    index does not reflect yet plus the seqnos the index holds beyond the source's history (a branch the source
+    lost: their rollback is still to come). 0 only when the index ends at the source's own history."""
+    covered = min(covered_seqno(pos, source.failover_log), source.high_seqno)
+    held = 0 if pos is None else pos.seqno
+    return source.high_seqno - covered + held - covered
 
 
 def token_rollback(token: MutationToken, source: SourceVBucket,

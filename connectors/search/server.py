@@ -18,13 +18,14 @@ from typing import Any, Final
 from aiohttp import web
 
 from connectors.exceptions import ConnectorError
-from connectors.search.backend import SearchError, SearchResult, SearchUnsupported
+from connectors.search.backend import Position, SearchError, SearchResult, SearchUnsupported
 from connectors.search.consistency import (
     CONSISTENCY_LEVELS,
     MutationToken,
     SourcePositions,
     SourceUnavailable,
     SourceVBucket,
+    lag_seqnos,
     missing,
     token_rollback,
 )
@@ -206,7 +207,7 @@ async def _with_lag(request: web.Request) -> dict[str, Any]:
             for vb, sv in sorted(source.items()):
                 row = by_vb.get(vb, {"vbucket": vb, "vbuuid": 0, "indexed_seqno": 0})
                 rows.append({**row, "source_high_seqno": sv.high_seqno,
-                             "lag": max(0, sv.high_seqno - int(row["indexed_seqno"]))})
+                             "lag": lag_seqnos(Position(int(row["vbuuid"]), int(row["indexed_seqno"])), sv)})
             st["vbuckets"] = rows
             st["lag"] = sum(r["lag"] for r in rows)
     return st
@@ -250,7 +251,7 @@ async def metrics(request: web.Request) -> web.Response:
                be["retries"])
         metric("dcpgw_search_backend_bulk_requests_total", "counter", "bulk requests sent", be["bulk_requests"])
     if "lag" in st:
-        lines += ["# HELP dcpgw_search_lag_seqnos source high seqno minus indexed seqno",
+        lines += ["# HELP dcpgw_search_lag_seqnos seqnos between the index and the source history (docs/search.md)",
                   "# TYPE dcpgw_search_lag_seqnos gauge"]
         lines += [f'dcpgw_search_lag_seqnos{{vbucket="{v["vbucket"]}"}} {v["lag"]}' for v in st["vbuckets"]]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

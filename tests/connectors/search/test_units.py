@@ -8,7 +8,14 @@ import datetime
 import pytest
 
 from connectors.search.backend import Checkpoint, Position
-from connectors.search.consistency import MutationToken, SourceVBucket, covered_seqno, missing, token_rollback
+from connectors.search.consistency import (
+    MutationToken,
+    SourceVBucket,
+    covered_seqno,
+    lag_seqnos,
+    missing,
+    token_rollback,
+)
 from connectors.search.mapping import DocumentMapping, MappingError
 from schemas.failover_log import FailoverEntry as E
 
@@ -54,6 +61,21 @@ def test_covered_seqno_follows_branches() -> None:
     cp = Checkpoint(1, {0: Position(20, 130)})
     assert missing(cp, {0: 101, 1: 0}, {0: src}) == [{"vbucket": 0, "wanted_seqno": 101, "indexed_seqno": 100}]
     assert missing(cp, {0: 100}, {0: src}) == []
+
+
+def test_lag_counts_what_is_missing_and_what_the_source_lost() -> None:
+    """docs/search.md "Lag": 0 only when the index ends at the source's own history."""
+    sv = SourceVBucket(0, 130, (E(30, 100), E(20, 50), E(10, 0)))
+    assert lag_seqnos(Position(30, 130), sv) == 0
+    assert lag_seqnos(Position(30, 120), sv) == 10
+    assert lag_seqnos(Position(20, 80), sv) == 50  # same history, behind
+    # the index holds 101..130 of branch 20, which the source lost at 100 (its seqnos 101..130 are another
+    # branch's): not caught up although the seqnos are equal
+    assert lag_seqnos(Position(20, 130), sv) == 30 + 30
+    assert lag_seqnos(Position(99, 40), sv) == 130 + 40  # a branch the source does not know
+    assert lag_seqnos(None, sv) == 130
+    # the source rolled back below the index (a crash lost writes the index has): the owed rollback counts
+    assert lag_seqnos(Position(30, 140), SourceVBucket(0, 120, sv.failover_log)) == 20
 
 
 def test_token_rollback_points() -> None:
