@@ -23,6 +23,7 @@ from gateway.resume import (
     recover_positions,
 )
 from schemas.codec import RecordEncoder
+from schemas.failover_log import FailoverEntry
 from schemas.records import RecordType, ValueFormat
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.harness import Harness as BaseHarness
@@ -192,6 +193,30 @@ def test_lag_is_not_zero_until_the_rollback_records_owed_after_a_crash_are_ackno
     h.settle()
     assert h.pub.lag() == (0, 0)
     h.check(expect_rollbacks=True)
+
+
+def test_an_observed_position_on_a_branch_the_engine_lost_is_lag_even_at_the_same_seqno(harness) -> None:
+    """docs/gateway.md "Lag", ``dcpgw up --gateways K``: the up process's publisher streams nothing and reports the
+    members' checkpointed positions. A position at the engine's high seqno but on a branch the engine lost (a crash,
+    then as many new writes) is not caught up; the engine's own position is."""
+    h = harness(nvb=1, rollback_mitigation=False)
+    write(h.bucket, 10)
+    h.bucket.flush_all()
+    h.settle()
+    own = h.pub.acked[0].copy()
+    assert own.seqno == h.bucket.vbucket(0).high_seqno > 0
+    lost = own.copy()
+    lost.on_failover_log([FailoverEntry(own.failover_log[0].vbuuid ^ 0x5A5A, 0)])  # a branch the engine never had
+    parent = Publisher(h.bucket, producer_conf(h.broker), h.topic, h.partitions, RecordEncoder(ValueFormat.AVRO),
+                       {}, vbuckets=[])
+    try:
+        parent.open()
+        parent.observe_positions({0: lost})
+        assert parent.lag() == (1, 1) and parent.status(0)["lag"] == 1
+        parent.observe_positions({0: own})
+        assert parent.lag() == (0, 0)
+    finally:
+        parent.close(timeout=5)
 
 
 def test_with_mitigation_a_crash_needs_no_rollback(harness) -> None:
