@@ -71,7 +71,7 @@ from gateway.kafka.clients import producer as kafka_producer
 from gateway.resume import PublishPosition
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
 from schemas.codec import Headers, RecordEncoder
-from schemas.failover_log import FailoverEntry, needs_rollback
+from schemas.failover_log import FailoverEntry, needs_rollback, rollback_point
 from schemas.records import KafkaRecord
 from schemas.topics import partition_for
 
@@ -1512,13 +1512,14 @@ class Publisher:
         return total, worst
 
     def _lag_of(self, vb: int, high: int) -> int:
-        """How far ``vb``'s partition is from the active's ``high`` seqno (docs/gateway.md "Lag"): the seqnos
-        not yet acknowledged; the seqnos the partition holds beyond it (the engine lost them: the rollback
-        record is owed); at least 1 while a vbucket this publisher streams awaits its stream request (not opened
-        yet, or re-requested after the map changed) or has a record in flight that changes its branch (a
-        rollback record back to the same seqno); for a vbucket another process publishes (observed), at least 1
-        while its reported position is on a branch the engine lost. A vbucket waiting for an active (cluster mode: none can stream
-        it now, its high seqno reads 0) counts only the seqnos known to be unpublished."""
+        """How far ``vb``'s partition is from the active's ``high`` seqno (docs/gateway.md "Lag"): the
+        seqnos not yet acknowledged; the seqnos the partition holds beyond it (the engine lost them: the
+        rollback record is owed); at least 1 while a vbucket this publisher streams awaits its stream request
+        (not opened yet, or re-requested after the map changed) or has a record in flight that changes its
+        branch (a rollback record back to the same seqno); for a vbucket another process publishes
+        (observed), at least 1 while its reported position is on a branch the engine lost. A vbucket waiting
+        for an active (cluster mode: none can stream it now, its high seqno reads 0) counts only the seqnos
+        known to be unpublished."""
         acked = self.acked[vb]
         d = high - acked.seqno
         if vb in self._waiting:
@@ -1532,19 +1533,27 @@ class Publisher:
                         or sent.vbuuid != acked.vbuuid:
                     return 1
             elif vb in self.observed and not self._on_engine_history(vb, acked, high):
-                return 1  # another process's position on a branch the engine lost: its rollback record is owed
+                # another process's position on a branch the engine lost: its rollback record is owed
+                return 1
         return d
 
     def _on_engine_history(self, vb: int, pos: PublishPosition, high: int) -> bool:
-        """Would the active stream ``vb`` from ``pos`` without a rollback (kv_engine ``needsRollback``)? Unknown
-        (no active now): True."""
+        """Would the active stream ``vb`` from ``pos`` without a rollback? The decision the stream request
+        from ``pos`` gets (engine/dcp/producer.py ``stream_request``): ``rollback_point`` with the position's
+        whole failover log, kv_engine ``needsRollback`` without one. Unknown (no active now): True."""
         try:
             engine_log = self.source.failover_log(vb)
         except (NotMyVBucket, TemporaryFailure):
             return True
         a = pos.request_args()
-        return needs_rollback(log=engine_log, start_seqno=a["start_seqno"], high_seqno=high, vbuuid=a["vbuuid"],
-                              snap_start=a["snap_start"], snap_end=a["snap_end"], purge_seqno=0) is None
+        start, snap_start, snap_end = a["start_seqno"], a["snap_start"], a["snap_end"]
+        if a["failover_log"]:
+            point = rollback_point(server_log=engine_log, client_log=a["failover_log"], start_seqno=start,
+                                   high_seqno=high, snap_start=snap_start, snap_end=snap_end, purge_seqno=0)
+        else:
+            point = needs_rollback(log=engine_log, start_seqno=start, high_seqno=high, vbuuid=a["vbuuid"],
+                                   snap_start=snap_start, snap_end=snap_end, purge_seqno=0)
+        return point is None
 
     def following(self) -> dict[int, str]:
         """vbucket -> the node its stream reads from now (cluster mode; streaming vbuckets only)."""
