@@ -81,6 +81,35 @@ HTTP_TIMEOUT = 10.0
 REFUSED_CONNECTION = -1
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the engine's storage writer processes among them), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def cap_file_size(pid: int, limit: int | None) -> None:
+    """A full disk for ``pid`` and every process it started (a real full disk stops them all: the engine's
+    storage writer process writes the data files): RLIMIT_FSIZE lowered to ``limit`` bytes, or back to the hard
+    limit with None. A process started later inherits its parent's limit."""
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError, ProcessLookupError):
+            hard = resource.prlimit(p, resource.RLIMIT_FSIZE)[1]
+            resource.prlimit(p, resource.RLIMIT_FSIZE, (hard if limit is None else limit, hard))
+
+
 def log(msg: str) -> None:
     print(f"chaos: {msg}", file=sys.stderr, flush=True)
 
@@ -523,9 +552,7 @@ class History:
                 self.windows.append((now, time.monotonic() + 1.0, kind))
         elif kind == "disk_full":
             limit = max([f.stat().st_size for f in s.data.rglob("*") if f.is_file()] or [0])
-            with contextlib.suppress(OSError):
-                hard = resource.prlimit(s.gw.pid, resource.RLIMIT_FSIZE)[1]
-                resource.prlimit(s.gw.pid, resource.RLIMIT_FSIZE, (limit, hard))
+            cap_file_size(s.gw.pid, limit)
         elif kind == "slow_consumer":
             if s.rep is not None:
                 s.rep.signal(signal.SIGSTOP)
@@ -566,9 +593,7 @@ class History:
         if kind == "broker_pause":
             camp.broker.resume()
         elif kind == "disk_full":
-            with contextlib.suppress(OSError, ProcessLookupError):
-                hard = resource.prlimit(s.gw.pid, resource.RLIMIT_FSIZE)[1]
-                resource.prlimit(s.gw.pid, resource.RLIMIT_FSIZE, (hard, hard))
+            cap_file_size(s.gw.pid, None)
         elif kind == "slow_consumer" and s.rep is not None:
             s.rep.signal(signal.SIGCONT)
         elif kind in ("failover", "rebalance"):

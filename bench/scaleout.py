@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.chaos import process_tree
 from engine.network.process_cluster import ProcessCluster
 from gateway.resume import CheckpointFollower
 
@@ -36,6 +37,11 @@ def _cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _CLK
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """:func:`_cpu_s` of ``pid`` and its descendants (an engine node's storage writer process)."""
+    return sum(_cpu_s(p) for p in process_tree(pid))
 
 
 def _peak_rss_mib(pid: int) -> float:
@@ -122,7 +128,7 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
         follower = CheckpointFollower(client, topic, poll_s=0.05, from_beginning=True)
         follower.start()
         cpu0 = {p.pid: _cpu_s(p.pid) for p, _l in members}
-        node_cpu0 = _cpu_s(node.pid or 0)
+        node_cpu0 = _tree_cpu_s(node.pid or 0)
         t = time.perf_counter()
         cluster.start_persistence("n0")
         while True:
@@ -142,7 +148,7 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
         rss = {f"gateway{j}": _peak_rss_mib(p.pid) for j, (p, _l) in enumerate(members)}
         rss["engine"] = _peak_rss_mib(node.pid or 0)
         cpu = sum(_cpu_s(p.pid) - cpu0[p.pid] for p, _l in members)
-        return {"rate": n / el, "wall_s": el, "cpu_s": cpu, "engine_cpu_s": _cpu_s(node.pid or 0) - node_cpu0,
+        return {"rate": n / el, "wall_s": el, "cpu_s": cpu, "engine_cpu_s": _tree_cpu_s(node.pid or 0) - node_cpu0,
                 "rss_mib": max(v for name, v in rss.items() if name != "engine"), "rss_mib_per_process": rss,
                 "gateways": k, "delivery_recoveries": sum(_recoveries(log) for _p, log in members)}
     finally:

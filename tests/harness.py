@@ -3,6 +3,8 @@ client and Spark tests)."""
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,6 +22,21 @@ from tests.gateway.kafka_util import TopicChecks
 
 #: vbuckets of a ClusterHarness
 CLUSTER_NVB = 8
+
+
+def process_gone(pid: int, timeout: float = 30.0) -> bool:
+    """``pid`` ended within ``timeout`` (it no longer exists, or is a zombie of ours)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1].startswith("Z"):
+                    return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def producer_conf(broker: Broker) -> dict[str, Any]:

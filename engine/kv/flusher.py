@@ -8,46 +8,16 @@ nothing is lost: the cursors and persisted seqnos are restored and the vbuckets 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 from engine.exceptions import StorageError
 from engine.kv.checkpoint import PERSISTENCE_CURSOR
 from engine.kv.item import Item
-from engine.kv.storage import Row, Storage, VBucketRecord, vbucket_record
-from engine.kv.stored_value import HAS_SYNC, HEADER, HEADER_SIZE, NO_VALUE, unpack
+from engine.kv.storage import STORED_VALUE_LAYOUT, Storage, VBucketRecord, _packed, vbucket_record
+from engine.kv.storage_writer import stored_rows
 from engine.kv.vbucket import VBucket
-
-
-def _rows(batches: list[tuple[int, list[bytes], list[Item | bytes]]], superseded: list[tuple[int, int, int]]) -> Iterator[Row]:
-    """The rows of ``batches`` (a vbucket and the entries read from its checkpoints), made as SQLite takes them
-    -- a stored value straight from its header, no Item in between, so a batch of a quarter million items leaves
-    no quarter million objects behind (docs/engine.md "Item layout and memory") -- and the "superseded" marks
-    they imply, appended to ``superseded`` on the way."""
-    head = HEADER.unpack_from
-    h = HEADER_SIZE
-    add = superseded.append
-    for vbid, keys, entries in batches:
-        for key, e in zip(keys, entries, strict=True):
-            if type(e) is bytes:
-                seqno, cas, rev, prev, flags, exp, dt, bits = head(e)
-                if not bits & (HAS_SYNC | NO_VALUE):
-                    yield (vbid, seqno, key, e[h:], flags, exp, cas, rev, dt, bits)
-                    if prev:
-                        add((seqno, vbid, prev))
-                    continue
-                it = unpack(key, e, vbid)
-            else:
-                it = e  # type: ignore[assignment]
-            sync = it.sync  # prepared << 2 | level (engine/kv/item.py)
-            yield (vbid, it.seqno, it.key, it.value, it.flags, it.expiry, it.cas, it.rev_seqno, it.datatype,
-                   it.op.value | (sync & 3) << 4)
-            if it.prev_seqno:
-                add((it.seqno, vbid, it.prev_seqno))
-            if sync > 3:  # a commit / abort supersedes its prepare on disk (docs/durability.md)
-                add((it.seqno, vbid, sync >> 2))
 
 
 @dataclass(slots=True)
@@ -174,7 +144,8 @@ class Flusher:
             return 0
         records, boundaries = self._records(batch)
         try:
-            self.storage.flush(_rows(batch.batches, batch.superseded), batch.superseded, records, boundaries)
+            rows = stored_rows(_packed(batch.batches), batch.superseded, STORED_VALUE_LAYOUT)
+            self.storage.flush(rows, batch.superseded, records, boundaries)
         except Exception as e:
             self._failed(e)
             dirty = self.dirty
@@ -214,9 +185,9 @@ class Flusher:
         if batch is None:
             return 0
         records, boundaries = self._records(batch)
-        rows = list(chain.from_iterable(_rows(batch.batches, batch.superseded)))
         self._inflight = batch
-        self.storage.submit_flush(rows, batch.superseded, records, boundaries, self._land)
+        # the writer process makes the rows and the superseded marks (engine/kv/storage_writer.py)
+        self.storage.submit_flush(batch.batches, records, boundaries, self._land)
         return batch.count
 
     def _land(self, err: StorageError | None) -> None:

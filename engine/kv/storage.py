@@ -18,17 +18,22 @@ Every flush is one transaction: a disk snapshot with its seqno range (docs/engin
 consistency").
 
 A flush can also run in the background (:meth:`Storage.submit_flush`, docs/engine.md "Background flush"): the
-same transaction on a writer thread of the storage's own, with its own connection, in multi-row statements so
-that SQLite works with the GIL released. At most one is in flight, and every other method of the storage first
-waits for it and hands its outcome to the submitter's callback: the database is only ever used by one side at a
-time, and what a caller reads or writes comes after the background transaction, as if it had run inline.
+same transaction in the storage's writer process (engine/kv/storage_writer.py), with its own connection, which
+makes the rows from the stored values and binds them in multi-row statements on an interpreter of its own. At
+most one is in flight, and every other method of the storage first waits for it and hands its outcome to the
+submitter's callback: the database is only ever used by one side at a time, and what a caller reads or writes
+comes after the background transaction, as if it had run inline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import marshal
+import os
 import sqlite3
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +42,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from engine.exceptions import StorageError
+from engine.kv import storage_writer
 from engine.kv.item import Item, Op
+from engine.kv.storage_writer import StoredValueLayout, VBucketBatch, WriterSetup
+from engine.kv.stored_value import _SYNC, HAS_SYNC, HEADER, NO_VALUE, pack
 
 if TYPE_CHECKING:
     from engine.kv.vbucket import VBucket
@@ -115,27 +123,9 @@ _UPSERT_STATE: Final = (
 )
 _BOUNDARY: Final = "INSERT OR IGNORE INTO snapshots (vb, seqno) VALUES (?, ?)"
 
-#: rows per multi-row statement of a background flush (:func:`_write_rows`): each statement is one
-#: ``sqlite3_step`` with the GIL released, and each takes the GIL back once (up to the interpreter's switch
-#: interval, 5 ms, while the event loop's thread runs Python), so few large statements, not a step per row
+#: rows per multi-row statement of a background flush (engine/kv/storage_writer.py ``write_rows``): few large
+#: statements, each one ``sqlite3_step``, not a step per row
 MULTIROW_ROWS: Final = 2048
-
-
-def _write_rows(db: sqlite3.Connection, head: str, width: int, flat: Sequence[object], tail: str = "") -> None:
-    """``head VALUES (?,..),(?,..),.. tail`` over ``flat`` (rows of ``width`` values laid end to end), in
-    statements of at most :data:`MULTIROW_ROWS` rows and of at most the connection's limit of parameters
-    (SQLite's SQLITE_MAX_VARIABLE_NUMBER: 32,766 by default, 999 in builds older than 3.32); the full-size
-    statement is cached by the connection."""
-    per = max(1, min(MULTIROW_ROWS, db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // width))
-    row = "(" + ",".join("?" * width) + ")"
-    step = per * width
-    full = f"{head}{','.join([row] * per)}{tail}"
-    for i in range(0, len(flat), step):
-        part = flat[i:i + step]
-        n = len(part) // width
-        db.execute(full if n == per else f"{head}{','.join([row] * n)}{tail}", part)
-
-
 _INSERT_HEAD: Final = _INSERT[:_INSERT.index("VALUES") + 7]
 _STATE_HEAD: Final = _UPSERT_STATE[:_UPSERT_STATE.index("VALUES") + 7]
 _BOUNDARY_HEAD: Final = _BOUNDARY[:_BOUNDARY.index("VALUES") + 7]
@@ -180,8 +170,8 @@ class VBucketRecord:
 #: SQLite's page cache of a storage connection, KiB: a fixed amount per bucket, not per item (docs/performance.md
 #: "Engine"); :meth:`Storage.release_cache` hands it back
 PAGE_CACHE_KIB: Final = 65536
-#: the interpreter's switch interval once a storage runs a writer thread: the writer takes the GIL back after each
-#: statement (and to start a flush), and waits for the thread running Python -- the event loop's -- to drop it,
+#: the interpreter's switch interval once a storage runs a writer thread: the writer takes the GIL back to hand a
+#: flush to its process and its outcome back, and waits for the thread running Python -- the event loop's -- to drop it,
 #: up to the switch interval (CPython's default, 5 ms). At 1 ms a background flush starts in ~1.3 ms instead of
 #: ~5 ms and rollback mitigation's write -> Kafka lag halves (docs/engine.md "Background flush": measured
 #: 2026-12-02); bulk publishing is not slower. Lowered only, never raised (a process may already use less).
@@ -199,9 +189,28 @@ def hand_gil_over_promptly() -> None:
 Landed = Callable[[StorageError | None], None]
 
 
+#: engine/kv/stored_value.py's layout, for the writer process (it imports nothing of the engine)
+STORED_VALUE_LAYOUT: Final[StoredValueLayout] = {
+    "header": HEADER.format, "sync": _SYNC.format, "no_value": NO_VALUE, "has_sync": HAS_SYNC}
+#: the writer process's script (run as a file: ``-I -S``, standard library only)
+_WRITER_SCRIPT: Final = str(Path(storage_writer.__file__).resolve())
+#: how long closing the storage waits for its writer process to exit before it kills it
+WRITER_EXIT_TIMEOUT_S: Final = 10.0
+
+
+def _packed(batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]]) -> list[VBucketBatch]:
+    """``batches`` with every entry a stored value: the items some writes queue (deletes, replica and sync
+    writes) packed as the hash table would pack them (engine/kv/stored_value.py)."""
+    out: list[VBucketBatch] = []
+    for vb, keys, entries in batches:
+        out.append((vb, keys, [e if isinstance(e, bytes) else pack(e) for e in entries]))
+    return out
+
+
 class Storage:
     """The bucket's SQLite store. Owned by the bucket and used from one thread, but for the writer thread of a
-    background flush (:meth:`submit_flush`), which no other method overlaps."""
+    background flush (:meth:`submit_flush`) -- the only user of the writer process -- which no other method
+    overlaps."""
 
     def __init__(self, path: Path, *, synchronous: str = "NORMAL") -> None:
         if synchronous.upper() not in ("OFF", "NORMAL", "FULL", "EXTRA"):
@@ -209,10 +218,10 @@ class Storage:
         self.path = path
         self._synchronous = synchronous.upper()
         self._busy_timeout_s = 5.0
-        #: the writer thread and its connection (made at the first background flush), the flush in flight and
-        #: its submitter's callback
+        #: the writer thread and the writer process it talks to (made at the first background flush; a process
+        #: that ended is made again at the next), the flush in flight and its submitter's callback
         self._writer: ThreadPoolExecutor | None = None
-        self._writer_db: sqlite3.Connection | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._job: Future[None] | None = None
         self._landed: Landed | None = None
         try:
@@ -239,11 +248,16 @@ class Storage:
     def busy_timeout_s(self, seconds: float) -> None:
         self.settle()
         self._busy_timeout_s = seconds
-        for db in (self._db, self._writer_db):
-            if db is not None:
-                db.execute(f"PRAGMA busy_timeout={int(seconds * 1000)}")
+        self._db.execute(f"PRAGMA busy_timeout={int(seconds * 1000)}")  # the writer process's: at each flush
 
     # ------------------------------------------------------------------ background flush
+    @property
+    def writer_pid(self) -> int | None:
+        """The pid of the writer process (engine/kv/storage_writer.py), None before the first background flush
+        and after it ended."""
+        proc = self._proc
+        return None if proc is None else proc.pid
+
     @property
     def flush_pending(self) -> bool:
         """A background flush was submitted and its outcome not handed over yet (:meth:`settle`)."""
@@ -254,47 +268,79 @@ class Storage:
         """No background flush is pending, or its transaction ended (:meth:`settle` would not wait)."""
         return self._job is None or self._job.done()
 
-    def submit_flush(self, rows: Sequence[object], superseded: Sequence[tuple[int, int, int]],
+    def submit_flush(self, batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]],
                      states: Iterable[VBucketRecord], boundaries: Sequence[tuple[int, int]],
                      landed: Landed) -> None:
-        """:meth:`flush` on the writer thread: ``rows`` are the rows laid end to end (10 values each, as
-        :data:`Row`). Returns at once; ``landed`` is called with None or the :class:`StorageError` from
-        :meth:`settle` (this thread), which every other method calls first."""
+        """:meth:`flush` in the writer process: ``batches`` are (vbucket, keys, entries) as the checkpoints
+        queued them (stored values or items), which the process makes the rows of. Returns at once; ``landed``
+        is called with None or the :class:`StorageError` from :meth:`settle` (this thread), which every other
+        method calls first."""
         self.settle()
-        params = [r.as_params() for r in states]
-        flat_states = [v for p in params for v in p]
-        # one mark per row, the last (an UPDATE ... FROM applies one of several matches, executemany the last)
-        last = {(vb, old): newer for newer, vb, old in superseded}
-        flat_marks = [v for (vb, old), newer in last.items() for v in (newer, vb, old)]
+        flat_states = [v for r in states for v in r.as_params()]
         flat_bounds = [v for b in boundaries for v in b]
+        busy_ms = int(self._busy_timeout_s * 1000)
+        try:
+            payload = marshal.dumps(("flush", busy_ms, batches, flat_states, flat_bounds))  # type: ignore[arg-type]
+        except ValueError:  # an entry is an Item (marshal takes built-in types only)
+            payload = marshal.dumps(("flush", busy_ms, _packed(batches), flat_states, flat_bounds))
         if self._writer is None:
             hand_gil_over_promptly()
             self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"storage-writer-{self.path.name}")
         self._landed = landed
-        self._job = self._writer.submit(self._write_batch, rows, flat_marks, flat_states, flat_bounds)
+        self._job = self._writer.submit(self._request, payload)
 
-    def _write_batch(self, rows: Sequence[object], marks: Sequence[object], states: Sequence[object],
-                     bounds: Sequence[object]) -> None:
-        """The writer thread: one background flush's transaction (what :meth:`flush` writes)."""
-        db = self._writer_db
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """The writer thread: start the writer process (from this thread, which it dies with) and set it up."""
+        setup: WriterSetup = {
+            "path": str(self.path), "synchronous": self._synchronous, "cache_kib": PAGE_CACHE_KIB,
+            "layout": STORED_VALUE_LAYOUT, "multirow_rows": MULTIROW_ROWS, "insert_head": _INSERT_HEAD,
+            "supersede_head": _SUPERSEDE_HEAD, "supersede_tail": _SUPERSEDE_TAIL, "boundary_head": _BOUNDARY_HEAD,
+            "state_head": _STATE_HEAD,
+        }
+        proc = subprocess.Popen([sys.executable, "-I", "-S", _WRITER_SCRIPT, str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert proc.stdin is not None
+        storage_writer.send(proc.stdin, marshal.dumps(dict(setup)))
+        return proc
+
+    def _request(self, payload: bytes) -> None:
+        """The writer thread: one request to the writer process and its reply; a failed request, or a process
+        that ended, is a :class:`StorageError` (a process that ended is started again at the next request)."""
         try:
-            if db is None:
-                db = self._writer_db = sqlite3.connect(str(self.path), timeout=self._busy_timeout_s,
-                                                       isolation_level=None, check_same_thread=False)
-                db.execute(f"PRAGMA synchronous={self._synchronous}")
-                db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
-            db.execute("BEGIN")
-            _write_rows(db, _INSERT_HEAD, 10, rows)
-            if marks:
-                _write_rows(db, _SUPERSEDE_HEAD, 3, marks, _SUPERSEDE_TAIL)
-            if bounds:
-                _write_rows(db, _BOUNDARY_HEAD, 2, bounds)
-            _write_rows(db, _STATE_HEAD, 10, states)
-            db.execute("COMMIT")
-        except sqlite3.Error as e:
-            if db is not None and db.in_transaction:
-                db.execute("ROLLBACK")
-            raise StorageError(f"flush failed: {e}") from e
+            proc = self._proc
+            if proc is None:
+                proc = self._proc = self._spawn()
+            assert proc.stdin is not None and proc.stdout is not None
+            storage_writer.send(proc.stdin, payload)
+            reply = storage_writer.receive(proc.stdout)
+        except OSError as e:  # could not start it, or its pipe broke (it ended)
+            reply = None
+            self._end_writer(kill=True)
+            raise StorageError(f"flush failed: the storage writer process: {e}") from e
+        if reply is None:
+            code = self._end_writer(kill=True)
+            raise StorageError(f"flush failed: the storage writer process ended (exit status {code})")
+        err = marshal.loads(reply)
+        if err is not None:
+            raise StorageError(f"flush failed: {err}")
+
+    def _end_writer(self, kill: bool = False) -> int | None:
+        """The writer thread: end the writer process (closing its stdin ends it after the request in hand;
+        ``kill`` does not wait) and reap it; its exit status."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        if kill:
+            proc.kill()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        try:
+            return proc.wait(WRITER_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
 
     def settle(self) -> None:
         """Wait for the background flush in flight, if any, and hand its outcome to its submitter."""
@@ -318,9 +364,9 @@ class Storage:
         self.settle()
         try:
             self._db.execute("PRAGMA shrink_memory")
-            if self._writer_db is not None:
-                self._writer_db.execute("PRAGMA shrink_memory")
-        except sqlite3.Error as e:
+            if self._writer is not None and self._proc is not None:
+                self._writer.submit(self._request, marshal.dumps(("shrink",))).result()
+        except (sqlite3.Error, StorageError) as e:
             raise StorageError(f"cannot release the page cache: {e}") from e
 
     # ------------------------------------------------------------------ meta
@@ -511,12 +557,10 @@ class Storage:
             self.settle()
         finally:
             if self._writer is not None:
+                self._writer.submit(self._end_writer).result()
                 self._writer.shutdown(wait=True)
                 self._writer = None
             try:
-                if self._writer_db is not None:
-                    self._writer_db.close()
-                    self._writer_db = None
                 self._db.close()
             except sqlite3.Error as e:  # pragma: no cover - close failure is unusual
                 raise StorageError(f"close failed: {e}") from e

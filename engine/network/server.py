@@ -89,7 +89,7 @@ log = logging.getLogger("engine.server")
 #: flow-control buffer of a replication connection (kv_engine ``dcp_conn_buffer_size``, 10 MiB)
 REPLICATION_BUFFER_BYTES = 10 * 1024 * 1024
 #: items per flush transaction: as kv_engine's flusher, which runs on a writer thread of its own and never holds
-#: up the front end, the transactions run on the storage's writer thread (docs/engine.md "Background flush")
+#: up the front end, the transactions run in the storage's writer process (docs/engine.md "Background flush")
 #: while the loop serves the connections; a backlog (1M items after START_PERSISTENCE) goes in steps
 FLUSH_STEP_ITEMS = 10_000
 #: how often the flusher task looks whether the transaction in flight ended (it only waits while one runs)
@@ -327,7 +327,7 @@ class NodeServer:
 
     async def _flusher(self) -> None:
         # kv_engine's flusher task: persist whatever the checkpoints queued, in seqno order, per vbucket -- in
-        # the background: the loop serves the connections while the writer thread commits a step; the step
+        # the background: the loop serves the connections while the writer process commits a step; the step
         # lands (persisted seqnos move, OBSERVE_SEQNO and the persist levels see it) once committed.
         b = self.bucket
         loop = asyncio.get_running_loop()

@@ -1,12 +1,11 @@
 """A full disk under the data directory must not stop publishing for good (found by bench.chaos, fault
 ``disk_full``): the engine's flush fails while no file there can grow, and once space is back every document
-written meanwhile reaches Kafka. Real process, real fault: RLIMIT_FSIZE of the running ``dcpgw up`` lowered
-with prlimit(2) to the size of its largest data file, then lifted."""
+written meanwhile reaches Kafka. Real process, real fault: RLIMIT_FSIZE of the running ``dcpgw up`` and its
+storage writer process lowered with prlimit(2) to the size of its largest data file, then lifted."""
 
 from __future__ import annotations
 
 import json
-import resource
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaos import cap_file_size
 from gateway.broker import Broker
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.gateway.processes import CLEAN_ENV, GatewayProc, call, request
@@ -47,8 +47,7 @@ def test_publishing_resumes_after_the_disk_was_full(kafka_broker: Broker, tmp_pa
 
         # The disk is full: no file of the data directory can grow.
         largest = max(f.stat().st_size for f in data.rglob("*") if f.is_file())
-        hard = resource.prlimit(proc.pid, resource.RLIMIT_FSIZE)[1]
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (largest, hard))
+        cap_file_size(proc.pid, largest)  # the process and its storage writer process
         pad = "x" * 2000
         for i in range(200):
             call(url + f"/docs/during{i}", "PUT", json.dumps({"n": i, "pad": pad}).encode())
@@ -69,7 +68,7 @@ def test_publishing_resumes_after_the_disk_was_full(kafka_broker: Broker, tmp_pa
         assert stats["flush_failures"] >= 1 and stats["flush_error"], stats
         metrics = _metrics(url)
         assert metrics["dcpgw_engine_flush_failing"] == 1 and metrics["dcpgw_engine_flush_failures"] >= 1, metrics
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (hard, hard))
+        cap_file_size(proc.pid, None)
 
         # Space is back: everything reaches Kafka (on main the publishing task had died: lag stayed > 0).
         deadline = time.monotonic() + 30

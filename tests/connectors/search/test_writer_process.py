@@ -23,24 +23,9 @@ from connectors.search.indexer import CHANGELOG_TABLE, SearchIndexer
 from connectors.search.mapping import DocumentMapping
 from connectors.search.tantivy_writer import TantivyWriterProcess, WriterProcessDied
 from tests.connectors.search.helpers import expected_index, index_contents
-from tests.harness import write
+from tests.harness import process_gone, write
 
 MAPPING = DocumentMapping.dynamic_default()
-
-
-def _gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        # a zombie of ours counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().split(") ")[-1].startswith("Z"):
-                return True
-        time.sleep(0.05)
-    return False
 
 
 def test_writer_killed_9_is_reported_and_the_index_ends_equal(harness: Any, tmp_path: Path) -> None:
@@ -91,7 +76,7 @@ def test_the_writer_exits_with_its_parent_and_a_new_one_waits_for_the_lock(tmp_p
     assert t.is_alive() and not got  # still waiting for the lock
     # the parent's end of the pipe closes (as when the indexer dies): the child exits, dropping "b"
     b.close()
-    assert _gone(pid)
+    assert process_gone(pid)
     t.join(30)
     assert got and got[0] is not None and got[0].generation == 1
     assert set(second.keys()) == {"a"}

@@ -323,14 +323,14 @@ def test_sigkill_with_a_background_flush_in_flight_keeps_every_landed_item(tmp_p
 def test_multirow_statements_stay_within_the_connections_parameter_limit(limit: int) -> None:
     """A background flush binds many rows per statement; SQLite builds before 3.32 allow 999 parameters, later
     ones 32,766 by default: the statements are cut to the connection's limit, and every row arrives."""
-    from engine.kv.storage import _write_rows
+    from engine.kv.storage_writer import write_rows
 
     db = sqlite3.connect(":memory:", isolation_level=None)
     db.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
     db.execute("CREATE TABLE t (a INTEGER PRIMARY KEY, b BLOB, c INTEGER)")
     rows = [(i, b"v%d" % i, 0) for i in range(5_000)]
-    _write_rows(db, "INSERT INTO t (a, b, c) VALUES ", 3, [v for r in rows for v in r])
-    _write_rows(db, "UPDATE t SET c=v.column2 FROM (VALUES ", 2, [v for i in range(0, 5_000, 2) for v in (i, 7)],
+    write_rows(db, "INSERT INTO t (a, b, c) VALUES ", 3, [v for r in rows for v in r], 2048)
+    write_rows(db, "UPDATE t SET c=v.column2 FROM (VALUES ", 2, [v for i in range(0, 5_000, 2) for v in (i, 7)], 2048,
                 ") AS v WHERE t.a=v.column1")
     assert db.execute("SELECT a, b, c FROM t ORDER BY a").fetchall() == [
         (i, b"v%d" % i, 7 if i % 2 == 0 else 0) for i in range(5_000)]

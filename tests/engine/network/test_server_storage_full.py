@@ -2,17 +2,18 @@
 node"): it keeps serving, says so once in its log and in its stats (``flush_failures``, ``flush_error``), retries
 with a pause that grows up to ``FLUSH_RETRY_MAX_S`` (not a warning every 10 ms), and once the disk has room again
 persists everything it acknowledged -- which a SIGKILL and a restart then find. Real process, real fault:
-RLIMIT_FSIZE of the running node lowered with prlimit(2) to the size of its largest data file, then lifted."""
+RLIMIT_FSIZE of the running node and its storage writer process lowered with prlimit(2) to the size of its largest
+data file, then lifted."""
 
 from __future__ import annotations
 
 import json
-import resource
 import time
 from typing import Any
 
 import pytest
 
+from bench.chaos import cap_file_size
 from engine.network.process_cluster import ProcessCluster
 from tests.engine.nodes import wait_for
 
@@ -40,8 +41,7 @@ def test_a_node_with_a_full_disk_keeps_serving_says_it_once_and_loses_nothing(ma
 
     # The disk is full: no file of the node's data directory can grow.
     largest = max(f.stat().st_size for f in node.data_dir.rglob("*") if f.is_file())
-    hard = resource.prlimit(node.pid, resource.RLIMIT_FSIZE)[1]
-    resource.prlimit(node.pid, resource.RLIMIT_FSIZE, (largest, hard))
+    cap_file_size(node.pid, largest)  # the process and its storage writer process
     try:
         pad = "x" * 2000
         i = 0
@@ -68,7 +68,7 @@ def test_a_node_with_a_full_disk_keeps_serving_says_it_once_and_loses_nothing(ma
         text = log.read_text(errors="replace")
         assert text.count("persisting failed") == 1, text[-3000:]
     finally:
-        resource.prlimit(node.pid, resource.RLIMIT_FSIZE, (hard, hard))
+        cap_file_size(node.pid, None)
 
     # Room again: everything acknowledged is persisted, the error clears, the log says so once.
     wait_for(lambda: _persisted_everything(c), timeout=30)
