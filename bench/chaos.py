@@ -63,6 +63,7 @@ from bench.chaos_model import (
     TopicReplay,
     Write,
 )
+from bench.processes import process_tree
 from gateway.broker import EmbeddedTansuBroker
 from schemas.records import RecordType
 
@@ -79,25 +80,6 @@ KEYS = ("histories", "faults", "acked", "acked_durable", "lost_durable", "diverg
 HTTP_TIMEOUT = 10.0
 #: the status :meth:`Http.call` answers when the connection was refused (the request was not sent)
 REFUSED_CONNECTION = -1
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (the engine's storage writer processes among them), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(parents.get(p, []))
-    return out
 
 
 def cap_file_size(pid: int, limit: int | None) -> None:

@@ -49,6 +49,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.processes import peak_rss_mib
 from bench.report import child_result, median_round, paired_rate_ratio
 
 NVB = 1024
@@ -131,11 +132,15 @@ def gateway_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path,
     cpu1, rss = _usage()
     acked = pub.records_acked
     pub.close()
-    b.close(clean=False)  # ends the storage's writer process: its usage is now this process's children's
+    # the storage's writer process: its peak RSS from its own /proc (its rusage counts the fork's, this
+    # process's, before its exec), its CPU once it ended (this process's children's)
+    writer = b.storage.writer_pid
+    writer_rss = peak_rss_mib(writer) if writer is not None else 0.0
+    b.close(clean=False)
     child = resource.getrusage(resource.RUSAGE_CHILDREN)
     writer_cpu = child.ru_utime + child.ru_stime
     return {"rate": n / el, "wall_s": el, "cpu_s": cpu1 - cpu0 + writer_cpu, "rss_mib": rss, "records": acked,
-            "writer_cpu_s": writer_cpu, "writer_rss_mib": child.ru_maxrss / 1024}
+            "writer_cpu_s": writer_cpu, "writer_rss_mib": writer_rss}
 
 
 def in_own_process(kind: str, conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path,

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.kv_wire import OP_SETQ, KvConnection, set_batches
+from bench.processes import cpu_seconds
 from bench.report import figure
 from engine import Bucket, BucketConfig
 
@@ -114,12 +115,6 @@ def kv_port_server(data_dir: Path, num_vbuckets: int = NUM_VBUCKETS) -> Iterator
         yield port, proc.pid
     finally:
         stop(proc)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def serve(data_dir: Path, port: int, num_vbuckets: int) -> None:

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.processes import cpu_seconds
+
 NVB = 1024
 VALUE = b'{"name": "' + b"x" * 244 + b'"}'
 TICK_S = 0.001
@@ -307,13 +309,10 @@ def raw_steady(conf: dict[str, Any], client: dict[str, Any], n: int, rate: float
 
 def broker_cpu_s(broker: Any) -> float | None:
     """CPU seconds the embedded broker's process used so far (None: not a local process we started)."""
-    try:
-        pid = broker.pid
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (AttributeError, OSError, ValueError, IndexError):
+    pid = getattr(broker, "pid", None)
+    if pid is None or not os.path.exists(f"/proc/{pid}"):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return cpu_seconds(pid)
 
 
 def pct(xs: list[float], p: float) -> float:

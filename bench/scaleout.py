@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.chaos import process_tree
+from bench.processes import cpu_seconds, peak_rss_mib, tree_cpu_seconds
 from engine.network.process_cluster import ProcessCluster
 from gateway.resume import CheckpointFollower
 
@@ -27,33 +27,6 @@ NVB = 1024
 VALUE = b'{"name": "' + b"x" * 244 + b'"}'
 _ASSIGNED = re.compile(r"group \S+: assigned \d+ coordination partitions, (\d+) vbuckets")
 _RECOVERED = re.compile(r"vbuckets resume from their partitions' tails in this process")
-_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (every thread), seconds."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLK
-
-
-def _tree_cpu_s(pid: int) -> float:
-    """:func:`_cpu_s` of ``pid`` and its descendants (an engine node's storage writer process)."""
-    return sum(_cpu_s(p) for p in process_tree(pid))
-
-
-def _peak_rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
 def _exited(members: list[tuple[subprocess.Popen[bytes], Path]], when: str) -> None:
     """Raise (one line naming the member, its status and its last error line) when a member has exited: the
     run cannot complete without it (its vbuckets wait a session timeout, or forever once none is left)."""
@@ -127,8 +100,8 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
         # librdkafka (reading the whole topic again every 50 ms took ~0.7 CPU s of a 3 s run on 2 cores)
         follower = CheckpointFollower(client, topic, poll_s=0.05, from_beginning=True)
         follower.start()
-        cpu0 = {p.pid: _cpu_s(p.pid) for p, _l in members}
-        node_cpu0 = _tree_cpu_s(node.pid or 0)
+        cpu0 = {p.pid: cpu_seconds(p.pid) for p, _l in members}
+        node_cpu0 = tree_cpu_seconds(node.pid or 0)
         t = time.perf_counter()
         cluster.start_persistence("n0")
         while True:
@@ -145,10 +118,10 @@ def scaleout_run(conf: dict[str, Any], client: dict[str, Any], n: int, tmp: Path
             _exited(members, "during the timed part")
             time.sleep(0.05)
         el = time.perf_counter() - t
-        rss = {f"gateway{j}": _peak_rss_mib(p.pid) for j, (p, _l) in enumerate(members)}
-        rss["engine"] = _peak_rss_mib(node.pid or 0)
-        cpu = sum(_cpu_s(p.pid) - cpu0[p.pid] for p, _l in members)
-        return {"rate": n / el, "wall_s": el, "cpu_s": cpu, "engine_cpu_s": _tree_cpu_s(node.pid or 0) - node_cpu0,
+        rss = {f"gateway{j}": peak_rss_mib(p.pid) for j, (p, _l) in enumerate(members)}
+        rss["engine"] = peak_rss_mib(node.pid or 0)
+        cpu = sum(cpu_seconds(p.pid) - cpu0[p.pid] for p, _l in members)
+        return {"rate": n / el, "wall_s": el, "cpu_s": cpu, "engine_cpu_s": tree_cpu_seconds(node.pid or 0) - node_cpu0,
                 "rss_mib": max(v for name, v in rss.items() if name != "engine"), "rss_mib_per_process": rss,
                 "gateways": k, "delivery_recoveries": sum(_recoveries(log) for _p, log in members)}
     finally:

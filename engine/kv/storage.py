@@ -194,6 +194,10 @@ STORED_VALUE_LAYOUT: Final[StoredValueLayout] = {
     "header": HEADER.format, "sync": _SYNC.format, "no_value": NO_VALUE, "has_sync": HAS_SYNC}
 #: the writer process's script (run as a file: ``-I -S``, standard library only)
 _WRITER_SCRIPT: Final = str(Path(storage_writer.__file__).resolve())
+#: ``marshal`` format of a flush request: version 2 writes no back-references -- version 4 looks every object up in
+#: a table of those already written, which doubled the calling thread's cost (measured 2026-12-02, 1M items in
+#: 62 flushes: 0.79 s at version 4, 0.36 s at version 2)
+MARSHAL_VERSION: Final = 2
 #: how long closing the storage waits for its writer process to exit before it kills it
 WRITER_EXIT_TIMEOUT_S: Final = 10.0
 
@@ -280,9 +284,10 @@ class Storage:
         flat_bounds = [v for b in boundaries for v in b]
         busy_ms = int(self._busy_timeout_s * 1000)
         try:
-            payload = marshal.dumps(("flush", busy_ms, batches, flat_states, flat_bounds))  # type: ignore[arg-type]
+            payload = marshal.dumps(("flush", busy_ms, batches, flat_states, flat_bounds),  # type: ignore[arg-type]
+                                    MARSHAL_VERSION)
         except ValueError:  # an entry is an Item (marshal takes built-in types only)
-            payload = marshal.dumps(("flush", busy_ms, _packed(batches), flat_states, flat_bounds))
+            payload = marshal.dumps(("flush", busy_ms, _packed(batches), flat_states, flat_bounds), MARSHAL_VERSION)
         if self._writer is None:
             hand_gil_over_promptly()
             self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"storage-writer-{self.path.name}")
