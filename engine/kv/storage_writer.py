@@ -18,9 +18,9 @@ Messages (the parent's writer thread <-> this process, on its stdin / stdout): a
 then a ``marshal`` payload. First the setup (:class:`WriterSetup` as a dict), then requests, each answered by
 one reply: ``("flush", busy_timeout_ms, batches, states, bounds)`` -> None once committed, else the error's
 text (the transaction rolled back); ``("shrink",)`` -> None. The end of stdin (the storage closed, or its
-process died) ends this process. It dies with the thread that started it (Linux ``PR_SET_PDEATHSIG``): after a
-kill -9 of the engine no orphan commits anything behind the next process's back (an uncommitted WAL
-transaction of a killed process is discarded).
+process died) ends this process; SIGINT and SIGTERM do not (a Ctrl-C reaches the whole process group). It dies
+with the thread that started it (Linux ``PR_SET_PDEATHSIG``): after a kill -9 of the engine no orphan commits
+anything behind the next process's back (an uncommitted WAL transaction of a killed process is discarded).
 """
 
 from __future__ import annotations
@@ -210,6 +210,10 @@ def _die_with_parent(parent: int) -> None:
 
 def main(argv: Sequence[str]) -> int:
     _die_with_parent(int(argv[1]))
+    # Its life is its storage's: a Ctrl-C or SIGTERM sent to the whole process group (a terminal, systemd)
+    # leaves the flush in flight to finish; the engine's exit ends this process (stdin closed, or the kernel).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     payload = receive(requests)
     if payload is None:

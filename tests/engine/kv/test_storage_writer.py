@@ -106,13 +106,21 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
         b.close()
 
 
-def test_close_ends_the_writer_process(tmp_path: Path) -> None:
+def test_a_ctrl_c_leaves_the_writer_to_its_storage_and_close_ends_it(tmp_path: Path) -> None:
+    """SIGINT / SIGTERM to the process group (a terminal's Ctrl-C, systemd) do not end the writer process: the
+    engine's own shutdown does (end of its stdin)."""
     b = _open(tmp_path / "d")
     b.set("k", b"v")
     b.start_flush()
     b.complete_flush(wait=True)
     pid = b.storage.writer_pid
     assert pid is not None
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    b.set("k2", b"v")
+    assert b.start_flush() == 1
+    b.complete_flush(wait=True)
+    assert b.storage.writer_pid == pid and b.vbucket(b.vbucket_of("k2")).persisted_seqno > 0
     b.close()
     assert process_gone(pid)
 
