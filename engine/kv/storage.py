@@ -236,6 +236,11 @@ class Storage:
             self._db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
             _migrate(self._db, path)
             self._db.executescript(_SCHEMA)
+            # The previous owner's writer process, killed with its engine while it committed (docs/engine.md
+            # "Background flush", "Its life"), holds the write lock until it is gone: take the lock once, so
+            # that whatever this engine reads (warmup) comes after that commit, never before it.
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("COMMIT")
         except StorageError:
             self._db.close()
             raise

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -163,3 +165,30 @@ def test_the_writer_process_dies_with_the_engine(tmp_path: Path) -> None:
         assert len(b.state_snapshot()) == 200  # what the first flush persisted; the second never committed
     finally:
         b.close()
+
+
+def test_opening_the_data_waits_for_a_commit_still_holding_the_write_lock(tmp_path: Path) -> None:
+    """A writer process killed with its engine while it committed holds SQLite's write lock until it is gone;
+    the next engine's open takes that lock first, so its warmup sees the commit (not the state before it)."""
+    data = tmp_path / "d"
+    b = _open(data)
+    b.set("before", b"v")
+    b.close()
+    path = b.storage.path
+    late = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    late.execute("BEGIN IMMEDIATE")
+    # the lingering commit: a row and the state record that covers it
+    vb = b.vbucket_of("late")
+    late.execute("INSERT INTO items (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op) "
+                 "VALUES (?, 1000, ?, ?, 0, 0, 1, 1, 0, 0)", (vb, b"late", b"w"))
+    late.execute("UPDATE vbstate SET high_seqno=1000, snap_start=1000, snap_end=1000 WHERE vb=?", (vb,))
+    commit = threading.Timer(0.5, lambda: (late.execute("COMMIT"), late.close()))
+    commit.start()
+    t = time.monotonic()
+    again = _open(data)
+    try:
+        assert time.monotonic() - t >= 0.4
+        assert again.get("late").value == b"w" and again.vbucket(vb).high_seqno == 1000
+    finally:
+        commit.join()
+        again.close()
