@@ -309,8 +309,13 @@ class Storage:
         }
         proc = subprocess.Popen([sys.executable, "-I", "-S", _WRITER_SCRIPT, str(os.getpid())],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert proc.stdin is not None
-        storage_writer.send(proc.stdin, marshal.dumps(dict(setup)))
+        try:
+            assert proc.stdin is not None
+            storage_writer.send(proc.stdin, marshal.dumps(dict(setup)))
+        except BaseException:  # it ended at once (its pipe broke): not left behind unreaped
+            proc.kill()
+            proc.wait()
+            raise
         return proc
 
     def _request(self, payload: bytes) -> None:
