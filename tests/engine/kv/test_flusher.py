@@ -1,7 +1,7 @@
 """The background flush (docs/engine.md "Background flush"): ``Bucket.start_flush`` / ``complete_flush``.
 
 Real SQLite throughout: the fault is a real one (another connection holding the database's write lock, so the
-writer thread's transaction fails with "database is locked"), the crash a real SIGKILL of a child process.
+writer process's transaction fails with "database is locked"), the crash a real SIGKILL of a child process.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_background_flush_counts_as_persisted_only_once_landed(tmp_path: Path) -
             b.set(f"k{i}", b'{"a": %d}' % i)
         assert b.start_flush() == 100
         assert b.flush_pending
-        # nothing counts as persisted before it landed, whatever the writer thread has done by now
+        # nothing counts as persisted before it landed, whatever the writer process has done by now
         assert all(b.vbucket(vb).persisted_seqno == 0 for vb in range(NVB))
         assert b.complete_flush(wait=True) == NVB
         assert not b.flush_pending
@@ -176,7 +176,7 @@ def test_sync_flush_and_close_land_the_background_flush(tmp_path: Path) -> None:
     b.flush()  # lands the one in flight first, then flushes inline
     assert not b.flush_pending
     b.start_flush()
-    b.close(clean=False)  # the storage waits for the writer thread before it closes
+    b.close(clean=False)  # the storage waits for the writer process before it closes
     again = _open(tmp_path / "d")
     try:
         assert sum(again.vbucket(vb).high_seqno for vb in range(NVB)) == 30
