@@ -825,6 +825,9 @@ class Bucket:
             "items_flushed": self.items_flushed,
             "flush_failures": self.flush_failures,
             "flush_error": self.flush_error or "",
+            # the background flush's writer process (docs/engine.md "Background flush"): 0 when none runs
+            "storage_writer_pid": self.storage.writer_pid or 0,
+            "storage_writer_starts": self.storage.writer_starts,
             "cursors_dropped": self.cursors_dropped,
             "producers": len(self.producers),
             "replica_rollbacks": self.replica_rollbacks,

@@ -672,7 +672,8 @@ async def metrics(request: web.Request) -> web.Response:
     buckets = svc.buckets()
     svc.metrics.collect_conflicts(svc.settings.conflict_resolution, ConflictCounters.total(b.conflict_counters for b in buckets).as_dict())
     svc.metrics.collect_storage(sum(b.flush_failures for b in buckets),
-                                sum(1 for b in buckets if b.flush_error is not None))
+                                sum(1 for b in buckets if b.flush_error is not None),
+                                sum(b.storage.writer_starts for b in buckets))
     if svc.cluster is not None:
         rc = svc.cluster.recovery_counts
         svc.metrics.collect_recovery(rc.repaired, rc.superseded)

@@ -61,6 +61,9 @@ class GatewayMetrics:
         self.flush_failing = Gauge("dcpgw_engine_flush_failing", "Engine buckets whose last flush failed (their "
                                    "writes are acknowledged in memory, not persisted, until one commits)",
                                    registry=r)
+        self.writer_starts = Gauge("dcpgw_engine_storage_writer_starts", "Storage writer processes the engine "
+                                   "started for its background flushes (more than one per bucket: one ended and "
+                                   "was replaced)", registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
                       "oversize": 0}
         self._last = (time.monotonic(), 0)
@@ -81,10 +84,12 @@ class GatewayMetrics:
         self.stalled.set(stalled)
         self.unacked_bytes.set(unacked_bytes)
 
-    def collect_storage(self, failures: int, failing: int) -> None:
-        """The engine buckets' flush failures (docs/reliability.md "Full disk on a node")."""
+    def collect_storage(self, failures: int, failing: int, writer_starts: int) -> None:
+        """The engine buckets' flush failures (docs/reliability.md "Full disk on a node") and their storage
+        writer processes (docs/engine.md "Background flush")."""
         self.flush_failures.set(failures)
         self.flush_failing.set(failing)
+        self.writer_starts.set(writer_starts)
 
     def collect_recovery(self, repaired: int, superseded: int) -> None:
         self.repaired.set(repaired)

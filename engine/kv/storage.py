@@ -226,6 +226,8 @@ class Storage:
         #: that ended is made again at the next), the flush in flight and its submitter's callback
         self._writer: ThreadPoolExecutor | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        #: writer processes started (more than one: one ended -- killed, out of memory -- and was replaced)
+        self.writer_starts = 0
         self._job: Future[None] | None = None
         self._landed: Landed | None = None
         try:
@@ -316,6 +318,7 @@ class Storage:
             proc.kill()
             proc.wait()
             raise
+        self.writer_starts += 1
         return proc
 
     def _request(self, payload: bytes) -> None:

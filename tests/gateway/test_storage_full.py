@@ -68,6 +68,8 @@ def test_publishing_resumes_after_the_disk_was_full(kafka_broker: Broker, tmp_pa
         assert stats["flush_failures"] >= 1 and stats["flush_error"], stats
         metrics = _metrics(url)
         assert metrics["dcpgw_engine_flush_failing"] == 1 and metrics["dcpgw_engine_flush_failures"] >= 1, metrics
+        # the flushes of rollback mitigation run in the storage's writer process (docs/engine.md)
+        assert metrics["dcpgw_engine_storage_writer_starts"] >= 1 and stats["storage_writer_pid"] > 0, metrics
         cap_file_size(proc.pid, None)
 
         # Space is back: everything reaches Kafka (on main the publishing task had died: lag stayed > 0).

@@ -101,7 +101,9 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
         assert b.start_flush() == 26  # the same items again, in a new writer process
         b.complete_flush(wait=True)
         assert b.storage.writer_pid not in (None, first)
-        assert b.stats()["flush_error"] == ""
+        stats = b.stats()
+        assert stats["flush_error"] == ""
+        assert stats["storage_writer_starts"] == 2 and stats["storage_writer_pid"] == b.storage.writer_pid
         _assert_persisted_is_on_disk(b)
         _assert_disk_equals(b, model)
     finally:
