@@ -15,7 +15,7 @@ from typing import Any
 from engine.exceptions import StorageError
 from engine.kv.checkpoint import PERSISTENCE_CURSOR
 from engine.kv.item import Item
-from engine.kv.storage import STORED_VALUE_LAYOUT, Storage, VBucketRecord, _packed, vbucket_record
+from engine.kv.storage import STORED_VALUE_LAYOUT, Storage, VBucketRecord, stored_batches, vbucket_record
 from engine.kv.storage_writer import stored_rows
 from engine.kv.vbucket import VBucket
 
@@ -144,7 +144,7 @@ class Flusher:
             return 0
         records, boundaries = self._records(batch)
         try:
-            rows = stored_rows(_packed(batch.batches), batch.superseded, STORED_VALUE_LAYOUT)
+            rows = stored_rows(stored_batches(batch.batches), batch.superseded, STORED_VALUE_LAYOUT)
             self.storage.flush(rows, batch.superseded, records, boundaries)
         except Exception as e:
             self._failed(e)

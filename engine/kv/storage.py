@@ -202,7 +202,8 @@ MARSHAL_VERSION: Final = 2
 WRITER_EXIT_TIMEOUT_S: Final = 10.0
 
 
-def _packed(batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]]) -> list[VBucketBatch]:
+def stored_batches(
+        batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]]) -> list[VBucketBatch]:
     """``batches`` with every entry a stored value: the items some writes queue (deletes, replica and sync
     writes) packed as the hash table would pack them (engine/kv/stored_value.py)."""
     out: list[VBucketBatch] = []
@@ -294,7 +295,8 @@ class Storage:
             payload = marshal.dumps(("flush", busy_ms, batches, flat_states, flat_bounds),  # type: ignore[arg-type]
                                     MARSHAL_VERSION)
         except ValueError:  # an entry is an Item (marshal takes built-in types only)
-            payload = marshal.dumps(("flush", busy_ms, _packed(batches), flat_states, flat_bounds), MARSHAL_VERSION)
+            payload = marshal.dumps(("flush", busy_ms, stored_batches(batches), flat_states, flat_bounds),
+                                    MARSHAL_VERSION)
         if self._writer is None:
             hand_gil_over_promptly()
             self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"storage-writer-{self.path.name}")
