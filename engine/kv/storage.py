@@ -334,7 +334,6 @@ class Storage:
             storage_writer.send(proc.stdin, payload)
             reply = storage_writer.receive(proc.stdout)
         except OSError as e:  # could not start it, or its pipe broke (it ended)
-            reply = None
             self._end_writer(kill=True)
             raise StorageError(f"flush failed: the storage writer process: {e}") from e
         if reply is None:
