@@ -71,7 +71,7 @@ from gateway.kafka.clients import producer as kafka_producer
 from gateway.resume import PublishPosition
 from gateway.source import BucketSource, DcpConnection, DcpSource, Topology, make_source
 from schemas.codec import Headers, RecordEncoder
-from schemas.failover_log import FailoverEntry, needs_rollback, rollback_point
+from schemas.failover_log import FailoverEntry, stream_rollback
 from schemas.records import KafkaRecord
 from schemas.topics import partition_for
 
@@ -1539,20 +1539,16 @@ class Publisher:
 
     def _on_engine_history(self, vb: int, pos: PublishPosition, high: int) -> bool:
         """Would the active stream ``vb`` from ``pos`` without a rollback? The decision the stream request
-        from ``pos`` gets (engine/dcp/producer.py ``stream_request``): ``rollback_point`` with the position's
-        whole failover log, kv_engine ``needsRollback`` without one. Unknown (no active now): True."""
+        from ``pos`` gets (``stream_rollback``, as engine/dcp/producer.py ``stream_request`` decides). Unknown (no
+        active now): True."""
         try:
             engine_log = self.source.failover_log(vb)
         except (NotMyVBucket, TemporaryFailure):
             return True
         a = pos.request_args()
-        start, snap_start, snap_end = a["start_seqno"], a["snap_start"], a["snap_end"]
-        if a["failover_log"]:
-            point = rollback_point(server_log=engine_log, client_log=a["failover_log"], start_seqno=start,
-                                   high_seqno=high, snap_start=snap_start, snap_end=snap_end, purge_seqno=0)
-        else:
-            point = needs_rollback(log=engine_log, start_seqno=start, high_seqno=high, vbuuid=a["vbuuid"],
-                                   snap_start=snap_start, snap_end=snap_end, purge_seqno=0)
+        point = stream_rollback(log=engine_log, start_seqno=a["start_seqno"], high_seqno=high, vbuuid=a["vbuuid"],
+                                snap_start=a["snap_start"], snap_end=a["snap_end"], purge_seqno=0,
+                                client_log=a["failover_log"])
         return point is None
 
     def following(self) -> dict[int, str]:

@@ -41,6 +41,7 @@ __all__ = [
     "needs_rollback",
     "rollback_point",
     "sanitized",
+    "stream_rollback",
 ]
 
 #: Largest unsigned 64-bit value: vbuuids and seqnos are u64 on the wire.
@@ -284,6 +285,24 @@ class FailoverLog:
             log=self._entries, start_seqno=start_seqno, high_seqno=high_seqno, vbuuid=vbuuid,
             snap_start=snap_start, snap_end=snap_end, purge_seqno=purge_seqno, strict_vbuuid=strict_vbuuid)
 
+    def stream_rollback(
+        self,
+        start_seqno: int,
+        high_seqno: int,
+        vbuuid: int,
+        snap_start: int,
+        snap_end: int,
+        purge_seqno: int,
+        *,
+        client_log: Sequence[FailoverEntry] | None = None,
+        strict_vbuuid: bool = False,
+    ) -> int | None:
+        """A stream request's rollback decision on this log: :func:`stream_rollback`."""
+        return stream_rollback(
+            log=self._entries, start_seqno=start_seqno, high_seqno=high_seqno, vbuuid=vbuuid,
+            snap_start=snap_start, snap_end=snap_end, purge_seqno=purge_seqno, client_log=client_log,
+            strict_vbuuid=strict_vbuuid)
+
     def rollback_point(
         self,
         start_seqno: int,
@@ -304,6 +323,32 @@ def sanitized(entries: Iterable[FailoverEntry], *, max_entries: int = DEFAULT_MA
     (uuid-0 entries and out-of-order entries dropped), trimmed to the ``max_entries`` newest. Unlike the
     constructor it never invents an entry: an all-invalid log gives ``[]``."""
     return _sanitize(entries)[: _check_max_entries(max_entries)]
+
+
+def stream_rollback(
+    *,
+    log: Sequence[FailoverEntry],
+    start_seqno: int,
+    high_seqno: int,
+    vbuuid: int,
+    snap_start: int,
+    snap_end: int,
+    purge_seqno: int,
+    client_log: Sequence[FailoverEntry] | None = None,
+    strict_vbuuid: bool = False,
+) -> int | None:
+    """The decision a stream request gets (engine/dcp/producer.py ``stream_request``; docs/rollback.md):
+    with the client's whole failover log (``client_log``, newest first, not empty) the product's
+    :func:`rollback_point`, else kv_engine's :func:`needs_rollback` on the request's ``vbuuid``. ``None``:
+    stream; else the seqno to roll back to. The one place that chooses between the two, so a gateway asking
+    "would the active stream from my position?" gets the answer the request would."""
+    if client_log:
+        return rollback_point(
+            server_log=log, client_log=client_log, start_seqno=start_seqno, high_seqno=high_seqno,
+            snap_start=snap_start, snap_end=snap_end, purge_seqno=purge_seqno)
+    return needs_rollback(
+        log=log, start_seqno=start_seqno, high_seqno=high_seqno, vbuuid=vbuuid, snap_start=snap_start,
+        snap_end=snap_end, purge_seqno=purge_seqno, strict_vbuuid=strict_vbuuid)
 
 
 def needs_rollback(

@@ -140,13 +140,10 @@ class DcpProducer:
         if existing is not None and existing.state is not StreamState.DEAD:
             raise KeyExists(f"a stream for vbucket {vbucket} is already open on {self.name!r}")
         purge = 0 if flags & StreamFlags.IGNORE_PURGED_TOMBSTONES else vb.purge_seqno
-        if failover_log:
-            rollback = vb.failover.rollback_point(
-                start_seqno, high, list(failover_log), snap_start, snap_end, purge)
-        else:
-            rollback = vb.failover.needs_rollback(
-                start_seqno, high, vbuuid, snap_start, snap_end, purge,
-                strict_vbuuid=bool(flags & StreamFlags.STRICT_VBUUID))
+        rollback = vb.failover.stream_rollback(
+            start_seqno, high, vbuuid, snap_start, snap_end, purge,
+            client_log=list(failover_log) if failover_log else None,
+            strict_vbuuid=bool(flags & StreamFlags.STRICT_VBUUID))
         if rollback is not None:
             raise RollbackRequired(vbucket, rollback)
         if flags & StreamFlags.TO_LATEST:
