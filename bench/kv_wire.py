@@ -15,6 +15,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 HEADER = struct.Struct(">BBHBBHIIQ")
 REQ, RES = 0x80, 0x81
@@ -70,7 +71,7 @@ class KvConnection:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> KvConnection:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

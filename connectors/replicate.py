@@ -15,7 +15,7 @@ import logging
 import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from connectors.client.consumer import DEFAULT_BATCH_SIZE, ChangeStreamConsumer, RollbackInstruction
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
@@ -115,7 +115,7 @@ class Replicator:
     def close(self) -> None:
         self.consumer.close()
 
-    def __enter__(self) -> Replicator:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Self, overload
 from zlib import crc32
 
 from engine.config import BucketConfig
@@ -870,7 +870,7 @@ class Bucket:
         self.storage.close()
         self.closed = True
 
-    def __enter__(self) -> Bucket:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from connectors.client.changelog import ENTRY_HEAD, Changelog, segment_entries
 from connectors.client.consumer import (
@@ -726,7 +726,7 @@ class SearchIndexer:
             if self._owns_backend:
                 self.backend.close()
 
-    def __enter__(self) -> SearchIndexer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from connectors.client.changelog import Changelog, pack_entry
 from connectors.client.consumer import ChangeStreamConsumer, ClientEvent, RollbackInstruction
@@ -704,7 +704,7 @@ class XdcrReplicator:
                 self._sink.close()
             self._dead.close()
 
-    def __enter__(self) -> XdcrReplicator:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from engine.bucket import Bucket
 from engine.cluster.manager import ClusterManager, FailoverReport, ObserveResult
@@ -627,7 +627,7 @@ class Cluster(ClusterManager):
                 node.bucket.close()
             node.bucket = None
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -19,6 +19,7 @@ import os
 import time
 from enum import StrEnum
 from pathlib import Path
+from typing import Self
 
 from engine.exceptions import InvalidArgument
 
@@ -99,7 +100,7 @@ class DataDirLock:
             os.ftruncate(fd, 0)
         os.close(fd)  # closing the last descriptor releases the flock
 
-    def __enter__(self) -> DataDirLock:
+    def __enter__(self) -> Self:
         self.lock()
         return self
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import orjson
 
@@ -574,7 +574,7 @@ class ProcessCluster(ClusterManager):
             else:
                 node.kill()
 
-    def __enter__(self) -> ProcessCluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

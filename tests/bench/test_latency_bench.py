@@ -54,7 +54,7 @@ def test_each_run_deletes_its_topic(kafka_broker: Broker, tmp_path: Path) -> Non
     from gateway.config import load_settings
 
     conf = {**load_settings(None).producer_config(), "bootstrap.servers": kafka_broker.bootstrap_servers}
-    client = {"bootstrap.servers": kafka_broker.bootstrap_servers}
+    client: dict[str, str | int | float | bool] = {"bootstrap.servers": kafka_broker.bootstrap_servers}
     admin = AdminClient(client)
     before = set(admin.list_topics(timeout=10).topics)
     raw = latency.raw_steady(conf, client, 200, 2000.0, 8)

@@ -112,7 +112,8 @@ def test_operations_sent_before_a_crash_are_applied_again(es: NoidaElasticsearch
     b = backend(es.url, tmp_path, flavor, batch_docs=2)
     b.apply([Upsert("k1", 0, 1, b'{"v": 1}')])
     b.commit(cp(1, vb0=(9, 1)))
-    ops = [Upsert("k1", 0, 2, b'{"v": 2}'), Upsert("k2", 0, 3, b'{"v": 3}'), Delete("k3", 0, 4)]
+    ops: list[Upsert | Delete] = [Upsert("k1", 0, 2, b'{"v": 2}'), Upsert("k2", 0, 3, b'{"v": 3}'),
+                                  Delete("k3", 0, 4)]
     b.apply(ops)  # batch_docs=2: sent at once, no commit follows
     assert b.staged == 0 and b.docs()["k1"] == {"v": 2}
     assert b.checkpoint() == cp(1, vb0=(9, 1))

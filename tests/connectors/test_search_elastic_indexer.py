@@ -119,7 +119,7 @@ def test_crash_between_bulk_and_checkpoint_resumes_exactly(
     before = be.checkpoint()
     real_commit = be.commit
 
-    def bulk_then_die(cp: Any) -> None:
+    def bulk_then_die(checkpoint: Any) -> None:
         be._send()  # the cluster acknowledged the operations ...
         raise Killed  # ... and the process dies before the checkpoint is written
 

@@ -61,7 +61,7 @@ def _index(h: Harness, d: Path, settings_: ElasticsearchSettings, kill: bool = F
     be = ElasticsearchBackend(settings_, d, topic=h.topic)
     ix = SearchIndexer(h.broker.bootstrap_servers, h.topic, d, backend=be, commit_docs=5)
     if kill:
-        def die(cp: Checkpoint) -> None:
+        def die(checkpoint: Checkpoint) -> None:
             be._send()
             raise Died
 

@@ -16,6 +16,7 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install -e '.[spark]')")
 
+from connectors.search.backend import IndexBackend  # noqa: E402
 from connectors.search.mapping import DocumentMapping  # noqa: E402
 from connectors.search.spark_job import BatchIndexer, start_query  # noqa: E402
 from connectors.search.tantivy_backend import TantivyBackend  # noqa: E402
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.kafka, pytest.mar
 MAPPING = DocumentMapping.dynamic_default()
 
 
-def contents(b: TantivyBackend) -> dict[str, tuple[int, Any]]:
+def contents(b: IndexBackend) -> dict[str, tuple[int, Any]]:
+    assert isinstance(b, TantivyBackend)  # the backend every test here indexes into
     return {k: (vb, fields) for k, (vb, _seq, fields) in b.keys().items()}
 
 
@@ -55,7 +57,7 @@ def test_spark_built_index_equals_source_also_after_rollback_records(
     h.settle()
     d = tmp_path / "ix"
     sink = run_job(spark, h, d)
-    assert contents(sink.backend) == expected_index(h.bucket.state_snapshot(), MAPPING)  # type: ignore[arg-type]
+    assert contents(sink.backend) == expected_index(h.bucket.state_snapshot(), MAPPING)
     assert sink.stats.binary_skipped == 1
     # Spark running a batch id again (after a failure) changes nothing
     last = sink.last_batch()
@@ -75,7 +77,7 @@ def test_spark_built_index_equals_source_also_after_rollback_records(
     h.settle()
     sink = run_job(spark, h, d)
     assert sink.rollbacks > 0
-    assert contents(sink.backend) == expected_index(h.bucket.state_snapshot(), MAPPING)  # type: ignore[arg-type]
+    assert contents(sink.backend) == expected_index(h.bucket.state_snapshot(), MAPPING)
     cp = sink.backend.checkpoint()
     assert cp is not None and all(cp.positions[vb].seqno == h.bucket.vbucket(vb).high_seqno for vb in range(4))
     close(sink)
@@ -96,7 +98,7 @@ def test_backend_behind_the_store_catches_up_on_the_next_batch(spark: Any, harne
     class Killed(BaseException):
         pass
 
-    def die(cp: Any) -> None:
+    def die(checkpoint: Any) -> None:
         raise Killed
 
     backend.commit = die  # type: ignore[method-assign]
@@ -107,7 +109,7 @@ def test_backend_behind_the_store_catches_up_on_the_next_batch(spark: Any, harne
     sink = BatchIndexer(d, backend, mapping_id=MAPPING.id)
     assert backend.checkpoint() is None and sink.last_batch() == 0
     assert sink.apply_rows(rows, 0) is False  # skipped in the store, synced into the index
-    assert contents(backend) == expected_index(h.bucket.state_snapshot(), MAPPING)  # type: ignore[arg-type]
+    assert contents(backend) == expected_index(h.bucket.state_snapshot(), MAPPING)
     close(sink)
 
 
@@ -124,7 +126,7 @@ def test_one_command_runs_the_job_on_local_2(harness: Any, tmp_path: Path) -> No
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["batch_id"] == 0 and out["indexed"] == len(h.bucket.state_snapshot())
     b = TantivyBackend(d / "tantivy", MAPPING)
-    assert contents(b) == expected_index(h.bucket.state_snapshot(), MAPPING)  # type: ignore[arg-type]
+    assert contents(b) == expected_index(h.bucket.state_snapshot(), MAPPING)
     b.close()
 
 

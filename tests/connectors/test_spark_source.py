@@ -338,13 +338,16 @@ def _kafka_source_rows(bootstrap: str, topic: str) -> list[tuple[Any, ...]]:
         while pending:
             first = c.poll(0.5)  # then what is already fetched: consume(n, 0.5) would wait out the 0.5 s
             for m in ([first, *c.consume(999, 0)] if first is not None else []):
-                if m.error() is not None:
-                    assert m.error().code() == KafkaError._PARTITION_EOF
+                err = m.error()
+                if err is not None:
+                    assert err.code() == KafkaError._PARTITION_EOF
                     pending.discard(m.partition())
                     continue
                 ts = datetime.datetime.fromtimestamp(m.timestamp()[1] / 1000, tz=datetime.UTC)
+                headers = m.headers() or []
+                assert isinstance(headers, list)  # a consumed message's headers: (name, value) pairs
                 out.append((m.key(), m.value(), topic, m.partition(), m.offset(), ts, 0,
-                            [(k, v) for k, v in (m.headers() or [])]))
+                            [(k, v) for k, v in headers]))
     finally:
         c.close()
     return out

@@ -14,6 +14,7 @@ from engine import (
     Bucket,
     DcpProducer,
     Item,
+    Message,
     Op,
     RollbackRequired,
     SnapshotMarker,
@@ -74,7 +75,7 @@ class SnapshotConsumer:
                 producer.buffer_acknowledge(nbytes)
         raise AssertionError("producer never ran dry")
 
-    def handle(self, m: SnapshotMarker | Item | StreamEnd) -> None:
+    def handle(self, m: Message) -> None:
         st = self.vbs[m.vbucket]
         if type(m) is SnapshotMarker:
             assert not st.pending or st.marker is None, "marker inside an incomplete snapshot"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import pytest
 
 from engine import (
+    Bucket,
     Datatype,
     InvalidArgument,
     KeyExists,
@@ -119,7 +121,7 @@ def test_bad_keys(make_bucket, key, exc) -> None:
         b.set(key, b"v")
 
 
-def test_bad_values_and_expiry_lose_nothing(make_bucket) -> None:
+def test_bad_values_and_expiry_lose_nothing(make_bucket: Callable[..., Bucket]) -> None:
     b = make_bucket(max_value_size=100)
     b.set("keep", b"ok")
     with pytest.raises(ValueTooLarge) as ei:
@@ -134,7 +136,7 @@ def test_bad_values_and_expiry_lose_nothing(make_bucket) -> None:
     with pytest.raises(InvalidArgument):
         b.set("keep", b"v", cas=-5)
     with pytest.raises(InvalidArgument):
-        b.set("keep", 12)  # type: ignore[arg-type]
+        b.set("keep", 12)  # type: ignore[call-overload]
     assert b.get("keep").value == b"ok"
     assert b.vbucket(b.vbucket_of("keep")).high_seqno == 1
 

@@ -222,7 +222,7 @@ class _Cluster:
         return name in self.nodes
 
     def node_control(self, name: str) -> NodeControl:
-        return self.nodes[name]  # type: ignore[return-value]
+        return self.nodes[name]
 
     def set_vbucket_state(self, name: str, vbucket: int, state: VBucketState) -> None:
         self.nodes[name].states[vbucket] = state

@@ -83,7 +83,7 @@ def test_random_histories_match_the_model(history: list[tuple[str, bytes, Any]])
                         b.set(key, arg)
                     elif name == "durable_set":
                         sw = b.store(key, arg, StoreMode.SET, durability=Durability(Level.MAJORITY))
-                        assert not isinstance(sw, tuple) and sw.committed  # type: ignore[union-attr]
+                        assert not isinstance(sw, tuple) and sw.committed
                     elif name in ("add", "replace"):
                         b.store(key, arg, StoreMode.ADD if name == "add" else StoreMode.REPLACE)
                     elif name in ("append", "prepend"):

@@ -32,11 +32,14 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> list[tuple[
             assert time.monotonic() < deadline, f"partitions {pending} never reached EOF"
             first = c.poll(0.5)  # then what is already fetched: consume(n, 0.5) would wait out the 0.5 s
             for m in ([first, *c.consume(9_999, 0)] if first is not None else []):
-                if m.error() is not None:
-                    assert m.error().code() == KafkaError._PARTITION_EOF, m.error()
+                err = m.error()
+                if err is not None:
+                    assert err.code() == KafkaError._PARTITION_EOF, err
                     pending.discard(m.partition())
                     continue
-                out.append((m.partition(), m.offset(), decode(m.key(), m.value(), m.headers())))
+                partition, offset = m.partition(), m.offset()
+                assert partition is not None and offset is not None
+                out.append((partition, offset, decode(m.key(), m.value(), m.headers())))
     finally:
         c.close()
     out.sort(key=lambda t: (t[0], t[1]))

@@ -535,7 +535,7 @@ def test_key_filters() -> None:
 def test_settings_are_immutable() -> None:
     s = load_settings()
     with pytest.raises(ValidationError, match="frozen"):
-        s.http_port = 1
+        s.http_port = 1  # type: ignore[misc]
     assert s.model_copy(update={"http_port": 1}).http_port == 1
 
 

@@ -29,9 +29,9 @@ def test_acked_majority_write_survives_failover_in_kafka_and_replicator(kafka_br
         clock = ManualClock()
         c.clock = clock
         for node in c.nodes.values():
-            b = node.require_bucket()
-            b.clock = clock
-            for vb in b.vbuckets():
+            bucket = node.require_bucket()
+            bucket.clock = clock
+            for vb in bucket.vbuckets():
                 vb.clock = clock
         h.write(60)
         h.settle()

@@ -26,6 +26,7 @@ from engine import (
     FailoverEntry,
     Item,
     KeyNotFound,
+    Message,
     Op,
     SnapshotFlags,
     SnapshotMarker,
@@ -426,7 +427,7 @@ def _engine_round(bucket: Bucket, enc: RecordEncoder, rnd: random.Random) -> Non
                                         snap_start=p.snap[0], snap_end=p.snap[1])
         out.append(enc.failover_log(vb, p.log, bucket.vbucket(vb).high_seqno, *p.snap))
 
-    def handle(msgs: list[SnapshotMarker | Item | StreamEnd]) -> None:
+    def handle(msgs: list[Message]) -> None:
         for m in msgs:
             p = pos[m.vbucket]
             if isinstance(m, SnapshotMarker):
@@ -436,6 +437,7 @@ def _engine_round(bucket: Bucket, enc: RecordEncoder, rnd: random.Random) -> Non
                 out.append(enc.stream_end(m, p.log[0].vbuuid, p.seqno, *p.snap))
                 start(m.vbucket)
             else:
+                assert isinstance(m, Item)
                 out.append(enc.data(m, p.log[0].vbuuid, *p.snap))
                 p.seqno = m.seqno
 

@@ -27,8 +27,8 @@ from tests.engine.network.kv.harness import RawClient
 from tests.gateway.kv_cluster_harness import PASSWORD, KvClusterNodes
 
 NVB = 16
-NO_PUSH = [Feature.TCP_NODELAY, Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET, Feature.JSON,
-           Feature.ALT_REQUEST_SUPPORT, Feature.SYNC_REPLICATION]
+NO_PUSH: list[int] = [Feature.TCP_NODELAY, Feature.MUTATION_SEQNO, Feature.XERROR, Feature.SELECT_BUCKET,
+                      Feature.JSON, Feature.ALT_REQUEST_SUPPORT, Feature.SYNC_REPLICATION]
 
 
 @pytest.fixture
@@ -289,12 +289,16 @@ def test_official_sdk_follows_failover_and_rebalance(nodes: KvClusterNodes) -> N
         for k, cas in durable.items():
             g = coll.get(k)
             assert g.content_as[dict] == {"i": int(k[7:])} and g.cas == cas
-        on_n3 = nodes.call(lambda: sum(len(v.ht) for v in nodes.cluster.nodes["n3"].bucket.vbuckets()  # type: ignore[union-attr]
-                                       if v.state.value == "active"))
+
+        def active_items_on_n3() -> int:
+            b = nodes.cluster.nodes["n3"].bucket
+            assert b is not None
+            return sum(len(v.ht) for v in b.vbuckets() if v.state.value == "active")
+
+        on_n3 = nodes.call(active_items_on_n3)
         for j in range(40):
             coll.upsert(f"after{j}", {"j": j})
-        assert nodes.call(lambda: sum(len(v.ht) for v in nodes.cluster.nodes["n3"].bucket.vbuckets()  # type: ignore[union-attr]
-                                      if v.state.value == "active")) > on_n3  # the SDK writes to the new node
+        assert nodes.call(active_items_on_n3) > on_n3  # the SDK writes to the new node
     finally:
         cluster.close()
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from engine import KeyNotFound
+from engine.cluster.rebalance import RebalanceProgress
 from engine.network.process_cluster import ProcessCluster
 from gateway.broker import Broker
 from gateway.publisher import Publisher
@@ -290,8 +291,13 @@ def test_rebalance_in_and_out_under_writes_no_rollback_no_duplicate(process_harn
         h.pump_for(0.5)
         logs = {vb: c.client(c.vbucket_map().active(vb) or "").failover_log(vb) for vb in range(NVB)}
         pub = h.publisher
-        first = c.rebalance(add=["n3"], progress=lambda _p: [pub.pump() for _ in range(3)])
-        second = c.rebalance(remove=["n0"], progress=lambda _p: [pub.pump() for _ in range(3)])
+
+        def pump_three(_p: RebalanceProgress) -> None:
+            for _ in range(3):
+                pub.pump()
+
+        first = c.rebalance(add=["n3"], progress=pump_three)
+        second = c.rebalance(remove=["n0"], progress=pump_three)
         h.pump_for(0.5)
     assert not w.errors, w.errors
     assert first.status == second.status == "done" and first.moved > 0 and second.moved > 0

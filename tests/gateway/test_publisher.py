@@ -8,6 +8,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ class Harness(BaseHarness):
         return recs
 
 
-def _rounds(h: Harness, **pump_kw: int) -> Iterator[None]:
+def _rounds(h: Harness, **pump_kw: Any) -> Iterator[None]:
     """Pump until everything written is persisted, published and acknowledged, yielding after every round (the
     caller watches the publisher between rounds)."""
     for _ in range(20_000):

@@ -21,7 +21,7 @@ import pytest
 from engine import NotMyVBucket, TemporaryFailure
 from engine.exceptions import DurabilityImpossible, KeyNotFound, SyncWriteInProgress
 from engine.kv.durability import Durability, Level, ManualClock, SyncWrite, SyncWriteState
-from schemas.records import RecordType
+from schemas.records import DecodedRecord, RecordType
 from tests.gateway.kafka_util import TopicReplica
 from tests.harness import CLUSTER_NVB as NVB
 from tests.harness import ClusterHarness
@@ -168,13 +168,13 @@ def _rebalance(h: ClusterHarness, w: MixedWriter, **kw: object) -> None:
     assert reb.moved == reb.total > 0
 
 
-def _no_duplicates(recs: list) -> None:  # type: ignore[type-arg]
+def _no_duplicates(recs: list[tuple[int, int, DecodedRecord]]) -> None:
     data = Counter((r.vbucket, r.vbuuid, r.seqno) for _p, _o, r in recs if r.is_data)
     assert not [k for k, n in data.items() if n > 1], "a data record was published twice"
 
 
-def _check_writes(h: ClusterHarness, w: MixedWriter, recs: list, plain: bool = True,  # type: ignore[type-arg]
-                  held: set[bytes] | None = None) -> None:
+def _check_writes(h: ClusterHarness, w: MixedWriter, recs: list[tuple[int, int, DecodedRecord]],
+                  plain: bool = True, held: set[bytes] | None = None) -> None:
     actives = h.actives()
     kafka = TopicReplica()
     kafka.apply_all(recs)

@@ -18,7 +18,7 @@ import pytest
 
 from gateway.broker import EmbeddedTansuBroker
 from gateway.invariants import check_partition
-from schemas.records import RecordType
+from schemas.records import DecodedRecord, RecordType
 from tests.credentials import auth_headers
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.gateway.processes import GatewayProc
@@ -113,13 +113,13 @@ def _scenario(broker: EmbeddedTansuBroker, tmp_path: Path, *, replicate: bool, c
         replica = TopicReplica()
         replica.apply_all(recs)
         assert {k.decode(): json.loads(v) for k, (v, _vb) in replica.state().items()} == engine
-        by_vb: dict[int, list[tuple[int, object]]] = {}
+        by_vb: dict[int, list[tuple[int, DecodedRecord]]] = {}
         for _p, off, r in recs:
             by_vb.setdefault(r.vbucket, []).append((off, r))
         for _vb, rs in by_vb.items():
             starts = [i for i, (_o, r) in enumerate(rs) if r.type is RecordType.ROLLBACK and r.snap_end == 0]
             assert starts, f"vbucket {_vb}: no rollback record to 0"
-            check_partition(rs[starts[-1]:])  # type: ignore[arg-type]
+            check_partition(rs[starts[-1]:])
         if replicate:
             # the consumer that kept running converges to the engine (deleted documents gone)
             wait_for(lambda: _replica(db) == engine, converge_s, "the running replica equal to the engine")
@@ -149,7 +149,8 @@ def urllib_text(url: str) -> str:
     import urllib.request
 
     with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers()), timeout=10) as r:
-        return r.read().decode()
+        body: bytes = r.read()
+        return body.decode()
 
 
 def test_start_finds_the_checkpoints_beyond_the_partition_end(broker: EmbeddedTansuBroker, tmp_path: Path) -> None:
@@ -184,7 +185,7 @@ def test_start_finds_the_checkpoints_beyond_the_partition_end(broker: EmbeddedTa
     finally:
         gw.stop()
     recs = read_topic(broker.bootstrap_servers, "dcp.gone")
-    firsts: dict[int, object] = {}
+    firsts: dict[int, DecodedRecord] = {}
     for _p, _o, r in recs:
         firsts.setdefault(r.vbucket, r)
     assert firsts and all(r.type is RecordType.ROLLBACK and r.snap_end == 0 for r in firsts.values())

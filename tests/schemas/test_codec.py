@@ -411,6 +411,7 @@ def test_read_change_value_accepts_only_what_fastavro_reads_the_same(data: st.Da
         return
     buf = io.BytesIO(bytes(value[10:]))
     d = schemaless_reader(buf, CHANGE_EVENT_SCHEMA, None)
+    assert isinstance(d, dict)  # a record schema: fastavro reads a dict
     assert buf.tell() == len(value) - 10
     m = 2**64 - 1
     assert got[1:] == (d["key"], d["value"], d["vbucket"], d["vbuuid"] & m, d["seqno"] & m, d["rev_seqno"] & m,
@@ -624,7 +625,7 @@ def test_hand_rolled_snapshot_equals_fastavro(vbucket: int, vbuuid: int, start: 
     fastavro ControlEvent, with the same headers; an encoder reused over many snapshots keeps that."""
     enc = RecordEncoder()
     for _ in range(2):  # the second time from the encoder's cached pieces
-        rec = enc.snapshot(SnapshotMarker(vbucket, start, end, flags), vbuuid)
+        rec = enc.snapshot(SnapshotMarker(vbucket, start, end, SnapshotFlags(flags)), vbuuid)
         generic = RecordEncoder()._control(RecordType.SNAPSHOT, vbucket, vbuuid, start, start, end,
                                            snapshot_flags=flags)
         assert rec == generic
@@ -635,9 +636,10 @@ def test_hand_rolled_snapshot_equals_fastavro(vbucket: int, vbuuid: int, start: 
 
 def test_snapshot_encoder_rejects_out_of_range_values() -> None:
     enc = RecordEncoder()
-    for marker, vbuuid in ((SnapshotMarker(70000, 1, 2, 1), 5), (SnapshotMarker(1, -1, 2, 1), 5),
-                           (SnapshotMarker(1, 1, 2**64, 1), 5), (SnapshotMarker(1, 1, 2, 1), 2**64),
-                           (SnapshotMarker(1, 1, 2, 2**31), 5)):
+    mem = SnapshotFlags.MEMORY
+    for marker, vbuuid in ((SnapshotMarker(70000, 1, 2, mem), 5), (SnapshotMarker(1, -1, 2, mem), 5),
+                           (SnapshotMarker(1, 1, 2**64, mem), 5), (SnapshotMarker(1, 1, 2, mem), 2**64),
+                           (SnapshotMarker(1, 1, 2, SnapshotFlags(2**31)), 5)):
         with pytest.raises(RecordFormatError):
             enc.snapshot(marker, vbuuid)
 
@@ -698,6 +700,7 @@ def test_oversize_record_round_trip(fmt: ValueFormat) -> None:
     assert (d.snap_start, d.snap_end, d.rev_seqno, d.cas) == (item.seqno - 1, item.seqno + 3, BIG, U64)
     assert d.size == len(item.value or b"") and d.reason == "MSG_SIZE_TOO_LARGE: too big"
     # the fast readers of data / control records leave it to decode()
+    assert rec.value is not None
     assert read_change(rec.value, 0, None) is None
     assert read_control(rec.value) is None
 

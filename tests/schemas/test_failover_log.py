@@ -716,7 +716,7 @@ def test_the_pure_rule_is_the_logs_rule(server: list[FailoverEntry], client: lis
 
 def test_the_pure_rule_takes_named_arguments_only() -> None:
     with pytest.raises(TypeError):
-        rollback_point([E(1, 0)], [E(1, 0)], 5, 5, 5, 5, 0)  # type: ignore[misc]
+        rollback_point([E(1, 0)], [E(1, 0)], 5, 5, 5, 5, 0)  # type: ignore[call-arg]
     assert rollback_point(server_log=[E(1, 0)], client_log=[E(1, 0)], start_seqno=5, high_seqno=5, snap_start=5,
                           snap_end=5, purge_seqno=0) is None
     assert sanitized([E(0, 3), E(2, 4), E(1, 9)]) == [E(2, 4)]

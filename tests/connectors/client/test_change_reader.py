@@ -64,6 +64,7 @@ def test_read_change_reads_what_decode_reads(
         assert ch == Change(d.type, d.key or b"", d.value, d.vbucket, d.vbuuid, d.seqno, d.rev_seqno or 0,
                             d.cas or 0, d.flags or 0, d.expiry or 0, d.datatype or 0, offset)
         assert ch.offset == offset and ch.seqno == seqno and ch.cas == cas
+    assert ch is not None
     assert read_change_value(rec.value) == (*ch[:11], snap_start, snap_end)
 
 
@@ -85,6 +86,7 @@ def test_corrupt_values_read_as_none_or_as_fastavro_reads_them(data: st.DataObje
         return
     buf = io.BytesIO(bytes(value[10:]))
     d = schemaless_reader(buf, CHANGE_EVENT_SCHEMA, None)
+    assert isinstance(d, dict)  # a record schema: fastavro reads a dict
     assert buf.tell() == len(value) - 10  # every byte read: nothing may follow the record
     assert got[1:] == (d["key"], d["value"], d["vbucket"], d["vbuuid"] & U64, d["seqno"] & U64,
                        d["rev_seqno"] & U64, d["cas"] & U64, d["flags"] & U64, d["expiry"] & U64, d["datatype"], 7)
@@ -153,6 +155,7 @@ def test_corrupt_control_values_read_as_none_or_as_fastavro_reads_them(data: st.
     assert bytes(value[:10]) == SINGLE_OBJECT_MARKER + CONTROL_EVENT_FINGERPRINT
     buf = io.BytesIO(bytes(value[10:]))
     d = schemaless_reader(buf, CONTROL_EVENT_SCHEMA, None)
+    assert isinstance(d, dict)  # a record schema: fastavro reads a dict
     assert buf.tell() == len(value) - 10  # every byte read: nothing may follow the record
     assert (got.vbucket, got.vbuuid, got.seqno, got.snap_start, got.snap_end) == (
         d["vbucket"], d["vbuuid"] & U64, d["seqno"] & U64, d["snap_start"] & U64, d["snap_end"] & U64)

@@ -166,7 +166,8 @@ def test_engine_crash_rollback_undoes_exactly_the_lost_keys(harness: Any, tmp_pa
         pass
     write(h.bucket, 60, start=100)  # published from memory, never persisted
     h.publish_unpersisted()
-    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db) as rep:
+    rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db)
+    with rep:
         rep.run()
         lost = {k for (k, _v) in rep.docs().items()} - set(h.bucket.state_snapshot())
         lost_seqnos = set(rep.applied)
@@ -177,7 +178,8 @@ def test_engine_crash_rollback_undoes_exactly_the_lost_keys(harness: Any, tmp_pa
     write(h.bucket, 30, start=1000)
     h.bucket.flush_all()
     h.settle()
-    with CountingReplicator(h.broker.bootstrap_servers, h.topic, db) as rep:
+    rep = CountingReplicator(h.broker.bootstrap_servers, h.topic, db)
+    with rep:
         rep.run()
         assert rep.docs() == h.bucket.state_snapshot()
         assert rep.rollbacks and not any(r.rebuild_from_zero for r in rep.rollbacks)
@@ -253,6 +255,7 @@ def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
     # one more event applied but never confirmed: rolled back with the dying process
     monkeypatch.setattr(consumer_module, "read_change", read_change)
     ev = next(c.events())
+    assert isinstance(ev, Snapshot)
     rep.on_snapshot(ev)
     unconfirmed = {(ch.vbucket, ch.seqno) for ch in ev.changes}
     rep.close()  # dropped without committing
@@ -275,8 +278,9 @@ def _dlq_records(bootstrap: str, topic: str) -> list[Any]:
             m = c.poll(0.5)
             if m is None:
                 continue
-            if m.error() is not None:
-                assert m.error().code() == KafkaError._PARTITION_EOF
+            err = m.error()
+            if err is not None:
+                assert err.code() == KafkaError._PARTITION_EOF
                 break
             out.append(m)
     finally:
@@ -501,7 +505,8 @@ def test_two_group_members_rebalance_and_share_one_stored_state(harness: Any, tm
 
     def member(name: str) -> None:
         try:
-            with Member(kafka, h.topic, db, group_id=group, applied=applied) as rep:
+            rep = Member(kafka, h.topic, db, group_id=group, applied=applied)
+            with rep:
                 members[name] = rep
                 while not stop.is_set():
                     rep.run(until_caught_up=False)  # returns on stop()
@@ -525,7 +530,7 @@ def test_two_group_members_rebalance_and_share_one_stored_state(harness: Any, tm
             write(h.bucket, 60, start=160 + 60 * r)
             h.settle()
             time.sleep(0.3)
-        expected = h.bucket.state_snapshot()
+        expected: dict[bytes, tuple[bytes, int]] = h.bucket.state_snapshot()
         check = sqlite3.connect(str(db), timeout=30)
 
         def converged() -> bool:
@@ -546,8 +551,8 @@ def test_two_group_members_rebalance_and_share_one_stored_state(harness: Any, tm
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "stop() did not end run()"
     assert assignments["a"] and assignments["b"], assignments
-    with Replicator(h.broker.bootstrap_servers, h.topic, db) as rep:
-        assert rep.docs() == h.bucket.state_snapshot()
+    with Replicator(h.broker.bootstrap_servers, h.topic, db) as replica:
+        assert replica.docs() == h.bucket.state_snapshot()
     assert set(applied.values()) == {1}, "a change was applied twice"
 
 
@@ -660,7 +665,7 @@ def test_a_fresh_manual_assignment_starts_at_the_partitions_first_offsets(harnes
     assert assigned == [[0, 0]]
 
     class Failing(Recording):  # the request fails (the broker away): librdkafka resolves OFFSET_BEGINNING
-        def offsets_for_times(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        def offsets_for_times(self, partitions: list[TopicPartition], timeout: float = -1) -> list[TopicPartition]:
             raise consumer_module.KafkaException(KafkaError(KafkaError._TRANSPORT))
 
     monkeypatch.setattr(consumer_module, "Consumer", Failing)

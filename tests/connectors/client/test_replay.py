@@ -98,6 +98,7 @@ def test_duplicates_are_skipped() -> None:
     f.data(1, (1, 2))
     f.data(1, (1, 2))  # duplicate inside the buffer
     (ev,) = f.data(2, (1, 2))
+    assert isinstance(ev, Snapshot)
     assert [c.seqno for c in ev.changes] == [1, 2]
     assert f.data(2, (1, 2)) == []  # already applied
 
@@ -112,6 +113,7 @@ def test_resumed_snapshot_keeps_the_buffer() -> None:
     f.snap(1, 6, DEADBEEF)
     f.data(5, (1, 6), DEADBEEF)
     (ev,) = f.data(6, (1, 6), DEADBEEF)
+    assert isinstance(ev, Snapshot)
     assert [c.seqno for c in ev.changes] == [1, 2, 5, 6] and (ev.start, ev.end) == (1, 6)
 
 
@@ -137,6 +139,7 @@ def test_rollback_record_discards_buffer_and_rolls_back_applied() -> None:
     # the re-published history (seqnos > 3 on the new branch) is applied, not taken for duplicates
     f2.snap(4, 5, DEADBEEF)
     (ev,) = f2.data(5, (4, 5), DEADBEEF)
+    assert isinstance(ev, Snapshot)
     assert [c.seqno for c in ev.changes] == [5]
 
 

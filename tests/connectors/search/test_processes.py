@@ -48,7 +48,8 @@ def test_request_plus_across_kill9_of_gateway_and_indexer(kafka_broker: Broker, 
     written: set[str] = set()
     try:
         for rnd in range(6):
-            batch = [{"key": f"doc{rnd}-{i}", "value": {"title": f"round{rnd}", "i": i}} for i in range(50)]
+            batch: list[dict[str, Any]] = [{"key": f"doc{rnd}-{i}", "value": {"title": f"round{rnd}", "i": i}}
+                                           for i in range(50)]
             gw.bulk(batch)
             written |= {b["key"] for b in batch}
             # right after the acknowledged writes: request_plus sees every one of this round

@@ -52,7 +52,7 @@ class Died(BaseException):
     """kill -9 of the indexer between its store commit and its index commit."""
 
 
-def _die(cp: Checkpoint) -> None:
+def _die(checkpoint: Checkpoint) -> None:
     raise Died
 
 

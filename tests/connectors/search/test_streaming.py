@@ -27,10 +27,12 @@ MAPPING = DocumentMapping.dynamic_default()
 def test_streamed_chunks_keep_the_last_version_of_a_key(tmp_path: Path) -> None:
     b = TantivyWriterProcess(tmp_path / "t", MAPPING)
     try:
-        chunks = [[("a", b'{"v": 1}', 0, 1), ("b", b'{"v": 1}', 0, 2)],
-                  [("a", b'{"v": 2}', 0, 3), ("b", None, 0, 4)],
-                  [("b", b'{"v": 3}', 0, 5), ("c", b'{"v": 1}', 0, 6)],
-                  [("a", b'{"v": 4}', 0, 7), ("c", None, 0, 8), ("c", b'{"v": 2}', 0, 9)]]
+        chunks: list[list[tuple[str, bytes | None, int, int]]] = [
+            [("a", b'{"v": 1}', 0, 1), ("b", b'{"v": 1}', 0, 2)],
+            [("a", b'{"v": 2}', 0, 3), ("b", None, 0, 4)],
+            [("b", b'{"v": 3}', 0, 5), ("c", b'{"v": 1}', 0, 6)],
+            [("a", b'{"v": 4}', 0, 7), ("c", None, 0, 8), ("c", b'{"v": 2}', 0, 9)],
+        ]
         assert len(chunks) > MAX_UNANSWERED  # (some wait for an answer, some do not)
         for c in chunks:
             b.stream_rows(c)

@@ -66,7 +66,7 @@ def _vb_item(c: Cluster, node: str, key: str) -> Any:
 
 
 def run_recovery_schedule(
-    c: Cluster, sched: dict[str, Any], *, publish: Callable[[], None] | None = None,
+    c: Cluster, sched: dict[str, Any], *, publish: Callable[[], object] | None = None,
 ) -> Outcome:
     """Run ``sched`` on ``c`` (every node up, settled) and check the oracle; returns the counts."""
     for k, v in sched["before"]:

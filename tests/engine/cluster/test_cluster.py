@@ -13,7 +13,7 @@ from tests.engine.cluster_model import ClusterClient, actives_state, assert_repl
 
 
 def _keys_on(cluster: Cluster, vb: int, n: int, prefix: str = "k") -> list[str]:
-    out = []
+    out: list[str] = []
     i = 0
     while len(out) < n:
         k = f"{prefix}{i}"
@@ -45,8 +45,8 @@ def test_routing_and_not_my_vbucket(make_cluster) -> None:
     ab = c.node(active).bucket
     assert ab is not None
     assert ab.vbucket(vb).state is VBucketState.ACTIVE
-    assert c.node(replica).bucket.vbucket(vb).state is VBucketState.REPLICA  # type: ignore[union-attr]
-    assert c.node(other).bucket.vbucket(vb).state is VBucketState.DEAD  # type: ignore[union-attr]
+    assert c.node(replica).bucket.vbucket(vb).state is VBucketState.REPLICA
+    assert c.node(other).bucket.vbucket(vb).state is VBucketState.DEAD
     with pytest.raises(NotMyVBucket):
         c.active_bucket(99)
     c.delete("doc")
@@ -69,7 +69,7 @@ def test_replica_counts(make_cluster, replicas: int) -> None:
     pairs = {(ch[0], r) for ch in vbmap.chains for r in ch[1:]}
     assert set(c.connections()) == pairs and len(pairs) <= 4 * 3
     for vb in range(8):
-        held = [n for n in c.nodes if c.node(n).bucket.vbucket(vb).state is not VBucketState.DEAD]  # type: ignore[union-attr]
+        held = [n for n in c.nodes if c.node(n).bucket.vbucket(vb).state is not VBucketState.DEAD]
         assert len(held) == replicas + 1
     client = ClusterClient(c)
     client.poll()
@@ -90,7 +90,7 @@ def test_hard_failover_when_replicas_lack_newest_items(make_cluster) -> None:
     for vb in mine:
         for k in _keys_on(c, vb, 2, "b"):
             new_tokens[k] = c.write(k, b"new").token
-    c.node("n0").bucket.flush_all()  # type: ignore[union-attr]  # persisted on the old active only
+    c.node("n0").bucket.flush_all()  # persisted on the old active only
     client = ClusterClient(c)
     client.poll()
     assert all(k.encode() in client.state() for k in new_tokens)  # the client saw the doomed items
@@ -99,8 +99,8 @@ def test_hard_failover_when_replicas_lack_newest_items(make_cluster) -> None:
         assert not r.failed_over and r.persisted_seqno >= t.seqno
         assert all(s < t.seqno for s in r.replicated_seqnos.values())
         assert not c.is_replicated(t)
-    complete = {vb: c.node(vbmap.replicas(vb)[0]).bucket.vbucket(vb).snapshot_complete for vb in mine}  # type: ignore[union-attr]
-    old_uuid = {vb: c.node("n0").bucket.vbucket(vb).failover.latest.vbuuid for vb in mine}  # type: ignore[union-attr]
+    complete = {vb: c.node(vbmap.replicas(vb)[0]).bucket.vbucket(vb).snapshot_complete for vb in mine}
+    old_uuid = {vb: c.node("n0").bucket.vbucket(vb).failover.latest.vbuuid for vb in mine}
 
     c.kill("n0")
     with pytest.raises(TemporaryFailure):
@@ -113,7 +113,7 @@ def test_hard_failover_when_replicas_lack_newest_items(make_cluster) -> None:
     for vb in mine:
         entry = report.entries[vb]
         assert entry is not None and entry.seqno == complete[vb]
-        promoted = c.node(report.promoted[vb]).bucket.vbucket(vb)  # type: ignore[union-attr]
+        promoted = c.node(report.promoted[vb]).bucket.vbucket(vb)
         assert promoted.state is VBucketState.ACTIVE
         assert promoted.failover.latest == entry and entry.vbuuid != old_uuid[vb]
         assert newmap.active(vb) == report.promoted[vb]
@@ -155,8 +155,8 @@ def test_hard_failover_promotes_most_up_to_date_and_others_roll_back(make_cluste
         c.write(k, b"2")
     c.pump(only=[("n0", "n1")])  # n1 gets the whole second snapshot (5..8)
     c.pump(only=[("n0", "n2")], max_messages=3)  # n2: marker + 2 items of it (partial)
-    n1 = c.node("n1").bucket.vbucket(0)  # type: ignore[union-attr]
-    n2 = c.node("n2").bucket.vbucket(0)  # type: ignore[union-attr]
+    n1 = c.node("n1").bucket.vbucket(0)
+    n2 = c.node("n2").bucket.vbucket(0)
     assert (n1.high_seqno, n1.snapshot_complete) == (8, 8)
     assert (n2.high_seqno, n2.snapshot_complete) == (6, 4)
     # n1, the most up to date, is down: n2 is promoted, rolls back its partial snapshot, entry at 4
@@ -171,7 +171,7 @@ def test_hard_failover_promotes_most_up_to_date_and_others_roll_back(make_cluste
     c.restart("n1")
     c.write("k9", b"3")
     c.settle()
-    r1 = c.node("n1").bucket  # type: ignore[union-attr]
+    r1 = c.node("n1").bucket
     assert r1 is not None and r1.stats()["replica_rollbacks"] >= 1
     assert_replicas_equal_actives(c)
     assert c.get("k0").value == b"1"
@@ -187,7 +187,7 @@ def test_hard_failover_without_replica_loses_the_vbucket(make_cluster) -> None:
     key = _keys_on(c, mine[0], 1)[0]
     with pytest.raises(NotMyVBucket):
         c.write(key, b"v")
-    assert c.node("n1").bucket.vbucket(mine[0]).state is VBucketState.DEAD  # type: ignore[union-attr]
+    assert c.node("n1").bucket.vbucket(mine[0]).state is VBucketState.DEAD
     with pytest.raises(InvalidArgument):
         c.failover("n1")
 
@@ -207,15 +207,15 @@ def test_graceful_failover_under_writes_loses_nothing(make_cluster) -> None:
             client.poll()
     seen = {vb: st.position.seqno for vb, st in client.consumer.vbs.items()}
     mine = c.vbucket_map().vbuckets_of("n1", slot=0)
-    uuids = {vb: c.node("n1").bucket.vbucket(vb).failover.latest.vbuuid for vb in mine}  # type: ignore[union-attr]
-    highs = {vb: c.node("n1").bucket.vbucket(vb).high_seqno for vb in mine}  # type: ignore[union-attr]
+    uuids = {vb: c.node("n1").bucket.vbucket(vb).failover.latest.vbuuid for vb in mine}
+    highs = {vb: c.node("n1").bucket.vbucket(vb).high_seqno for vb in mine}
     report = c.failover("n1", graceful=True)
     assert report.graceful and not report.lost and sorted(report.promoted) == mine
     for vb in mine:
         assert report.entries[vb] is None  # takeover: no failover entry, same history
         new = c.active_bucket(vb).vbucket(vb)
         assert new.failover.latest.vbuuid == uuids[vb] and new.high_seqno == highs[vb]
-    assert c.node("n1").bucket.vbucket(mine[0]).state is VBucketState.DEAD  # type: ignore[union-attr]
+    assert c.node("n1").bucket.vbucket(mine[0]).state is VBucketState.DEAD
     for k, v in expected.items():
         assert c.get(k).value == v
     for i in range(60):
@@ -273,8 +273,8 @@ def test_active_crash_makes_ahead_replicas_roll_back(make_cluster) -> None:
     for i in range(20, 40):
         c.write(f"k{i}", b"2")
     c.pump(flush=False)  # replicas receive the items; the active never persists them
-    c.node("n1").bucket.flush_all()  # type: ignore[union-attr]
-    c.node("n0").bucket.flush_all()  # type: ignore[union-attr]
+    c.node("n1").bucket.flush_all()
+    c.node("n0").bucket.flush_all()
     for i in range(40, 50):
         c.write(f"k{i}", b"3")
     c.pump(flush=False)

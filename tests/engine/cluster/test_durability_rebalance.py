@@ -166,8 +166,9 @@ def test_sync_write_in_flight_across_a_takeover_commits_on_the_new_active(tmp_pa
         # accepts writes until the vbucket is dead; the manager's TMPFAIL is only the front end's routing).
         _step_mover_only(c, reb, move, MovePhase.TAKEOVER)
         src = c.node(move.source).require_bucket()
-        assert src.vbucket(vb).durability is not None
-        assert src.vbucket(vb).durability.second_chain == tuple(move.new)
+        monitor = src.vbucket(vb).durability
+        assert monitor is not None
+        assert monitor.second_chain == tuple(move.new)
         sw = src.set(key, b"in-flight", vbucket=vb, durability=MAJ)
         # only the mover moves: the old chain's replica never acks, the takeover goes on anyway
         _step_mover_only(c, reb, move, MovePhase.DONE)
@@ -420,10 +421,10 @@ class RebalanceDurabilityHarness(Harness):
         self._collect()
         self.check()
         state = actives_state(c)
-        for key in sorted(state):
-            assert c.get(key).value == state[key][0]  # GETs agree with the actives
-        for key, value in self.ambiguous.items():
-            if key in state and state[key][0] == value:
+        for doc_key in sorted(state):
+            assert c.get(doc_key).value == state[doc_key][0]  # GETs agree with the actives
+        for doc_key, value in self.ambiguous.items():
+            if doc_key in state and state[doc_key][0] == value:
                 self.rstats["ambiguous_committed"] += 1  # answered ambiguous, committed by a new active
         c.close()
 

@@ -285,7 +285,7 @@ def test_promote_adds_entry_at_last_complete_snapshot_and_rolls_back_partial(pai
     assert res.cas > max(it.cas for it in active.vbucket(vb).ht.values())
 
 
-def test_bad_input_gets_typed_errors(pair) -> None:
+def test_bad_input_gets_typed_errors(pair: tuple[Bucket, Bucket]) -> None:
     active, replica = pair
     c = DcpConsumer("rep", replica, active.dcp_producer("rep"))
     with pytest.raises(NotMyVBucket):
@@ -353,6 +353,7 @@ def test_replica_crash_inside_partial_snapshot_resumes_with_its_range(tmp_path: 
     for i in range(6):
         active.set(f"b{i}", b"2")  # seqnos 5..10, one memory snapshot
     for m in c.producer.step(max_messages=4):  # marker + 5, 6, 7
+        assert isinstance(m, (SnapshotMarker, Item))
         replica.apply_replica_message(m)
     replica.flush_all()
     replica.close(clean=False)

@@ -8,6 +8,7 @@ from engine import (
     MAX_SEQNO,
     Item,
     KeyExists,
+    Message,
     NotMyVBucket,
     Op,
     RangeError,
@@ -28,7 +29,7 @@ def _one_vb(make_bucket, **kw):
 
 
 def _drain(p, ack=True):
-    out = []
+    out: list[Message] = []
     while True:
         msgs = p.step()
         if not msgs:

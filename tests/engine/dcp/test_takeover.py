@@ -36,7 +36,8 @@ def pair(tmp_path: Path):
 
 
 def _keys(bucket: Bucket, n: int, prefix: str = "k") -> list[str]:
-    out, i = [], 0
+    out: list[str] = []
+    i = 0
     while len(out) < n:
         k = f"{prefix}{i}"
         if bucket.vbucket_of(k) == VB:

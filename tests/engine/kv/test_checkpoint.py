@@ -194,6 +194,7 @@ def test_expelling_changes_nothing_a_cursor_reads(ops: list[tuple[str, object]],
     for op, arg in ops:
         if op == "write":
             seqno += 1
+            assert isinstance(arg, int)
             key = b"k%d" % arg
             for mgr in (m, ref):
                 it = Item(key, b"v" * seqno, 0, seqno, 1, seqno)
@@ -210,7 +211,11 @@ def test_expelling_changes_nothing_a_cursor_reads(ops: list[tuple[str, object]],
         else:
             m.create_checkpoint()
             ref.create_checkpoint()
-        held = sum(ITEM_OVERHEAD + len(it.key) + len(it.value or b"")
-                   for ck in m.checkpoints for it in ck.items if it is not None)
+        held = 0
+        for ck in m.checkpoints:
+            for e in ck.items:
+                if e is not None:
+                    assert isinstance(e, Item)  # only Items were queued
+                    held += ITEM_OVERHEAD + len(e.key) + len(e.value or b"")
         assert counter.used == m.mem == held
         assert m.first_seqno <= m.cursors[PERSISTENCE_CURSOR].last_read + 1

@@ -327,7 +327,7 @@ def test_prepares_and_commits_never_deduplicate(pair) -> None:
     assert ops == [(Op.MUTATION, b"1"), (Op.PREPARE, b"2"), (Op.MUTATION, b"2"), (Op.MUTATION, b"3")]
 
 
-def test_replica_acks_only_complete_snapshots(pair) -> None:
+def test_replica_acks_only_complete_snapshots(pair: tuple[Bucket, Bucket]) -> None:
     a, r = pair
     vbid = a.vbucket_of("k")
     name = "replication:a->r"
@@ -339,9 +339,9 @@ def test_replica_acks_only_complete_snapshots(pair) -> None:
     acked: list[int] = []
     orig = a.seqno_acknowledged
 
-    def spy(vb: int, node: str, seqno: int) -> int:
+    def spy(vbucket: int, node: str, seqno: int) -> int:
         acked.append(seqno)
-        return orig(vb, node, seqno)
+        return orig(vbucket, node, seqno)
 
     a.seqno_acknowledged = spy  # type: ignore[method-assign]
     c.step(max_messages=2)

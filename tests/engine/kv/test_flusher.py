@@ -33,7 +33,7 @@ NVB = 4
 def _open(path: Path, **overrides: object) -> Bucket:
     cfg: dict[str, object] = {"data_dir": path, "num_vbuckets": NVB, "seed": 3, "checkpoint_max_items": 8}
     cfg.update(overrides)
-    b = Bucket(BucketConfig(**cfg))  # type: ignore[arg-type]
+    b = Bucket(BucketConfig(**cfg))
     b.storage.busy_timeout_s = 0.05  # a write-locked database fails a flush at once
     return b
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine import InvalidArgument, KeyNotFound
+from engine import Bucket, InvalidArgument, KeyNotFound
 from engine.exceptions import StorageError
 from engine.kv.storage import Storage, VBucketRecord
 
 
-def _vb_of(b, key: str) -> int:
+def _vb_of(b: Bucket, key: str) -> int:
     return b.vbucket_of(key)
 
 

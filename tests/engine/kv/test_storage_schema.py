@@ -55,7 +55,8 @@ def test_version_0_file_migrates_and_keeps_its_data(tmp_path: Path) -> None:
         assert (st.state, st.failover, st.high_seqno, st.max_cas) == ("active", [(77, 0)], 3, 103)
         assert s.get_meta("uuid") == "bucket-1"
         assert [(r[1], r[2], r[3]) for r in s.scan(0, 0, 3, 10)] == [(2, b"b", b"raw"), (3, b"a", b'{"v":2}')]
-        assert s.get(0, b"a") is not None and s.get(0, b"a")[3] == b'{"v":2}'
+        row = s.get(0, b"a")
+        assert row is not None and row[3] == b'{"v":2}'
         assert s.snapshot_boundary(0, 3) == 3
     finally:
         s.close()

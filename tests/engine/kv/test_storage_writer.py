@@ -184,7 +184,12 @@ def test_opening_the_data_waits_for_a_commit_still_holding_the_write_lock(tmp_pa
     late.execute("INSERT INTO items (vb, seqno, key, value, flags, expiry, cas, rev, datatype, op) "
                  "VALUES (?, 1000, ?, ?, 0, 0, 1, 1, 0, 0)", (vb, b"late", b"w"))
     late.execute("UPDATE vbstate SET high_seqno=1000, snap_start=1000, snap_end=1000 WHERE vb=?", (vb,))
-    commit = threading.Timer(0.5, lambda: (late.execute("COMMIT"), late.close()))
+
+    def commit_late() -> None:
+        late.execute("COMMIT")
+        late.close()
+
+    commit = threading.Timer(0.5, commit_late)
     commit.start()
     t = time.monotonic()
     again = _open(data)

@@ -227,7 +227,7 @@ def _answers_noop(port: int) -> bool:
                 return False
             data += chunk
         fields = struct.unpack(">BBHBBHIIQ", data)
-        return fields[0] == RES_MAGIC and fields[5] == Status.SUCCESS and fields[7] == 0xABCD
+        return bool(fields[0] == RES_MAGIC and fields[5] == Status.SUCCESS and fields[7] == 0xABCD)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],

@@ -6,6 +6,7 @@ import shutil
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from engine import (
     VBucketState,
 )
 from engine.exceptions import InvalidArgument, UnknownCommand
+from engine.network.process_cluster import NodeProcess
 from engine.network.protocol import HEADER_LEN, Opcode, decode_frame, request
 from engine.network.remote import NodeUnavailable
 from tests.engine.dcp_model import SnapshotConsumer
@@ -123,7 +125,7 @@ def test_dcp_stream_over_tcp_equals_in_process_stream(spawn, tmp_path: Path) -> 
         p.close()
 
 
-def test_live_stream_flow_control_and_client_model(spawn) -> None:
+def test_live_stream_flow_control_and_client_model(spawn: Callable[..., NodeProcess]) -> None:
     node = spawn()
     c = node.require()
     p = c.dcp_producer("fc", buffer_size=300)

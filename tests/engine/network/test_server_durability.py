@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from engine.exceptions import (
     SyncWriteInProgress,
 )
 from engine.kv.durability import Durability, Level
+from engine.network.process_cluster import NodeProcess
 from engine.network.protocol import Opcode
 from tests.engine.nodes import NVB, drain, keys_on, wait_for
 
@@ -70,7 +72,7 @@ def test_single_node_sync_writes_and_errors_over_tcp(spawn) -> None:
     other.close()
 
 
-def test_replica_process_acks_and_sync_messages_flow_over_dcp(spawn) -> None:
+def test_replica_process_acks_and_sync_messages_flow_over_dcp(spawn: Callable[..., NodeProcess]) -> None:
     a = spawn("a")
     b = spawn("b")
     ca, cb = a.require(), b.require()

@@ -51,8 +51,8 @@ def test_roles_parse_and_allow() -> None:
 
 
 def test_statuses_of_the_errors() -> None:
-    assert AuthenticationFailed.status is Status.AUTH_ERROR == 0x20
-    assert AccessDenied.status is Status.EACCESS == 0x24
+    assert AuthenticationFailed.status is Status.AUTH_ERROR and int(Status.AUTH_ERROR) == 0x20
+    assert AccessDenied.status is Status.EACCESS and int(Status.EACCESS) == 0x24
     assert issubclass(UserExists, InvalidArgument) and issubclass(UnknownUser, InvalidArgument)
 
 

@@ -114,7 +114,7 @@ def test_every_occurrence_is_accounted_for_once_flushed(msgs: list[tuple[str, in
     lines: list[str] = []
 
     class Sink(logging.Logger):
-        def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
             lines.append(str(msg) % args)
 
     log = ClientLog(Sink("sink"), interval_s=10, clock=clock)

@@ -12,15 +12,16 @@ import pytest
 
 from gateway.broker import Broker
 from gateway.kafka import ClientLog, admin_client, consumer, produce_blocking, producer
-from gateway.kafka.properties import consumer_only, producer_only
+from gateway.kafka.properties import PropertyValue, consumer_only, producer_only
 from gateway.resume import CheckpointWriter, PublishPosition, ensure_topics, load_checkpoints
 
 UNREACHABLE = {"bootstrap.servers": "127.0.0.1:1", "reconnect.backoff.ms": 10, "reconnect.backoff.max.ms": 20}
 
 
 def test_client_roles_come_from_librdkafka() -> None:
-    props = {"fetch.min.bytes": 5, "auto.offset.reset": "earliest", "linger.ms": 3, "acks": "all",
-             "compression.type": "lz4", "socket.timeout.ms": 1000, "client.id": "x"}
+    props: dict[str, PropertyValue] = {
+        "fetch.min.bytes": 5, "auto.offset.reset": "earliest", "linger.ms": 3, "acks": "all",
+        "compression.type": "lz4", "socket.timeout.ms": 1000, "client.id": "x"}
     assert consumer_only(props) == {"fetch.min.bytes", "auto.offset.reset"}
     assert producer_only(props) == {"linger.ms", "acks", "compression.type"}
 

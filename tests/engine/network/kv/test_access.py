@@ -39,7 +39,7 @@ def test_each_role_against_each_document_opcode(node: KVNode, connect: Callable[
     for op, body in REQUESTS.items():
         key = f"k-{int(op)}".encode()
         admin.doc(Op.SET, key, extras=b"\0" * 8, value=b"1")
-        f = c.doc(op, key, **body)  # type: ignore[arg-type]
+        f = c.doc(op, key, **body)
         if allowed(roles, op):
             assert f.status == 0, (user, op, f)
         else:

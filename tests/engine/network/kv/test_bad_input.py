@@ -5,6 +5,7 @@ before is lost."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.opcodes import KVStatus
@@ -86,7 +87,7 @@ def test_unknown_opcode_is_unknown_command_and_the_connection_kept(connect: Call
 def test_malformed_requests_are_einval_and_the_connection_kept(connect: Callable[..., RawClient]) -> None:
     c = connect().login()
     docs = _accepted(c)
-    bad = [
+    bad: list[tuple[Op, dict[str, Any]]] = [
         (Op.SET, {"key": b"k", "extras": b"\0" * 3, "value": b"v"}),  # extras size
         (Op.SET, {"key": b"", "extras": b"\0" * 8, "value": b"v"}),  # no key
         (Op.GET, {"key": b"k", "extras": b"\0" * 4}),  # GET takes no extras
@@ -97,7 +98,7 @@ def test_malformed_requests_are_einval_and_the_connection_kept(connect: Callable
         (Op.HELLO, {"extras": b"\0"}),
     ]
     for op, kw in bad:
-        f = c.doc(op, kw.pop("key", b"x"), **kw)  # type: ignore[arg-type]
+        f = c.doc(op, kw.pop("key", b"x"), **kw)
         assert f.status == KVStatus.EINVAL, (op, f)
     _still_there(connect, docs)
 

@@ -15,14 +15,14 @@ from engine.kv.vbucket import vbucket_of
 from engine.network.kv.features import Feature
 from engine.network.kv.opcodes import ClientOpcode as Op
 from engine.network.kv.opcodes import KVStatus
-from engine.network.protocol import ALT_REQ_MAGIC, TOKEN_EXTRAS, encode, encode_durability_frame
+from engine.network.protocol import ALT_REQ_MAGIC, TOKEN_EXTRAS, Frame, encode, encode_durability_frame
 from tests.engine.network.kv.harness import KVNode, RawClient
 
 SET0 = struct.pack(">II", 0, 0)
 
 
 def _set(c: RawClient, key: bytes, value: bytes, *, flags: int = 0, expiry: int = 0, cas: int = 0,
-         opcode: int = Op.SET) -> object:
+         opcode: int = Op.SET) -> Frame:
     return c.doc(opcode, key, extras=struct.pack(">II", flags, expiry), value=value, cas=cas)
 
 
@@ -81,7 +81,7 @@ def test_append_prepend(connect: Callable[..., RawClient]) -> None:
 def test_counters(connect: Callable[..., RawClient]) -> None:
     c = connect().login()
 
-    def arith(op: int, key: bytes, delta: int, initial: int = 0, expiry: int = 0) -> object:
+    def arith(op: int, key: bytes, delta: int, initial: int = 0, expiry: int = 0) -> Frame:
         return c.doc(op, key, extras=struct.pack(">QQI", delta, initial, expiry))
 
     assert arith(Op.INCREMENT, b"n", 1, 0, 0xFFFFFFFF).status == KVStatus.KEY_ENOENT
@@ -193,7 +193,10 @@ def test_durable_writes_at_each_level_commit_on_one_node(node: KVNode, connect: 
         vb = vbucket_of(key, 16)
         assert TOKEN_EXTRAS.unpack(f.extras)[1] == 2  # prepare 1, commit 2
         if level != Level.MAJORITY:
-            assert node.call(lambda vb=vb: node.bucket.vbucket(vb).persisted_seqno) >= 1
+            def persisted(vb: int = vb) -> int:
+                return node.bucket.vbucket(vb).persisted_seqno
+
+            assert node.call(persisted) >= 1
         assert c.doc(Op.GET, key).value == b"v"
         for op, extras in ((Op.APPEND, b""), (Op.INCREMENT, None)):
             if extras is None:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,10 +82,12 @@ def test_quiet_and_key_returning_variants(node: KVNode, connect: Callable[..., R
     assert c.doc(Op.GETK, b"gone").status == KVStatus.KEY_ENOENT
     # the quiet ones answer nothing for a miss (GETQ / GETKQ) or a success (SETQ): a NOOP closes the pipeline
     c.opaque += 1
+    quiet: list[tuple[Op, bytes, dict[str, Any]]] = [
+        (Op.GETQ, b"gone", {}), (Op.GETKQ, b"gone", {}),
+        (Op.SETQ, b"q1", {"extras": SET_EXTRAS.pack(0, 0), "value": b"x"}),
+        (Op.GETKQ, b"q1", {})]
     pipeline = b"".join(request(op, key=k, vbucket=vbucket_of(k, c.nvb), opaque=c.opaque, **kw)
-                        for op, k, kw in [(Op.GETQ, b"gone", {}), (Op.GETKQ, b"gone", {}),
-                                          (Op.SETQ, b"q1", {"extras": SET_EXTRAS.pack(0, 0), "value": b"x"}),
-                                          (Op.GETKQ, b"q1", {})])
+                        for op, k, kw in quiet)
     c.send(pipeline + request(Op.NOOP, opaque=c.opaque + 1))
     f = c.recv()
     assert (f.opcode, f.key, f.value) == (Op.GETKQ, b"q1", b"x")
