@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -23,6 +24,7 @@ from schemas.failover_log import (
     needs_rollback,
     rollback_point,
     sanitized,
+    stream_rollback,
 )
 
 A, B, C, D = 0xA, 0xB, 0xC, 0xD
@@ -522,6 +524,45 @@ def test_rollback_point_equals_needs_rollback_when_client_newest_is_known(
     start, snap_start, snap_end = pos
     want = log.needs_rollback(start, high, newest.vbuuid, snap_start, snap_end, purge)
     assert log.rollback_point(start, high, client, snap_start, snap_end, purge) == want
+
+
+@given(
+    server=server_logs(),
+    client=st.lists(st.tuples(st.integers(1, 2**48 - 1), seqnos), max_size=5),
+    share=st.integers(0, 8),
+    vbuuid=st.integers(0, 2**48 - 1),
+    pos=positions(),
+    high=st.integers(0, 90),
+    purge=st.integers(0, 30),
+    strict=st.booleans(),
+)
+def test_stream_rollback_is_the_stream_requests_decision(
+    server: list[FailoverEntry],
+    client: list[tuple[int, int]],
+    share: int,
+    vbuuid: int,
+    pos: tuple[int, int, int],
+    high: int,
+    purge: int,
+    strict: bool,
+) -> None:
+    """One decision for a stream request (the producer's and the publisher's lag check): the client's whole
+    log -> the product's common-ancestor rule; no log (None or empty) -> kv_engine's rule on the request's
+    vbuuid, STRICT_VBUUID included."""
+    start, snap_start, snap_end = pos
+    log = FailoverLog(server)
+    theirs = [*server[share % len(server):][:1], *(E(u, s) for u, s in client)]  # may share the server's history
+    common: dict[str, Any] = dict(log=server, start_seqno=start, high_seqno=high, vbuuid=vbuuid, snap_start=snap_start,
+                  snap_end=snap_end, purge_seqno=purge, strict_vbuuid=strict)
+    want_kv = needs_rollback(log=server, start_seqno=start, high_seqno=high, vbuuid=vbuuid, snap_start=snap_start,
+                             snap_end=snap_end, purge_seqno=purge, strict_vbuuid=strict)
+    assert stream_rollback(**common) == want_kv
+    assert stream_rollback(**common, client_log=[]) == want_kv
+    assert log.stream_rollback(start, high, vbuuid, snap_start, snap_end, purge, strict_vbuuid=strict) == want_kv
+    want_product = rollback_point(server_log=server, client_log=theirs, start_seqno=start, high_seqno=high,
+                                  snap_start=snap_start, snap_end=snap_end, purge_seqno=purge)
+    assert stream_rollback(**common, client_log=theirs) == want_product
+    assert log.stream_rollback(start, high, vbuuid, snap_start, snap_end, purge, client_log=theirs) == want_product
 
 
 def _branch_point(server: list[FailoverEntry], high: int, client: list[FailoverEntry]) -> float | None:

@@ -13,8 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,70 +21,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import Bucket, BucketConfig, Item, KeyNotFound, SnapshotMarker
+from engine import Item, KeyNotFound, SnapshotMarker
 from engine.exceptions import StorageError
 from engine.kv.checkpoint import FLUSH_PIN_CURSOR
+from tests.engine.kv.disk_model import (
+    NVB,
+    assert_disk_equals,
+    assert_persisted_is_on_disk,
+    db_file,
+    on_disk,
+    open_bucket,
+    write_locked,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
-NVB = 4
-
-
-def _open(path: Path, **overrides: object) -> Bucket:
-    cfg: dict[str, object] = {"data_dir": path, "num_vbuckets": NVB, "seed": 3, "checkpoint_max_items": 8}
-    cfg.update(overrides)
-    b = Bucket(BucketConfig(**cfg))
-    b.storage.busy_timeout_s = 0.05  # a write-locked database fails a flush at once
-    return b
-
-
-def _db_file(b: Bucket) -> Path:
-    return b.storage.path
-
-
-def _on_disk(path: Path) -> tuple[dict[int, int], dict[bytes, list[tuple[int, bytes | None, int]]]]:
-    """Read by a connection of its own: per vbucket the highest committed seqno, and per key its current rows
-    (``superseded IS NULL``: exactly one per key when the disk is consistent)."""
-    db = sqlite3.connect(str(path))
-    try:
-        highs = {vb: s for vb, s in db.execute("SELECT vb, MAX(seqno) FROM items GROUP BY vb")}
-        current: dict[bytes, list[tuple[int, bytes | None, int]]] = {}
-        for key, seqno, value, op in db.execute(
-                "SELECT key, seqno, value, op FROM items WHERE superseded IS NULL ORDER BY seqno"):
-            current.setdefault(bytes(key), []).append((seqno, value, op))
-        return highs, current
-    finally:
-        db.close()
-
-
-@contextmanager
-def _write_locked(path: Path) -> Iterator[None]:
-    """Another connection holds the database's write lock: every write transaction fails (no busy timeout)."""
-    db = sqlite3.connect(str(path), isolation_level=None)
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    finally:
-        db.execute("ROLLBACK")
-        db.close()
-
-
-def _assert_persisted_is_on_disk(b: Bucket) -> None:
-    highs, _cur = _on_disk(_db_file(b))
-    for vb in range(NVB):
-        v = b.vbucket(vb)
-        assert v.persisted_seqno <= highs.get(vb, 0) or v.persisted_seqno == 0, (vb, v.persisted_seqno, highs)
-
-
-def _assert_disk_equals(b: Bucket, model: dict[bytes, bytes | None]) -> None:
-    _highs, current = _on_disk(_db_file(b))
-    for key, rows in current.items():
-        assert len(rows) == 1, (key, rows)  # one current version per key: every superseded mark was written
-    live = {k: rows[0][1] for k, rows in current.items() if rows[0][2] == 0}
-    assert live == {k: v for k, v in model.items() if v is not None}
-
-
 def test_background_flush_counts_as_persisted_only_once_landed(tmp_path: Path) -> None:
-    b = _open(tmp_path / "d")
+    b = open_bucket(tmp_path / "d")
     try:
         for i in range(100):
             b.set(f"k{i}", b'{"a": %d}' % i)
@@ -97,7 +48,7 @@ def test_background_flush_counts_as_persisted_only_once_landed(tmp_path: Path) -
         assert not b.flush_pending
         assert {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)} == {
             vb: b.vbucket(vb).high_seqno for vb in range(NVB)}
-        _assert_persisted_is_on_disk(b)
+        assert_persisted_is_on_disk(b)
         assert FLUSH_PIN_CURSOR not in b.vbucket(0).ckpt.cursors
         assert b.vbucket_stats(0)["cursors"] == 1  # the pin is gone with the flush
     finally:
@@ -107,7 +58,7 @@ def test_background_flush_counts_as_persisted_only_once_landed(tmp_path: Path) -
 def test_any_storage_access_lands_the_flush_first(tmp_path: Path) -> None:
     """A state save after a background flush writes a record that includes what the flush persisted (the
     record is made after the flush landed), so the vbucket state on disk never goes back."""
-    b = _open(tmp_path / "d")
+    b = open_bucket(tmp_path / "d")
     try:
         for i in range(40):
             b.set(f"k{i}", b"v")
@@ -115,7 +66,7 @@ def test_any_storage_access_lands_the_flush_first(tmp_path: Path) -> None:
         high = b.vbucket(1).high_seqno
         b.set_vbucket_state(1, "replica")
         assert b.vbucket(1).persisted_seqno == high
-        db = sqlite3.connect(str(_db_file(b)))
+        db = sqlite3.connect(str(db_file(b)))
         (on_disk,) = db.execute("SELECT high_seqno FROM vbstate WHERE vb=1").fetchone()
         db.close()
         assert on_disk == high
@@ -125,7 +76,7 @@ def test_any_storage_access_lands_the_flush_first(tmp_path: Path) -> None:
 
 
 def test_failed_background_flush_loses_nothing_and_is_retried(tmp_path: Path) -> None:
-    b = _open(tmp_path / "d", checkpoint_max_items=10_000)  # one open checkpoint: writes de-duplicate
+    b = open_bucket(tmp_path / "d", checkpoint_max_items=10_000)  # one open checkpoint: writes de-duplicate
     model: dict[bytes, bytes | None] = {}
     try:
         for i in range(60):
@@ -136,7 +87,7 @@ def test_failed_background_flush_loses_nothing_and_is_retried(tmp_path: Path) ->
             b.set(f"k{i}", b"two")
             model[f"k{i}".encode()] = b"two"
         before = {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)}
-        with _write_locked(_db_file(b)):
+        with write_locked(db_file(b)):
             assert b.start_flush() == 60
             # written again while the flush is in flight: kept queued, not de-duplicated (it may fail)
             for i in range(0, 60, 3):
@@ -156,11 +107,11 @@ def test_failed_background_flush_loses_nothing_and_is_retried(tmp_path: Path) ->
         # the error is the last flush's: gone once one committed; the count stays (docs/reliability.md)
         assert b.stats()["flush_error"] == "" and b.stats()["flush_failures"] == 2
         b.flush_all()
-        _assert_persisted_is_on_disk(b)
-        _assert_disk_equals(b, model)
+        assert_persisted_is_on_disk(b)
+        assert_disk_equals(b, model)
     finally:
         b.close()
-    again = _open(tmp_path / "d")
+    again = open_bucket(tmp_path / "d")
     try:
         for k, v in model.items():
             assert again.get(k).value == v
@@ -169,7 +120,7 @@ def test_failed_background_flush_loses_nothing_and_is_retried(tmp_path: Path) ->
 
 
 def test_sync_flush_and_close_land_the_background_flush(tmp_path: Path) -> None:
-    b = _open(tmp_path / "d")
+    b = open_bucket(tmp_path / "d")
     for i in range(30):
         b.set(f"k{i}", b"v")
     b.start_flush(5)
@@ -177,7 +128,7 @@ def test_sync_flush_and_close_land_the_background_flush(tmp_path: Path) -> None:
     assert not b.flush_pending
     b.start_flush()
     b.close(clean=False)  # the storage waits for the writer process before it closes
-    again = _open(tmp_path / "d")
+    again = open_bucket(tmp_path / "d")
     try:
         assert sum(again.vbucket(vb).high_seqno for vb in range(NVB)) == 30
     finally:
@@ -205,7 +156,7 @@ def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
     failed flush writes it again with its superseded mark), the stream never has a key twice in a snapshot
     and replays to it, and a reopened bucket holds it."""
     path = tmp_path_factory.mktemp("bg") / "d"
-    b = _open(path, checkpoint_max_items=max_items)  # 10,000: one open checkpoint, writes de-duplicate
+    b = open_bucket(path, checkpoint_max_items=max_items)  # 10,000: one open checkpoint, writes de-duplicate
     model: dict[bytes, bytes | None] = {}
     dcp = b.dcp_producer("replay")
     for vb in range(NVB):
@@ -238,7 +189,7 @@ def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
     try:
         for before, locked, start, during, wait, inline, step in rounds:
             write(before)
-            with _write_locked(_db_file(b)) if locked else nullcontext():
+            with write_locked(db_file(b)) if locked else nullcontext():
                 if start is not None:
                     with suppress(StorageError):  # the previous one failed: raised here, retried later
                         b.start_flush(start)
@@ -250,16 +201,16 @@ def test_background_flushes_in_any_interleaving_end_equal_to_the_writes(
                     b.flush()
             if step:
                 read_stream()
-            _assert_persisted_is_on_disk(b)
+            assert_persisted_is_on_disk(b)
         b.flush_all()
         read_stream()
-        _assert_persisted_is_on_disk(b)
-        _assert_disk_equals(b, model)
+        assert_persisted_is_on_disk(b)
+        assert_disk_equals(b, model)
         assert {k: v for k, v in seen.items() if v is not None} == {k: v for k, v in model.items() if v is not None}
         assert all(b.vbucket(vb).persisted_seqno == b.vbucket(vb).high_seqno for vb in range(NVB))
     finally:
         b.close(clean=False)
-    again = _open(path, checkpoint_max_items=max_items)
+    again = open_bucket(path, checkpoint_max_items=max_items)
     try:
         for k, v in model.items():
             if v is None:
@@ -306,13 +257,13 @@ def test_sigkill_with_a_background_flush_in_flight_keeps_every_landed_item(tmp_p
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert last and any(last.values())
-    b = _open(data, checkpoint_max_items=10_000)
+    b = open_bucket(data, checkpoint_max_items=10_000)
     try:
         assert not b.was_clean
         for vb, persisted in last.items():
             # everything that had landed survived the kill (the flush in flight may or may not have)
             assert b.vbucket(int(vb)).high_seqno >= persisted
-        highs, current = _on_disk(_db_file(b))
+        highs, current = on_disk(db_file(b))
         assert all(len(rows) == 1 for rows in current.values())
         assert sum(highs.values()) == len(current)  # one version per key: no update in this run
     finally:

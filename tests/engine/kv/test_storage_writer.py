@@ -24,11 +24,10 @@ from engine.kv.storage import STORED_VALUE_LAYOUT, item_from_row
 from engine.kv.storage_writer import stored_rows
 from engine.kv.stored_value import pack
 from schemas.dcp import Op
-from tests.engine.kv.test_flusher import _assert_disk_equals, _assert_persisted_is_on_disk, _write_locked
+from tests.engine.kv.disk_model import NVB, assert_disk_equals, assert_persisted_is_on_disk, write_locked
 from tests.harness import process_gone
 
 ROOT = Path(__file__).resolve().parents[3]
-NVB = 4
 
 _u32 = st.integers(0, 2**32 - 1)
 _u64 = st.integers(0, 2**64 - 1)
@@ -66,12 +65,12 @@ def test_the_rows_of_stored_values_are_the_rows_of_their_items(items: list[Item]
         assert (back.key, back.value, back.seqno, back.cas, back.op) == (it.key, it.value, it.seqno, it.cas, it.op)
 
 
-def _open(path: Path) -> Bucket:
+def open_bucket(path: Path) -> Bucket:
     return Bucket(BucketConfig(data_dir=path, num_vbuckets=NVB, seed=3, checkpoint_max_items=10_000))
 
 
 def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_another(tmp_path: Path) -> None:
-    b = _open(tmp_path / "d")
+    b = open_bucket(tmp_path / "d")
     model: dict[bytes, bytes | None] = {}
     try:
         for i in range(50):
@@ -87,7 +86,7 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
         b.delete("k1")
         model[b"k1"] = None
         before = {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)}
-        with _write_locked(b.storage.path):
+        with write_locked(b.storage.path):
             b.storage.busy_timeout_s = 30.0  # the writer process waits for the lock: killed while it waits
             assert b.start_flush() == 26
             time.sleep(0.3)
@@ -104,8 +103,8 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
         stats = b.stats()
         assert stats["flush_error"] == ""
         assert stats["storage_writer_starts"] == 2 and stats["storage_writer_pid"] == b.storage.writer_pid
-        _assert_persisted_is_on_disk(b)
-        _assert_disk_equals(b, model)
+        assert_persisted_is_on_disk(b)
+        assert_disk_equals(b, model)
     finally:
         b.close()
 
@@ -113,7 +112,7 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
 def test_a_ctrl_c_leaves_the_writer_to_its_storage_and_close_ends_it(tmp_path: Path) -> None:
     """SIGINT / SIGTERM to the process group (a terminal's Ctrl-C, systemd) do not end the writer process: the
     engine's own shutdown does (end of its stdin)."""
-    b = _open(tmp_path / "d")
+    b = open_bucket(tmp_path / "d")
     b.set("k", b"v")
     b.start_flush()
     b.complete_flush(wait=True)
@@ -161,7 +160,7 @@ def test_the_writer_process_dies_with_the_engine(tmp_path: Path) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert process_gone(writer)
-    b = _open(data)
+    b = open_bucket(data)
     try:
         assert not b.was_clean
         assert len(b.state_snapshot()) == 200  # what the first flush persisted; the second never committed
@@ -173,7 +172,7 @@ def test_opening_the_data_waits_for_a_commit_still_holding_the_write_lock(tmp_pa
     """A writer process killed with its engine while it committed holds SQLite's write lock until it is gone;
     the next engine's open takes that lock first, so its warmup sees the commit (not the state before it)."""
     data = tmp_path / "d"
-    b = _open(data)
+    b = open_bucket(data)
     b.set("before", b"v")
     b.close()
     path = b.storage.path
@@ -192,7 +191,7 @@ def test_opening_the_data_waits_for_a_commit_still_holding_the_write_lock(tmp_pa
     commit = threading.Timer(0.5, commit_late)
     commit.start()
     t = time.monotonic()
-    again = _open(data)
+    again = open_bucket(data)
     try:
         assert time.monotonic() - t >= 0.4
         assert again.get("late").value == b"w" and again.vbucket(vb).high_seqno == 1000
