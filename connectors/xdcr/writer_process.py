@@ -7,9 +7,9 @@ their retries, with backoff. It returns the final answer of every request as pla
 with the count of target-map refreshes its connection made); the replicator counts them with
 ``batch.account``, dead-letters, raises, and checks the target positions when the map changed.
 
-:class:`WriterProcess` runs it in a child process (``python -m connectors.xdcr.writer_process FD``: a fresh
-interpreter, nothing of the replicator forked or re-imported; URL and credentials come over the socket pair, not
-the command line) with a :class:`~connectors.xdcr.target.TargetCluster` of its own (following the target's map
+:class:`WriterProcess` runs it in a child process (``python -m connectors.xdcr.writer_process FD
+PARENT_PID``: a fresh interpreter, nothing of the replicator forked or re-imported; URL and credentials come over
+the socket pair, not the command line) with a :class:`~connectors.xdcr.target.TargetCluster` of its own (following the target's map
 itself): the client's decoding and the changelog (the replication
 thread) no longer share one interpreter lock with the requests' encoding and the answers' parsing. Batches are
 handed over a pipe as plain tuples and *pipelined*: the replicator sends the next ones while the child writes
@@ -21,6 +21,12 @@ A batch the child could not write (the target unreachable, refused credentials) 
 every batch after it with :class:`Skipped` until :meth:`WriterProcess.reset`: the replicator writes them again,
 in order, with its backoff. The child drops its connections after such an error and connects again at the next
 request; it ends when the pipe closes (the replicator closed or died).
+
+A replicator killed with batches still queued in the pipe must not be outlived by its writes: the child checks
+that its parent is still the replicator before each batch and between the retries of one, and stops at once when
+it is not. Otherwise the orphan would go on writing its queue -- behind the back of the next replicator, which
+restores from its checkpoint, possibly with forced writes after a source rollback that an orphan's stale batch
+would then overwrite (docs/xdcr.md "How a change travels").
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -86,10 +92,31 @@ def _rebuild(name: str, message: str, status: int | None) -> XdcrError:
     return XdcrError(f"the target writer process failed: {name}: {message}")
 
 
+class _ReplicatorGone(Exception):
+    """The child's parent is no longer the replicator that started it (it died): stop writing."""
+
+
+def _orphaned(parent: int) -> bool:
+    """The replicator that started this child died (the child was given to another parent)."""
+    return os.getppid() != parent
+
+
+def _retry_sleep(parent: int) -> Callable[[float], None]:
+    """The backoff between a batch's retries, ending the batch once the replicator died."""
+
+    def sleep(seconds: float) -> None:
+        time.sleep(seconds)
+        if _orphaned(parent):
+            raise _ReplicatorGone
+
+    return sleep
+
+
 def _serve(conn: Connection, url: str, user: str | None, password: str | None, timeout: float, mode: str,
-           threshold: int) -> None:
-    """The child: answer every message, in order, until the pipe closes."""
+           threshold: int, parent: int) -> None:
+    """The child: answer every message, in order, until the pipe closes or the replicator (``parent``) died."""
     target = TargetCluster(TargetSpec.parse(url), Credentials(user, password), timeout=timeout)
+    sleep = _retry_sleep(parent)
     connected = failed = False
     seen = -1  # the map refreshes reported to the replicator (-1: not connected yet)
     try:
@@ -98,8 +125,8 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
                 msg = conn.recv()
             except (EOFError, OSError):
                 return
-            if msg is None:
-                return
+            if msg is None or _orphaned(parent):
+                return  # closed; or the replicator died with this batch still queued: not written
             cmd, arg = msg
             reply: tuple[Any, ...]
             if cmd == "reset":
@@ -114,11 +141,13 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
                         connected = True
                         if seen < 0:  # the first map is no change
                             seen = target.map_refreshes
-                    out = transport(target, [_op(t) for t in arg], ConflictMode(mode), threshold, time.sleep)
+                    out = transport(target, [_op(t) for t in arg], ConflictMode(mode), threshold, sleep)
                     # every map refresh since the last answer: reconnections after a failed batch included
                     out.map_refreshes = target.map_refreshes - seen
                     seen = target.map_refreshes
                     reply = ("ok", out)
+                except _ReplicatorGone:
+                    return
                 except Exception as e:
                     if isinstance(e, TargetUnreachable | TargetAuthError):
                         target.close()
@@ -135,14 +164,19 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
 
 
 def main() -> None:
-    """``python -m connectors.xdcr.writer_process FD``: the child, on the inherited socket ``FD``."""
+    """``python -m connectors.xdcr.writer_process FD PARENT_PID``: the child, on the inherited socket ``FD``,
+started by the replicator ``PARENT_PID``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the replicator decides when it ends (it closes the socket)
     conn = Connection(int(sys.argv[1]))
+    parent = int(sys.argv[2])  # the replicator's pid (it may be dead already: then this is not our parent)
     try:
         settings = conn.recv()
     except (EOFError, OSError):
         return
-    _serve(conn, *settings)
+    if _orphaned(parent):
+        return
+    url, user, password, timeout, mode, threshold = settings
+    _serve(conn, url, user, password, timeout, mode, threshold, parent)
 
 
 def _shutdown(conn: Connection, proc: subprocess.Popen[bytes]) -> None:
@@ -165,7 +199,7 @@ class WriterProcess:
         mine, child = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's packages
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno()), str(os.getpid())],
                                           pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
         finally:
             child.close()
