@@ -202,6 +202,12 @@ MARSHAL_VERSION: Final = 2
 WRITER_EXIT_TIMEOUT_S: Final = 10.0
 
 
+def writer_process_possible() -> bool:
+    """Whether this interpreter can start the writer process: it needs a Python to run the script with. An
+    embedded interpreter has no ``sys.executable``; a frozen application's is the application itself."""
+    return bool(sys.executable) and not getattr(sys, "frozen", False)
+
+
 def stored_batches(
         batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]]) -> list[VBucketBatch]:
     """``batches`` with every entry a stored value: the items some writes queue (deletes, replica and sync
@@ -288,6 +294,9 @@ class Storage:
         is called with None or the :class:`StorageError` from :meth:`settle` (this thread), which every other
         method calls first."""
         self.settle()
+        if not writer_process_possible():
+            self._flush_here(batches, states, boundaries, landed)
+            return
         flat_states = [v for r in states for v in r.as_params()]
         flat_bounds = [v for b in boundaries for v in b]
         busy_ms = int(self._busy_timeout_s * 1000)
@@ -302,6 +311,23 @@ class Storage:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"storage-writer-{self.path.name}")
         self._landed = landed
         self._job = self._writer.submit(self._request, payload)
+
+    def _flush_here(self, batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]],
+                    states: Iterable[VBucketRecord], boundaries: Sequence[tuple[int, int]],
+                    landed: Landed) -> None:
+        """No writer process can be started (:func:`writer_process_possible`): the flush is made on this thread
+        now, as the inline flush makes it, and lands at the next :meth:`settle` like a background one."""
+        job: Future[None] = Future()
+        superseded: list[tuple[int, int, int]] = []
+        try:
+            self.flush(storage_writer.stored_rows(stored_batches(batches), superseded, STORED_VALUE_LAYOUT),
+                       superseded, states, boundaries)
+        except StorageError as e:
+            job.set_exception(e)
+        else:
+            job.set_result(None)
+        self._landed = landed
+        self._job = job
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         """The writer thread: start the writer process (from this thread, which it dies with) and set it up."""

@@ -109,6 +109,46 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
         b.close()
 
 
+@pytest.mark.parametrize("interpreter", ["embedded", "frozen"])
+def test_without_an_interpreter_to_start_the_background_flush_runs_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interpreter: str) -> None:
+    """An embedded interpreter (no ``sys.executable``) or a frozen application (``sys.frozen``: its executable
+    is the application) cannot start the writer process: a background flush is made on the calling thread and
+    lands as one made in the process would -- a failed one too (items stay queued, the next flush writes them)."""
+    if interpreter == "embedded":
+        monkeypatch.setattr(sys, "executable", "")
+    else:
+        monkeypatch.setattr(sys, "frozen", True, raising=False)
+    b = open_bucket(tmp_path / "d")
+    model: dict[bytes, bytes | None] = {}
+    try:
+        for i in range(30):
+            b.set(f"k{i}", b"one")
+            model[f"k{i}".encode()] = b"one"
+        assert b.start_flush() == 30
+        b.complete_flush(wait=True)
+        b.delete("k3")
+        model[b"k3"] = None
+        b.set("k4", b"two")
+        model[b"k4"] = b"two"
+        before = {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)}
+        with write_locked(b.storage.path):
+            b.storage.busy_timeout_s = 0.05
+            assert b.start_flush() == 2
+            with pytest.raises(StorageError, match="locked"):
+                b.complete_flush(wait=True)
+        assert {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)} == before
+        assert b.start_flush() == 2
+        b.complete_flush(wait=True)
+        stats = b.stats()
+        assert stats["storage_writer_starts"] == 0 and stats["storage_writer_pid"] == 0
+        assert stats["flush_failures"] == 1 and stats["flush_error"] == ""
+        assert_persisted_is_on_disk(b)
+        assert_disk_equals(b, model)
+    finally:
+        b.close()
+
+
 def test_a_ctrl_c_leaves_the_writer_to_its_storage_and_close_ends_it(tmp_path: Path) -> None:
     """SIGINT / SIGTERM to the process group (a terminal's Ctrl-C, systemd) do not end the writer process: the
     engine's own shutdown does (end of its stdin)."""
