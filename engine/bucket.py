@@ -577,6 +577,12 @@ class Bucket:
         self._check_open()
         return self.flusher.begin(max_items)
 
+    def start_flush_writer(self) -> None:
+        """Start the storage's writer process now, in the background (docs/engine.md "Background flush"): for a
+        bucket about to flush in the background, whose first flush would otherwise wait for it to start."""
+        self._check_open()
+        self.storage.start_writer()
+
     def complete_flush(self, wait: bool = False) -> int:
         """Land the background flush if its transaction ended (or, with ``wait``, once it has): free what it
         persisted and check persist-level sync writes. Raises its :class:`~engine.exceptions.StorageError` if

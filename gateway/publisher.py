@@ -445,6 +445,8 @@ class Publisher:
     def open(self) -> None:
         """Open the DCP connection(s) and a stream per vbucket from its position (per ``stream_from``)."""
         self.source.open()
+        if self.rollback_mitigation and isinstance(self.source, BucketSource):
+            self.source.bucket.start_flush_writer()  # its first background flush comes with the first step
         self._topo = self.source.topology()
         for vb in sorted(self.assigned):
             self.open_stream(vb)

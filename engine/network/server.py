@@ -331,6 +331,8 @@ class NodeServer:
         # lands (persisted seqnos move, OBSERVE_SEQNO and the persist levels see it) once committed.
         b = self.bucket
         loop = asyncio.get_running_loop()
+        if self.persistence:
+            b.start_flush_writer()  # the first flush need not wait for the writer process to start
         failing = 0  # failed attempts in a row
         pause = retry_at = 0.0
         while not b.closed:

@@ -109,6 +109,26 @@ def test_a_killed_writer_process_fails_only_its_flush_and_the_next_flush_starts_
         b.close()
 
 
+def test_the_writer_process_started_ahead_serves_the_first_background_flush(tmp_path: Path) -> None:
+    """``start_flush_writer`` (a gateway with rollback mitigation, a node process) starts the process in the
+    background; the first background flush is then written by that very process."""
+    b = open_bucket(tmp_path / "d")
+    try:
+        b.start_flush_writer()
+        b.set("k", b"v")  # the engine goes on meanwhile
+        assert b.start_flush() == 1  # lands the start first
+        pid = b.storage.writer_pid
+        assert pid is not None and not process_gone(pid, timeout=0.1)
+        b.complete_flush(wait=True)
+        b.start_flush_writer()  # running: nothing to do
+        assert b.stats()["storage_writer_starts"] == 1 and b.storage.writer_pid == pid
+        assert_persisted_is_on_disk(b)
+        assert_disk_equals(b, {b"k": b"v"})
+    finally:
+        b.close()
+    assert process_gone(pid)
+
+
 @pytest.mark.parametrize("interpreter", ["embedded", "frozen"])
 def test_without_an_interpreter_to_start_the_background_flush_runs_in_place(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interpreter: str) -> None:
@@ -140,6 +160,7 @@ def test_without_an_interpreter_to_start_the_background_flush_runs_in_place(
         assert {vb: b.vbucket(vb).persisted_seqno for vb in range(NVB)} == before
         assert b.start_flush() == 2
         b.complete_flush(wait=True)
+        b.start_flush_writer()  # none can start: nothing happens
         stats = b.stats()
         assert stats["storage_writer_starts"] == 0 and stats["storage_writer_pid"] == 0
         assert stats["flush_failures"] == 1 and stats["flush_error"] == ""
