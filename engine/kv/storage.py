@@ -343,6 +343,8 @@ class Storage:
                        superseded, states, boundaries)
         except StorageError as e:
             job.set_exception(e)
+        except Exception as e:  # as settle() reports a writer's unexpected failure: the flush failed, not lost
+            job.set_exception(StorageError(f"flush failed: {e}"))
         else:
             job.set_result(None)
         self._landed = landed
