@@ -50,6 +50,19 @@ if _soft != resource.RLIM_INFINITY and _soft < _want:
 SPARK_TEST_TIMEOUT_S = 900
 
 
+def pytest_report_header() -> str:
+    """Which engine build the processes of this run import (engine/compiled.py, docs/performance.md "Compiled
+    modules"): a stale build makes every process warn on stderr, which fails the tests that read a CLI's stderr
+    until the engine is compiled again."""
+    from engine import compiled
+
+    reason = compiled.source_reason()
+    if reason is None:
+        return "engine build: compiled"
+    hint = " -- tests reading a process's stderr will fail: pip install -e ." if "changed after" in reason else ""
+    return f"engine build: source ({reason}){hint}"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         # Every test using the broker carries the `kafka` marker, so `-m "not kafka"` deselects them all.
