@@ -3,11 +3,13 @@ node"): it keeps serving, says so once in its log and in its stats (``flush_fail
 with a pause that grows up to ``FLUSH_RETRY_MAX_S`` (not a warning every 10 ms), and once the disk has room again
 persists everything it acknowledged -- which a SIGKILL and a restart then find. Real process, real fault:
 RLIMIT_FSIZE of the running node and its storage writer process lowered with prlimit(2) to the size of its largest
-data file, then lifted."""
+data file, then lifted. And a node whose storage writer process is frozen (SIGSTOP) keeps serving the same way."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -80,3 +82,37 @@ def test_a_node_with_a_full_disk_keeps_serving_says_it_once_and_loses_nothing(ma
     c.restart("n0")
     for key, value in docs.items():
         assert c.get(key).value == value, key
+
+
+def test_a_node_whose_storage_writer_is_stopped_keeps_serving_and_persists_after(make_cluster) -> None:
+    """The storage's writer process frozen (SIGSTOP: a stalled disk, a stopped process): the node's event loop
+    does not wait for it -- writes, reads, stats and DCP stream requests are answered, nothing counts as
+    persisted meanwhile -- and once it runs again everything written is persisted."""
+    c = make_cluster(nodes=1, replicas=0)
+    cl = c.client("n0")
+    c.write("before", b'{"n": 0}')
+    wait_for(lambda: _persisted_everything(c))
+    writer = int(cl.stats()["storage_writer_pid"])  # started ahead by the node's flusher task
+    assert writer > 0
+    vb = c.vbucket_of("during3")
+    info = cl.vbucket_info(vb)  # where a stream from memory starts (all of it persisted: no backfill needed)
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        for i in range(50):
+            c.write(f"during{i}", b'{"n": 1}')
+        assert c.get("during7").value == b'{"n": 1}'
+        assert int(cl.stats()["storage_writer_pid"]) == writer
+        p = c.dcp_producer("n0", "while-stopped")
+        # from the persisted position: the rest is in memory (a stream needing a backfill waits for the flush in
+        # flight to land -- Storage reads settle first: docs/engine.md "Background flush")
+        p.stream_request(vb, info.high_seqno, vbuuid=info.failover[0][0])
+        while not p.step(100):  # the stream's snapshot marker and items, from memory
+            assert time.monotonic() - t0 < 5, "the stream sent nothing while the writer process was stopped"
+        assert time.monotonic() - t0 < 5, "a request waited for the stopped writer process"
+        time.sleep(0.3)
+        assert not _persisted_everything(c)
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    wait_for(lambda: _persisted_everything(c), timeout=30)
+    assert int(cl.stats()["storage_writer_pid"]) == writer  # the same process, not replaced
