@@ -490,15 +490,20 @@ class Storage:
 
     # ------------------------------------------------------------------ reads
     def scan(self, vb: int, after: int, upto: int, limit: int) -> list[Row]:
-        """Rows of the consistent state as of ``upto`` with seqno in ``(after, upto]``, in seqno order."""
-        self.settle()
+        """Rows of the consistent state as of ``upto`` with seqno in ``(after, upto]``, in seqno order.
+
+        The backfill's read (engine/dcp/backfill.py; ``upto`` is at most the persisted seqno, so landed): it does
+        not wait for the background flush in flight, whose transaction runs in the writer process on a
+        connection of its own -- what it commits is above ``upto``, its superseded marks above ``upto`` too,
+        and SQLite's WAL gives this read one snapshot. So a stream's backfill, on the node's event loop, never
+        waits for a flush (docs/engine.md "Background flush", "Landing")."""
         return self._db.execute(_SCAN, (vb, after, upto, upto, limit)).fetchall()
 
     def max_visible_seqno(self, vb: int, after: int, upto: int) -> int:
         """The highest seqno in ``(after, upto]`` of the state as of ``upto`` that is a mutation, deletion or
         expiration (not a prepare or abort); 0 if none. kv_engine's max-visible-seqno: the disk snapshot end a
-        DCP client without sync writes is given. Walks backwards from ``upto``, so it is cheap."""
-        self.settle()
+        DCP client without sync writes is given. Walks backwards from ``upto``, so it is cheap. Like
+        :meth:`scan` (the backfill's), it does not wait for the flush in flight."""
         row = self._db.execute(
             "SELECT seqno FROM items WHERE vb=? AND seqno>? AND seqno<=? AND op<3 AND "
             "(superseded IS NULL OR superseded>?) ORDER BY seqno DESC LIMIT 1", (vb, after, upto, upto)).fetchone()

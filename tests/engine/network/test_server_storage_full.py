@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from bench.chaos import cap_file_size
+from engine import SnapshotMarker
 from engine.network.process_cluster import ProcessCluster
+from schemas.dcp import SnapshotFlags
 from tests.engine.nodes import wait_for
 
 pytestmark = pytest.mark.slow
@@ -86,16 +88,16 @@ def test_a_node_with_a_full_disk_keeps_serving_says_it_once_and_loses_nothing(ma
 
 def test_a_node_whose_storage_writer_is_stopped_keeps_serving_and_persists_after(make_cluster) -> None:
     """The storage's writer process frozen (SIGSTOP: a stalled disk, a stopped process): the node's event loop
-    does not wait for it -- writes, reads, stats and DCP stream requests are answered, nothing counts as
-    persisted meanwhile -- and once it runs again everything written is persisted."""
+    does not wait for it -- writes, reads, stats, DCP stream requests and their backfills are answered, nothing
+    counts as persisted meanwhile -- and once it runs again everything written is persisted."""
     c = make_cluster(nodes=1, replicas=0)
-    cl = c.client("n0")
     c.write("before", b'{"n": 0}')
     wait_for(lambda: _persisted_everything(c))
-    writer = int(cl.stats()["storage_writer_pid"])  # started ahead by the node's flusher task
-    assert writer > 0
-    vb = c.vbucket_of("during3")
-    info = cl.vbucket_info(vb)  # where a stream from memory starts (all of it persisted: no backfill needed)
+    c.kill("n0")
+    c.restart("n0")  # warmed up from disk: a stream from 0 needs a backfill
+    cl = c.client("n0")
+    wait_for(lambda: int(cl.stats()["storage_writer_pid"]) > 0)  # started ahead by the node's flusher task
+    writer = int(cl.stats()["storage_writer_pid"])
     os.kill(writer, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -103,15 +105,16 @@ def test_a_node_whose_storage_writer_is_stopped_keeps_serving_and_persists_after
             c.write(f"during{i}", b'{"n": 1}')
         assert c.get("during7").value == b'{"n": 1}'
         assert int(cl.stats()["storage_writer_pid"]) == writer
-        p = c.dcp_producer("n0", "while-stopped")
-        # from the persisted position: the rest is in memory (a stream needing a backfill waits for the flush in
-        # flight to land -- Storage reads settle first: docs/engine.md "Background flush")
-        p.stream_request(vb, info.high_seqno, vbuuid=info.failover[0][0])
-        while not p.step(100):  # the stream's snapshot marker and items, from memory
-            assert time.monotonic() - t0 < 5, "the stream sent nothing while the writer process was stopped"
-        assert time.monotonic() - t0 < 5, "a request waited for the stopped writer process"
-        time.sleep(0.3)
+        time.sleep(0.3)  # the node's flusher has handed a flush to the stopped process: it is in flight
         assert not _persisted_everything(c)
+        p = c.dcp_producer("n0", "while-stopped")
+        p.stream_request(c.vbucket_of("before"), 0)
+        got: list[Any] = []
+        while not any(getattr(m, "key", None) == b"before" for m in got):
+            assert time.monotonic() - t0 < 5, f"the stream's backfill waited for the stopped writer: {got}"
+            got += p.step(100)
+        assert isinstance(got[0], SnapshotMarker) and got[0].flags & SnapshotFlags.DISK, got[0]  # a backfill
+        assert time.monotonic() - t0 < 5, "a request waited for the stopped writer process"
     finally:
         os.kill(writer, signal.SIGCONT)
     wait_for(lambda: _persisted_everything(c), timeout=30)
