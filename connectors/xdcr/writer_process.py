@@ -9,9 +9,9 @@ with the count of target-map refreshes its connection made); the replicator coun
 
 :class:`WriterProcess` runs it in a child process (``python -m connectors.xdcr.writer_process FD
 PARENT_PID``: a fresh interpreter, nothing of the replicator forked or re-imported; URL and credentials come over
-the socket pair, not the command line) with a :class:`~connectors.xdcr.target.TargetCluster` of its own (following the target's map
-itself): the client's decoding and the changelog (the replication
-thread) no longer share one interpreter lock with the requests' encoding and the answers' parsing. Batches are
+the socket pair, not the command line) with a :class:`~connectors.xdcr.target.TargetCluster` of its own
+(following the target's map itself): the client's decoding and the changelog (the replication thread) no longer
+share one interpreter lock with the requests' encoding and the answers' parsing. Batches are
 handed over a pipe as plain tuples and *pipelined*: the replicator sends the next ones while the child writes
 the current one, so the child goes from one batch to the next without waiting for the replicator. The child
 runs them strictly in order, each to its end (retries included) before the next: a key's versions reach the
@@ -165,15 +165,13 @@ def _serve(conn: Connection, url: str, user: str | None, password: str | None, t
 
 def main() -> None:
     """``python -m connectors.xdcr.writer_process FD PARENT_PID``: the child, on the inherited socket ``FD``,
-started by the replicator ``PARENT_PID``."""
+    started by the replicator ``PARENT_PID``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the replicator decides when it ends (it closes the socket)
     conn = Connection(int(sys.argv[1]))
     parent = int(sys.argv[2])  # the replicator's pid (it may be dead already: then this is not our parent)
     try:
         settings = conn.recv()
     except (EOFError, OSError):
-        return
-    if _orphaned(parent):
         return
     url, user, password, timeout, mode, threshold = settings
     _serve(conn, url, user, password, timeout, mode, threshold, parent)

@@ -15,21 +15,19 @@ from typing import Any
 from engine.exceptions import StorageError
 from engine.kv.checkpoint import PERSISTENCE_CURSOR
 from engine.kv.item import Item
-from engine.kv.storage import STORED_VALUE_LAYOUT, Storage, VBucketRecord, stored_batches, vbucket_record
-from engine.kv.storage_writer import stored_rows
+from engine.kv.storage import Storage, VBucketRecord, vbucket_record
 from engine.kv.vbucket import VBucket
 
 
 @dataclass(slots=True)
 class _Batch:
-    """One flush's read: the rows' sources, the marks they imply, and per touched vbucket its cursor position
+    """One flush's read: the rows' sources, and per touched vbucket its cursor position
     before the read (sync flush) or its pin (background flush), its first and last seqno read."""
 
     batches: list[tuple[int, list[bytes], list[Item | bytes]]]
     count: int
     #: (vbucket, saved persistence cursor (ckpt, pos, last_read), first seqno, last seqno)
     touched: list[tuple[VBucket, Any, int, int]]
-    superseded: list[tuple[int, int, int]] = field(default_factory=list)
     #: the snapshot range each touched vbucket's state record gets (:meth:`Flusher._records`)
     snaps: list[tuple[int, int]] = field(default_factory=list)
 
@@ -144,8 +142,7 @@ class Flusher:
             return 0
         records, boundaries = self._records(batch)
         try:
-            rows = stored_rows(stored_batches(batch.batches), batch.superseded, STORED_VALUE_LAYOUT)
-            self.storage.flush(rows, batch.superseded, records, boundaries)
+            self.storage.flush_batches(batch.batches, records, boundaries)
         except Exception as e:
             self._failed(e)
             dirty = self.dirty

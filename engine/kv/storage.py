@@ -337,10 +337,8 @@ class Storage:
         """No writer process can be started (:func:`writer_process_possible`): the flush is made on this thread
         now, as the inline flush makes it, and lands at the next :meth:`settle` like a background one."""
         job: Future[None] = Future()
-        superseded: list[tuple[int, int, int]] = []
         try:
-            self.flush(storage_writer.stored_rows(stored_batches(batches), superseded, STORED_VALUE_LAYOUT),
-                       superseded, states, boundaries)
+            self.flush_batches(batches, states, boundaries)
         except StorageError as e:
             job.set_exception(e)
         except Exception as e:  # as settle() reports a writer's unexpected failure: the flush failed, not lost
@@ -462,6 +460,14 @@ class Storage:
         self._db.executemany(_UPSERT_STATE, [r.as_params() for r in records])
 
     # ------------------------------------------------------------------ flush
+    def flush_batches(self, batches: Sequence[tuple[int, Sequence[bytes], Sequence[Item | bytes]]],
+                      states: Iterable[VBucketRecord], boundaries: Sequence[tuple[int, int]] = ()) -> None:
+        """:meth:`flush` of the checkpoints' ``batches`` (vbucket, keys, entries) on this thread: their rows and
+        superseded marks made as the writer process makes them (``storage_writer.stored_rows``)."""
+        superseded: list[tuple[int, int, int]] = []
+        rows = storage_writer.stored_rows(stored_batches(batches), superseded, STORED_VALUE_LAYOUT)
+        self.flush(rows, superseded, states, boundaries)
+
     def flush(
         self,
         rows: Iterable[Row],
