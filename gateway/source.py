@@ -123,6 +123,12 @@ class BucketSource:
         return self.bucket.vbucket(vb).persisted_seqno
 
     @property
+    def persistence_epoch(self) -> int | None:
+        """Changes whenever a flush lands, i.e. whenever :meth:`persisted_everywhere` may answer higher (a
+        rollback may lower it: the vbucket's stream ends then). None where that is not known (clusters)."""
+        return self.bucket.items_flushed
+
+    @property
     def up(self) -> bool:
         return not self.bucket.closed
 
@@ -160,6 +166,8 @@ class ClusterSource:
     """An in-process cluster: every vbucket is streamed from its active node per the vbucket map."""
 
     is_cluster = True
+    #: replicas persist on their own: no epoch, every pass looks (BucketSource.persistence_epoch)
+    persistence_epoch: int | None = None
 
     def __init__(self, cluster: Cluster, connection_name: str, buffer_size: int) -> None:
         self.cluster = cluster
@@ -264,6 +272,8 @@ class ProcessClusterSource:
     """
 
     is_cluster = True
+    #: replicas persist on their own: no epoch, every pass looks (BucketSource.persistence_epoch)
+    persistence_epoch: int | None = None
 
     def __init__(self, cluster: ProcessCluster, connection_name: str, buffer_size: int, *,
                  poll_timeout: float = 0.002) -> None:
@@ -395,6 +405,8 @@ class AttachedNodesSource:
     ``replica``: rollback mitigation waits for them as for a managed cluster's chain."""
 
     is_cluster = True
+    #: replicas persist on their own: no epoch, every pass looks (BucketSource.persistence_epoch)
+    persistence_epoch: int | None = None
 
     def __init__(self, addresses: list[str], connection_name: str, buffer_size: int, *,
                  poll_timeout: float = 0.002, refresh_interval: float = 0.5, timeout: float = 10.0,

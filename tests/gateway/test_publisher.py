@@ -624,3 +624,45 @@ def test_a_pump_releases_at_most_max_messages_of_what_mitigation_held(harness) -
         sent = h.pub.records_sent
     assert 0 < most <= 16
     h.check()
+
+
+def test_mitigation_publishes_the_small_snapshots_of_many_steps_as_few(harness) -> None:
+    """A trickle of writes: every pump round's DCP step takes one item per vbucket, a memory snapshot each. With
+    rollback mitigation they wait for the same flush and are released together: published as one snapshot
+    (gateway/snapshot_merge.py), split where a key comes again, and the merged markers' DCP bytes are
+    buffer-acknowledged like the rest. The flush is held back here by another connection holding the write
+    lock, so that every round's step is held."""
+    import sqlite3
+
+    h = harness(nvb=2)
+    h.settle()
+    sent = h.pub.records_sent  # the failover-log records
+    db = sqlite3.connect(str(h.bucket.storage.path), isolation_level=None)
+    db.execute("BEGIN IMMEDIATE")
+    rounds = 0
+    try:
+        for i in range(40):
+            for vb in range(2):
+                # a key per round, except that round 20 writes round 5's key again
+                key = next(f"k{j}-{i if i != 20 else 5}" for j in range(10_000)
+                           if vbucket_of(f"k{j}-{i if i != 20 else 5}".encode(), 2) == vb)
+                h.bucket.set(key, b'{"n": %d}' % i)
+            h.pub.pump(wait_for_flush=False)
+            rounds += 1
+        assert h.pub.records_sent == sent  # held: the first flush cannot commit
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    h.settle()
+    recs = h.check()
+    snaps = [r for _p, _o, r in recs if r.type is RecordType.SNAPSHOT]
+    data = [r for _p, _o, r in recs if r.is_data]
+    assert len(data) == 2 * rounds
+    # a snapshot per vbucket for the first flush's round, one for the rest, one more where the key came again
+    assert len(snaps) <= 2 * 4, [(r.vbucket, r.snap_start, r.snap_end) for r in snaps]
+    assert h.pub.snapshots_merged == 2 * rounds - len(snaps)
+    for r in snaps:  # no key twice inside a published snapshot
+        keys = [d.key for d in data if d.vbucket == r.vbucket and r.snap_start <= d.seqno <= r.snap_end]
+        assert len(keys) == len(set(keys))
+    dcp = h.pub.dcp
+    assert dcp is not None and dcp.unacked_bytes == 0  # every DCP byte buffer-acknowledged, merged markers too
