@@ -809,13 +809,16 @@ class Publisher:
             q = held[vb]
             out: list[DcpMessage] = []
             safe = safe_seen.get(vb, 0)
+            markers = 0
             while q and len(out) < room:
                 m = q[0]
-                if type(m) is SnapshotMarker and m.end > safe:
-                    safe = self.source.persisted_everywhere(vb, self.sent[vb].vbuuid)
-                    safe_seen[vb] = safe
+                if type(m) is SnapshotMarker:
                     if m.end > safe:
-                        break
+                        safe = self.source.persisted_everywhere(vb, self.sent[vb].vbuuid)
+                        safe_seen[vb] = safe
+                        if m.end > safe:
+                            break
+                    markers += 1
                 out.append(q.popleft())
             if not q:
                 del held[vb]
@@ -825,7 +828,7 @@ class Publisher:
             if out:
                 since.pop(vb, None)
                 released += len(out)
-                if len(out) > 2:
+                if markers > 1:
                     # docs/gateway.md "Publishing path": the small memory snapshots of many steps, as one
                     out, merged_bytes = merge_snapshots(out)
                     if merged_bytes:

@@ -47,11 +47,13 @@ def merge_snapshots(msgs: Sequence[Message], max_items: int = MERGE_MAX_ITEMS) -
     out: list[Message] = []
     dropped = 0
     n = len(msgs)
-    #: the open merged snapshot: its index in ``out``, its marker, its items' keys, its item count
+    #: the open merged snapshot: its index in ``out``, its marker, its item count, its items' keys (built when
+    #: a snapshot first asks to join it) or, until then, its items
     at = -1
     head: SnapshotMarker | None = None
-    keys: set[bytes] = set()
     count = 0
+    keys: set[bytes] | None = None
+    first: Sequence[Item] = ()
     i = 0
     while i < n:
         m = msgs[i]
@@ -68,8 +70,10 @@ def merge_snapshots(msgs: Sequence[Message], max_items: int = MERGE_MAX_ITEMS) -
         size = j - i - 1
         if head is not None and count + size <= max_items and m.start > head.end \
                 and int(m.flags) & ~_CHK == int(head.flags) & ~_CHK:
+            if keys is None:
+                keys = {x.key for x in first}
             new = {x.key for x in span}
-            if len(new) == size and keys.isdisjoint(new):
+            if len(keys) == count and len(new) == size and keys.isdisjoint(new):
                 keys |= new
                 count += size
                 head = SnapshotMarker(m.vbucket, head.start, m.end, head.flags)
@@ -83,10 +87,10 @@ def merge_snapshots(msgs: Sequence[Message], max_items: int = MERGE_MAX_ITEMS) -
         out.extend(span)
         head = None
         if size <= max_items and not int(m.flags) & _UNMERGEABLE:
-            keys = {x.key for x in span}
-            if len(keys) == size:
-                head = m
-                count = size
+            head = m
+            count = size
+            keys = None
+            first = span
         i = j
     return out, dropped
 
