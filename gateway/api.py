@@ -701,6 +701,7 @@ async def stats(request: web.Request) -> web.Response:
         "rollbacks": pub.rollbacks,
         "errors": pub.errors,
         "oversize_records": pub.oversize_records,
+        "snapshots_merged": pub.snapshots_merged,
         "failed_vbuckets": sorted(pub.failed_vbuckets),
         "inflight": pub.inflight,
         "unacked_write_bytes": svc.unacked.total,

@@ -26,6 +26,8 @@ class GatewayMetrics:
         self.filtered = Counter("dcpgw_items_filtered", "Items dropped by the key filters", registry=r)
         self.oversize = Counter("dcpgw_oversize_records", "Oversize control records published in place of records "
                                 "Kafka refused as too large (oversize_policy=skip)", registry=r)
+        self.merged = Counter("dcpgw_snapshots_merged", "Snapshot markers rollback mitigation merged away: "
+                              "consecutive small memory snapshots released together, published as one", registry=r)
         self.failed_vbuckets = Gauge("dcpgw_failed_vbuckets", "vbuckets whose stream was stopped because Kafka "
                                      "refused a record as too large (oversize_policy=fail)", registry=r)
         self.events_per_s = Gauge("dcpgw_events_per_second", "Records acknowledged per second (since the "
@@ -65,7 +67,7 @@ class GatewayMetrics:
                                    "started for its background flushes (more than one per bucket: one ended and "
                                    "was replaced)", registry=r)
         self._seen = {"records": 0, "acked": 0, "bytes": 0, "rollbacks": 0, "errors": 0, "filtered": 0,
-                      "oversize": 0}
+                      "oversize": 0, "merged": 0}
         self._last = (time.monotonic(), 0)
 
     def new_publisher(self) -> None:
@@ -104,6 +106,7 @@ class GatewayMetrics:
             ("errors", self.errors, pub.errors),
             ("filtered", self.filtered, pub.items_filtered),
             ("oversize", self.oversize, pub.oversize_records),
+            ("merged", self.merged, pub.snapshots_merged),
         ):
             delta = value - self._seen[name]
             if delta > 0:
