@@ -1,11 +1,14 @@
 """Hypothesis over random histories: writes, partial publishing, gateway crashes (the publisher abandoned with
-records in flight), engine crashes (unflushed data lost), with and without rollback mitigation. After every
+records in flight), engine crashes (unflushed data lost), stretches of writes and pump rounds while the engine's
+flush cannot commit (so that mitigation releases the snapshots of many steps together, merged:
+gateway/snapshot_merge.py), with and without rollback mitigation. After every
 history: the topic obeys the record-format invariants, and a rollback-aware replica of the topic equals the
 engine; with mitigation on, no rollback record and no (vbucket, seqno) twice."""
 
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -32,6 +35,8 @@ step = st.one_of(
     st.tuples(st.just("write"), st.lists(st.tuples(st.sampled_from(KEYS), st.booleans()), min_size=1,
                                          max_size=12)),
     st.tuples(st.just("pump"), st.integers(1, 4)),
+    # one key written per round, a pump round after each, while another connection holds the write lock
+    st.tuples(st.just("flush_stalled"), st.lists(st.sampled_from(KEYS), min_size=1, max_size=8)),
     st.tuples(st.just("flush")),
     st.tuples(st.just("gateway_crash")),
     st.tuples(st.just("engine_crash")),
@@ -75,6 +80,17 @@ def test_random_crash_histories_converge(kafka_broker: Broker, tmp_path_factory:
         elif kind == "pump":
             for _ in range(s[1]):
                 pub.pump()
+        elif kind == "flush_stalled":
+            db = sqlite3.connect(str(bucket.storage.path), isolation_level=None)
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for key in s[1]:
+                    n += 1
+                    bucket.set(key, f"v{n}".encode())
+                    pub.pump(wait_for_flush=False)
+            finally:
+                db.execute("ROLLBACK")
+                db.close()
         elif kind == "flush":
             bucket.flush()
         elif kind == "gateway_crash":
