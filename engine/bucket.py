@@ -568,6 +568,13 @@ class Bucket:
         self._check_open()
         return self.flusher.flush_all()
 
+    def flush_round(self) -> int:
+        """Persist everything queued now; the commits the flush makes possible (persist-level sync writes)
+        wait for the next flush rather than take a transaction of their own (engine/kv/flusher.py). A pump loop's
+        flush: what it leaves is queued, the vbuckets dirty."""
+        self._check_open()
+        return self.flusher.flush_round()
+
     def start_flush(self, max_items: int | None = None) -> int:
         """Start persisting up to ``max_items`` queued items in the background (docs/engine.md "Background
         flush"): the transaction runs on the storage's writer thread while this thread goes on. Returns how

@@ -496,7 +496,11 @@ class Cluster(ClusterManager):
                 node = self.nodes[name]
                 if node.up:
                     assert node.bucket is not None
-                    node.bucket.flush_all()
+                    # the commits this flush makes possible (persist-level sync writes) are flushed with the
+                    # next round's prepares, not in a second transaction now (docs/durability.md "Flushing")
+                    node.bucket.flush_round()
+                    if node.bucket.dirty_vbuckets:
+                        moved += 1  # they still have to be persisted
         # sync replication: replicas seqno-ack what a flush made durable (persist levels; the flush may also be the
         # service's own flush task); timeouts run. Acks and aborts count as movement: the commits / aborts they
         # queue still have to be sent.

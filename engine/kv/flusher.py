@@ -136,10 +136,17 @@ class Flusher:
     def flush(self, max_items: int | None = None) -> int:
         """Persist queued items from each dirty vbucket's persistence cursor (one transaction); returns how
         many were persisted. A background flush in flight lands first (:meth:`settle`)."""
+        n, touched = self._flush_batch(max_items)
+        self._after(touched)
+        return n
+
+    def _flush_batch(self, max_items: int | None) -> tuple[int, list[VBucket]]:
+        """:meth:`flush` without its follow-ups (:meth:`_after`): the items persisted, and the vbuckets whose
+        follow-ups are due."""
         self.settle()
         batch = self._read(max_items or self.batch_items, pin=False)
         if batch is None:
-            return 0
+            return 0, []
         records, boundaries = self._records(batch)
         try:
             self.storage.flush_batches(batch.batches, records, boundaries)
@@ -153,14 +160,26 @@ class Flusher:
                 dirty.add(vb.id)
             raise
         self._persisted(batch)
-        self._after(vb for vb, _s, _f, _l in batch.touched)
-        return batch.count
+        return batch.count, [vb for vb, _s, _f, _l in batch.touched]
 
     def flush_all(self) -> int:
         """Flush until no vbucket is dirty; returns the items persisted."""
         n = self.flush()
         while self.dirty:
             n += self.flush()
+        return n
+
+    def flush_round(self) -> int:
+        """Persist everything queued now, the follow-ups once after the last transaction: what they queue --
+        the commits of persist-level sync writes whose prepares just became durable on this node -- waits
+        for the next flush instead of a transaction of its own (docs/durability.md "Flushing"). Returns the
+        items persisted."""
+        n, touched = self._flush_batch(None)
+        while self.dirty:
+            k, more = self._flush_batch(None)
+            n += k
+            touched += more
+        self._after(touched)
         return n
 
     # ------------------------------------------------------------------ background flush

@@ -35,6 +35,30 @@ def test_write_with_each_level_commits_and_replicates(tmp_path: Path) -> None:
         assert_replicas_equal_actives(c)
 
 
+def test_a_pump_round_flushes_the_commits_it_made_possible_in_the_next_round(tmp_path: Path) -> None:
+    """docs/durability.md "Flushing": the round whose flush makes a MAJORITY_AND_PERSIST_TO_ACTIVE prepare durable
+    commits it (the waiter completes) but leaves the commit queued -- counted as movement -- and the next round
+    persists it with that round's prepares; ``settle()`` ends with everything persisted on every node."""
+    clock = ManualClock()
+    with _cluster(tmp_path, 1, clock) as c:
+        c.settle()
+        sw = c.submit("k", b"v", durability=Durability(Level.MAJORITY_AND_PERSIST_TO_ACTIVE))
+        active = c.nodes[c.vbucket_map().chains[sw.vbucket][0]].require_bucket()
+        vb = active.vbucket(sw.vbucket)
+        assert c.pump(rounds=1) > 0
+        assert sw.committed  # the prepare reached the replica and was persisted on the active
+        assert vb.persisted_seqno == sw.prepare_seqno < vb.high_seqno  # the commit is not persisted yet
+        assert active.dirty_vbuckets == 1
+        assert c.pump(rounds=1) > 0  # it is sent to the replica and persisted
+        assert vb.persisted_seqno == vb.high_seqno
+        c.settle()
+        for node in c.nodes.values():
+            b = node.require_bucket()
+            assert b.dirty_vbuckets == 0
+            assert all(b.vbucket(v).persisted_seqno == b.vbucket(v).high_seqno for v in range(NVB))
+        assert_replicas_equal_actives(c)
+
+
 def test_acked_majority_write_survives_hard_failover_of_its_active(tmp_path: Path) -> None:
     clock = ManualClock()
     with _cluster(tmp_path, 2, clock) as c:

@@ -187,6 +187,25 @@ def test_single_node_majority_commits_at_once_persist_levels_after_flush(active:
         assert sw.committed and active.get(key).value == b"2"
 
 
+@pytest.mark.parametrize("durability", [PERSIST_ACTIVE, PERSIST_MAJ])
+def test_a_flush_round_leaves_the_commits_it_made_possible_to_the_next_flush(active: Bucket,
+                                                                             durability: Durability) -> None:
+    """docs/durability.md "Flushing": ``flush_round`` persists the prepare and commits it (the waiter
+    completes), but the commit waits for the next flush instead of a transaction of its own; ``flush_all``
+    flushes until nothing is dirty."""
+    sw = active.set("p", b"2", durability=durability)
+    vb = active.vbucket(sw.vbucket)
+    flushed = active.items_flushed
+    assert active.flush_round() == 1  # the prepare
+    assert sw.committed and active.get("p").value == b"2"
+    assert vb.persisted_seqno == sw.prepare_seqno < vb.high_seqno == sw.result().seqno
+    assert active.dirty_vbuckets == 1  # the commit, queued after the round's transaction
+    assert active.flush_round() == 1 and active.dirty_vbuckets == 0
+    assert vb.persisted_seqno == vb.high_seqno and active.items_flushed == flushed + 2
+    sw = active.set("q", b"3", durability=durability)
+    assert active.flush_all() == 2 and sw.committed and active.dirty_vbuckets == 0  # two transactions
+
+
 # ---------------------------------------------------------------------- active + replica
 def test_prepare_invisible_until_replica_acks_then_committed(pair) -> None:
     a, r = pair
