@@ -43,7 +43,9 @@ def test_a_pump_round_flushes_the_commits_it_made_possible_in_the_next_round(tmp
     with _cluster(tmp_path, 1, clock) as c:
         c.settle()
         sw = c.submit("k", b"v", durability=Durability(Level.MAJORITY_AND_PERSIST_TO_ACTIVE))
-        active = c.nodes[c.vbucket_map().chains[sw.vbucket][0]].require_bucket()
+        name = c.vbucket_map().chains[sw.vbucket][0]
+        assert name is not None
+        active = c.nodes[name].require_bucket()
         vb = active.vbucket(sw.vbucket)
         assert c.pump(rounds=1) > 0
         assert sw.committed  # the prepare reached the replica and was persisted on the active
