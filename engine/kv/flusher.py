@@ -173,14 +173,18 @@ class Flusher:
         """Persist everything queued now, the follow-ups once after the last transaction: what they queue --
         the commits of persist-level sync writes whose prepares just became durable on this node -- waits
         for the next flush instead of a transaction of its own (docs/durability.md "Flushing"). Returns the
-        items persisted."""
-        n, touched = self._flush_batch(None)
-        while self.dirty:
-            k, more = self._flush_batch(None)
-            n += k
-            touched += more
-        self._after(touched)
-        return n
+        items persisted. A failing transaction raises after the follow-ups of those that committed ran."""
+        n = 0
+        touched: list[VBucket] = []
+        try:
+            while True:
+                k, more = self._flush_batch(None)
+                n += k
+                touched += more
+                if not self.dirty:
+                    return n
+        finally:
+            self._after(dict.fromkeys(touched))  # once per vbucket, however many transactions touched it
 
     # ------------------------------------------------------------------ background flush
     @property

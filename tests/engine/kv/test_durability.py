@@ -19,6 +19,7 @@ from engine.exceptions import (
     InvalidArgument,
     KeyNotFound,
     Status,
+    StorageError,
     SyncWriteAmbiguous,
     SyncWriteInProgress,
     TemporaryFailure,
@@ -204,6 +205,40 @@ def test_a_flush_round_leaves_the_commits_it_made_possible_to_the_next_flush(act
     assert vb.persisted_seqno == vb.high_seqno and active.items_flushed == flushed + 2
     sw = active.set("q", b"3", durability=durability)
     assert active.flush_all() == 2 and sw.committed and active.dirty_vbuckets == 0  # two transactions
+
+
+def test_a_flush_round_whose_later_transaction_fails_still_commits_what_the_earlier_one_persisted(
+    tmp_path: Path, clock: ManualClock,
+) -> None:
+    """One transaction per vbucket (``flush_batch_items=1``); SQLite interrupts the second (a progress handler,
+    installed once the first committed): the round raises, and the prepare the first transaction persisted is
+    committed all the same -- its follow-up ran -- while the other stays a prepare, queued for the next flush."""
+    b = _bucket(tmp_path / "f", clock, flush_batch_items=1)
+    try:
+        keys = [next(f"k{i}" for i in range(1000) if b.vbucket_of(f"k{i}") == vb) for vb in (0, 1)]
+        writes = [b.set(k, b"v", durability=PERSIST_ACTIVE) for k in keys]
+        storage = b.storage
+        real = storage.flush_batches
+        calls = []
+
+        def flush_batches(*args: Any, **kw: Any) -> None:
+            calls.append(1)
+            if len(calls) == 2:
+                storage._db.set_progress_handler(lambda: 1, 1)  # abort the statement: "interrupted"
+            real(*args, **kw)
+
+        storage.flush_batches = flush_batches  # type: ignore[method-assign]
+        with pytest.raises(StorageError, match="interrupted"):
+            b.flush_round()
+        storage._db.set_progress_handler(None, 1)
+        assert len(calls) == 2
+        assert sorted(sw.committed for sw in writes) == [False, True]
+        assert b.dirty_vbuckets == 2  # the commit, and the prepare whose transaction failed
+        storage.flush_batches = real  # type: ignore[method-assign]
+        b.flush_all()
+        assert all(sw.committed for sw in writes) and b.dirty_vbuckets == 0
+    finally:
+        b.close(clean=False)
 
 
 # ---------------------------------------------------------------------- active + replica
