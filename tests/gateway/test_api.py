@@ -10,6 +10,7 @@ import aiohttp
 
 from gateway.broker import Broker
 from gateway.service import GatewayService
+from tests.engine.kv.disk_model import db_file, write_locked
 from tests.gateway.api_harness import NVB, expect_error, run
 
 
@@ -140,20 +141,13 @@ def test_stats_and_metrics_count_the_snapshots_mitigation_merged(kafka_broker: B
     storage's write lock): every pump round of the service's loop steps them as snapshots of their own, held
     until persisted; once the lock goes, they are published merged (gateway/snapshot_merge.py), counted in
     ``/stats`` ``snapshots_merged`` and ``dcpgw_snapshots_merged_total``, and the topic is caught up."""
-    import sqlite3
-
     async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
         assert svc.bucket is not None and svc.publisher is not None
-        db = sqlite3.connect(str(svc.bucket.storage.path), isolation_level=None)
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with write_locked(db_file(svc.bucket)):
             for i in range(30):
                 r = await http.put(f"{url}/docs/t{i}", json={"i": i})
                 assert r.status == 200, await r.text()
                 await asyncio.sleep(0.01)  # the loop pumps in between: a DCP step per round
-        finally:
-            db.execute("ROLLBACK")
-            db.close()
         for _ in range(400):
             stats = await (await http.get(f"{url}/stats")).json()
             if stats["lag"] == 0 and stats["inflight"] == 0:

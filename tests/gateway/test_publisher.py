@@ -26,6 +26,7 @@ from gateway.resume import (
 from schemas.codec import RecordEncoder
 from schemas.failover_log import FailoverEntry
 from schemas.records import RecordType, ValueFormat
+from tests.engine.kv.disk_model import db_file, write_locked
 from tests.gateway.kafka_util import TopicReplica, read_topic
 from tests.harness import Harness as BaseHarness
 from tests.harness import harnesses, producer_conf, write
@@ -240,24 +241,17 @@ def test_pump_without_waiting_for_the_flush_returns_while_what_it_holds_is_not_p
     once (``waiting_for_flush``) instead of waiting for the flush on the event loop's thread. The flush here
     cannot commit while the test holds the database's write lock (another connection), so a round that waited
     would stay in pump() until the writer's busy timeout failed it."""
-    import sqlite3
-
     h = harness()
     h.settle()
     sent = h.pub.records_sent
     write(h.bucket, 50)
-    db = sqlite3.connect(str(h.bucket.storage.path), isolation_level=None)
-    db.execute("BEGIN IMMEDIATE")
-    try:
+    with write_locked(db_file(h.bucket)):
         stepped = sum(h.pub.pump(wait_for_flush=False) for _ in range(5))
         assert stepped >= 50  # the items (and their markers) were stepped ...
         assert h.pub.pump(wait_for_flush=False) == 0
         assert h.pub.waiting_for_flush  # ... and are held: the flush in flight cannot commit
         assert h.pub.records_sent == sent  # nothing unpersisted reached Kafka
         assert h.bucket.flush_pending
-    finally:
-        db.execute("ROLLBACK")
-        db.close()
     h.settle()  # the flush commits, lands, and what was held is published
     assert not h.pub.waiting_for_flush
     h.check()
@@ -632,15 +626,11 @@ def test_mitigation_publishes_the_small_snapshots_of_many_steps_as_few(harness) 
     (gateway/snapshot_merge.py), split where a key comes again, and the merged markers' DCP bytes are
     buffer-acknowledged like the rest. The flush is held back here by another connection holding the write
     lock, so that every round's step is held."""
-    import sqlite3
-
     h = harness(nvb=2)
     h.settle()
     sent = h.pub.records_sent  # the failover-log records
-    db = sqlite3.connect(str(h.bucket.storage.path), isolation_level=None)
-    db.execute("BEGIN IMMEDIATE")
     rounds = 0
-    try:
+    with write_locked(db_file(h.bucket)):
         for i in range(40):
             for vb in range(2):
                 # a key per round, except that round 20 writes round 5's key again
@@ -650,9 +640,6 @@ def test_mitigation_publishes_the_small_snapshots_of_many_steps_as_few(harness) 
             h.pub.pump(wait_for_flush=False)
             rounds += 1
         assert h.pub.records_sent == sent  # held: the first flush cannot commit
-    finally:
-        db.execute("ROLLBACK")
-        db.close()
     h.settle()
     recs = h.check()
     snaps = [r for _p, _o, r in recs if r.type is RecordType.SNAPSHOT]

@@ -8,7 +8,6 @@ engine; with mitigation on, no rollback record and no (vbucket, seqno) twice."""
 from __future__ import annotations
 
 import contextlib
-import sqlite3
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -25,6 +24,7 @@ from gateway.publisher import Publisher
 from gateway.resume import ensure_topics, recover_positions
 from schemas.codec import RecordEncoder
 from schemas.records import ValueFormat
+from tests.engine.kv.disk_model import db_file, write_locked
 from tests.gateway.kafka_util import TopicReplica, read_topic
 
 pytestmark = pytest.mark.slow
@@ -81,16 +81,11 @@ def test_random_crash_histories_converge(kafka_broker: Broker, tmp_path_factory:
             for _ in range(s[1]):
                 pub.pump()
         elif kind == "flush_stalled":
-            db = sqlite3.connect(str(bucket.storage.path), isolation_level=None)
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with write_locked(db_file(bucket)):
                 for key in s[1]:
                     n += 1
                     bucket.set(key, f"v{n}".encode())
                     pub.pump(wait_for_flush=False)
-            finally:
-                db.execute("ROLLBACK")
-                db.close()
         elif kind == "flush":
             bucket.flush()
         elif kind == "gateway_crash":
