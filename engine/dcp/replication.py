@@ -295,8 +295,25 @@ class DcpConsumer:
 
     def acknowledge_seqnos(self) -> int:
         """Seqno-ack every open stream whose replica moved (e.g. after the flusher persisted: persist levels
-        are acked only once persisted); returns how many acks were sent."""
-        return sum(self._seqno_ack(vb) for vb in sorted(self.streams))
+        are acked only once persisted); returns how many acks were sent. The replica answers for every open
+        stream in one ``durability_ack_seqnos`` call when it has one (a node process: one hop to its loop)."""
+        if self.consumer_name is None or self.producer.closed:
+            return 0
+        many = getattr(self.replica, "durability_ack_seqnos", None)
+        if many is None:
+            return sum(self._seqno_ack(vb) for vb in sorted(self.streams))
+        reading = PassiveState.READING
+        current: dict[int, int] = many([vb for vb, s in self.streams.items() if s.state is reading])
+        acked = self._acked
+        sent = 0
+        for vb in sorted(current):
+            seqno = current[vb]
+            if seqno > acked.get(vb, -1):
+                acked[vb] = seqno
+                self.producer.seqno_acknowledged(vb, seqno)  # type: ignore[union-attr,attr-defined,unused-ignore]
+                self.seqno_acks += 1
+                sent += 1
+        return sent
 
     def drain(self, max_steps: int = 1_000_000) -> int:
         """Step until the producer has nothing more to send; returns messages handled."""

@@ -151,6 +151,9 @@ class _LoopBucket:
     def durability_ack_seqno(self, vbucket: int) -> int:
         return self._run(self._server.bucket.durability_ack_seqno, vbucket)
 
+    def durability_ack_seqnos(self, vbuckets: list[int]) -> dict[int, int]:
+        return self._run(self._server.bucket.durability_ack_seqnos, vbuckets)
+
 
 class ReplicationLink(threading.Thread):
     """One replication connection ``replication:<src>-><me>`` (kv_engine's name): pulls the vbuckets this node

@@ -430,6 +430,29 @@ def test_persist_to_majority_waits_for_replica_and_active_persistence(pair) -> N
     assert vbid == sw.vbucket
 
 
+def test_batched_replica_acks_equal_the_per_vbucket_ones(pair) -> None:
+    """``Bucket.durability_ack_seqnos`` answers for every replica vbucket at once (what a connection's
+    ``acknowledge_seqnos`` asks a node process in one hop): the same seqnos as one ``durability_ack_seqno``
+    per vbucket, the vbuckets that are not replicas (or do not exist) left out."""
+    a, r = pair
+    c = _connect(a, r)
+    c.drain()
+    sws = [a.set(f"k{i}", b"v", durability=PERSIST_MAJ) for i in range(12)]
+    c.drain()
+    held = r.durability_ack_seqnos(range(NVB))
+    assert held == {vb: r.durability_ack_seqno(vb) for vb in range(NVB)}
+    a.flush_all()
+    r.flush_all()
+    moved = r.durability_ack_seqnos([*range(NVB), NVB, -1])
+    assert moved == {vb: r.durability_ack_seqno(vb) for vb in range(NVB)}
+    assert any(moved[vb] > held[vb] for vb in range(NVB))  # persisting let the persist-level acks move
+    assert c.acknowledge_seqnos() == sum(moved[vb] > held[vb] for vb in range(NVB))
+    assert all(sw.committed for sw in sws)
+    assert c.acknowledge_seqnos() == 0  # nothing moved since
+    r.set_vbucket_state(0, VBucketState.ACTIVE)
+    assert 0 not in r.durability_ack_seqnos(range(NVB))
+
+
 def test_persist_level_prepare_is_a_fence_for_later_prepares(pair) -> None:
     a, r = pair
     c = _connect(a, r)
