@@ -380,8 +380,9 @@ def up(
     # Local problems first, in one line each, before a broker is started (docs/reliability.md).
     _check_data_dir(settings.data_dir)
     _check_port(settings.http_host, settings.http_port)
-    if settings.cluster_nodes == 1:
-        _check_port(settings.http_host, settings.kv_port, "kv_port")
+    # the first node's KV port (with --nodes the others take a free port when theirs is taken: docs/kv-protocol.md)
+    _check_port(settings.http_host, settings.kv_port, "kv_port")
+    _check_tls(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.exceptions import EngineError
     from engine.kv.data_dir import DataDirLock, check_layout
@@ -506,6 +507,32 @@ def _check_port(host: str, port: int, name: str = "http_port") -> None:
                 _fail(f"cannot listen on {host}:{port} ({name}): {why}")
 
 
+def _check_tls(settings: Any) -> None:
+    """The TLS certificate, key and client CA load (as the service will load them); else a one-line exit."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return
+    from engine.exceptions import TlsConfigError
+    from engine.security.tls import server_context
+
+    try:
+        server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+    except TlsConfigError as e:
+        _fail(_one_line(e))
+
+
+def _announce_admin_password(svc: Any, settings: Any) -> None:
+    """First start: the generated password of ``Administrator``, printed once -- also when the start fails after
+    the user store was created (it is kept, and no later start prints it)."""
+    if svc.generated_admin_password is None:
+        return
+    from engine.security import ADMIN_PASSWORD_FILE, ADMIN_USER
+
+    typer.echo(f"dcpgw: created user {ADMIN_USER} (role admin) with the generated password "
+               f"{svc.generated_admin_password} -- also in {settings.data_dir / ADMIN_PASSWORD_FILE} "
+               f"(mode 0600); change it with `dcpgw user passwd {ADMIN_USER}`", err=True)
+    svc.generated_admin_password = None
+
+
 async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLock | None = None) -> None:
     from engine.kv.durable_file import write_atomically
     from gateway.service import GatewayService
@@ -517,6 +544,7 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
     try:
         await svc.start()
     except BaseException as e:
+        _announce_admin_password(svc, settings)
         with contextlib.suppress(Exception):
             await svc.stop()  # close what start() opened (engine files, Kafka clients)
         from gateway.exceptions import StartupInterrupted
@@ -530,14 +558,7 @@ async def _serve(settings: Any, bootstrap: str, progress: bool, lock: DataDirLoc
              "num_vbuckets": settings.num_vbuckets}
     if settings.tls_cert is not None:  # the CLI trusts it for local use (docs/security.md "CLI")
         state["tls_cert"] = str(settings.tls_cert.resolve())
-    if svc.generated_admin_password is not None:
-        # first start: printed once, here only (also in <data_dir>/admin-password, mode 0600)
-        from engine.security import ADMIN_PASSWORD_FILE, ADMIN_USER
-
-        typer.echo(f"dcpgw: created user {ADMIN_USER} (role admin) with the generated password "
-                   f"{svc.generated_admin_password} -- also in {settings.data_dir / ADMIN_PASSWORD_FILE} "
-                   f"(mode 0600); change it with `dcpgw user passwd {ADMIN_USER}`", err=True)
-        svc.generated_admin_password = None
+    _announce_admin_password(svc, settings)  # first start: printed once (also in <data_dir>/admin-password, 0600)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(settings.data_dir / STATE_FILE, json.dumps(state).encode())
     typer.echo(f"dcpgw up: topic {svc.topic} on {bootstrap}; HTTP API {http_url}", err=True)

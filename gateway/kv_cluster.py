@@ -53,7 +53,7 @@ class ClusterKvPorts:
     def __init__(
         self, cluster: Cluster, users: UserDirectory, *, bucket: str, host: str, first_port: int,
         ssl_context: ssl.SSLContext | None = None, hooks: WriteHooks | None = None,
-        server_factory: Callable[..., KVServer] = KVServer,
+        server_factory: Callable[..., KVServer] = KVServer, conflict_resolution: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.users = users
@@ -64,7 +64,7 @@ class ClusterKvPorts:
         self._factory = server_factory
         uuid = hashlib.sha256(f"dcpgw:{cluster.base_dir.resolve()}:{bucket}".encode()).hexdigest()[:32]
         #: the one revision counter of every node's config (engine/cluster/cluster_config.py)
-        self.tracker = ClusterConfigTracker(bucket=bucket, bucket_uuid=uuid)
+        self.tracker = ClusterConfigTracker(bucket=bucket, bucket_uuid=uuid, conflict_resolution=conflict_resolution)
         self.servers: dict[str, KVServer] = {}
         self._offsets: dict[str, int] = {}
         self._pushed_rev: int | None = None
@@ -166,7 +166,8 @@ async def start_cluster_kv_ports(svc: GatewayService) -> ClusterKvPorts:
     assert svc.cluster is not None
     users: UserDirectory = svc.users if svc.users is not None else UserStore.open(s.data_dir)
     ports = ClusterKvPorts(svc.cluster, users, bucket=s.bucket, host=s.http_host, first_port=s.kv_port,
-                           ssl_context=svc.tls_context, hooks=GatewayWriteHooks(svc))
+                           ssl_context=svc.tls_context, hooks=GatewayWriteHooks(svc),
+                           conflict_resolution=s.conflict_resolution)
     try:
         await ports.start()
     except OSError as e:

@@ -73,13 +73,16 @@ def build_cluster_config(
     vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], *, rev: int, rev_epoch: int = 1,
     bucket: str = "default", bucket_uuid: str, this_node: str | None = None, host: str | None = None,
     capabilities: Sequence[str] = DEFAULT_BUCKET_CAPABILITIES, with_bucket: bool = True,
+    conflict_resolution: str | None = None,
 ) -> dict[str, Any]:
     """The bucket config of ``vbmap`` with the nodes at ``addresses`` (see the module docstring). ``this_node``:
     the node whose connection the config is sent on (``thisNode: true`` in its ``nodesExt`` / ``nodes`` entry);
     ``host``: the address that connection's client used, written for every address whose host is
     :data:`HOST_PLACEHOLDER`. Nodes of the map without an address are left out of ``serverList``: their slots
     read ``-1``. ``with_bucket=False``: the cluster config without a selected bucket (GCCCP: ``rev``,
-    ``revEpoch``, ``nodesExt``)."""
+    ``revEpoch``, ``nodesExt``). ``conflict_resolution`` (``seqno`` / ``lww``): the bucket's XDCR conflict
+    resolution as ``conflictResolutionType`` (what Couchbase's bucket details call it; an XDCR source checks it
+    against its own, docs/xdcr.md "Conflict resolution")."""
     if type(rev) is not int or rev < 0 or type(rev_epoch) is not int or rev_epoch < 0:
         raise InvalidArgument(f"rev and revEpoch must be integers >= 0, got {rev!r}, {rev_epoch!r}")
     if host is not None:
@@ -111,7 +114,7 @@ def build_cluster_config(
     if not with_bucket:
         return {"rev": rev, "revEpoch": rev_epoch, "nodesExt": nodes_ext, "clusterCapabilitiesVer": [1, 0],
                 "clusterCapabilities": {}}
-    return {
+    out: dict[str, Any] = {
         "rev": rev,
         "revEpoch": rev_epoch,
         "name": bucket,
@@ -129,6 +132,9 @@ def build_cluster_config(
             "vBucketMap": vbucket_map,
         },
     }
+    if conflict_resolution is not None:
+        out["conflictResolutionType"] = conflict_resolution
+    return out
 
 
 def encode_cluster_config(config: Mapping[str, Any]) -> bytes:
@@ -142,8 +148,10 @@ class ClusterConfigTracker:
     config for one node's connection. Not thread-safe: the owner of the cluster calls it (its event loop)."""
 
     def __init__(self, *, bucket: str = "default", bucket_uuid: str, rev_epoch: int = 1,
-                 capabilities: Sequence[str] = DEFAULT_BUCKET_CAPABILITIES) -> None:
+                 capabilities: Sequence[str] = DEFAULT_BUCKET_CAPABILITIES,
+                 conflict_resolution: str | None = None) -> None:
         self.bucket = bucket
+        self.conflict_resolution = conflict_resolution
         self.bucket_uuid = bucket_uuid
         self.rev_epoch = rev_epoch
         self.capabilities = tuple(capabilities)
@@ -171,7 +179,7 @@ class ClusterConfigTracker:
         return build_cluster_config(
             vbmap, addresses, rev=self.revision(vbmap, addresses), rev_epoch=self.rev_epoch, bucket=self.bucket,
             bucket_uuid=self.bucket_uuid, this_node=this_node, host=host, capabilities=self.capabilities,
-            with_bucket=with_bucket)
+            with_bucket=with_bucket, conflict_resolution=self.conflict_resolution)
 
     def encoded(self, vbmap: VBucketMap, addresses: Mapping[str, NodeAddress], this_node: str | None = None, *,
                 host: str | None = None, with_bucket: bool = True) -> tuple[int, bytes]:

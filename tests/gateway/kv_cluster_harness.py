@@ -34,7 +34,8 @@ class KvClusterNodes:
                                       num_vbuckets=num_vbuckets, **cluster)
         self.loop = asyncio.new_event_loop()
         self.ports = ClusterKvPorts(self.cluster, self.users, bucket="default", host="127.0.0.1",
-                                    first_port=first_port, ssl_context=ssl_context, hooks=StandaloneHooks())
+                                    first_port=first_port, ssl_context=ssl_context, hooks=StandaloneHooks(),
+                                    conflict_resolution=cluster.get("conflict_resolution", "seqno"))
         self._pump: asyncio.Task[None] | None = None
         ready: Future[None] = Future()
 

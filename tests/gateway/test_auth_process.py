@@ -179,6 +179,24 @@ def test_bad_tls_files_fail_the_start_in_one_line(tmp_path: Path, pki: dict[str,
                               "--tls-cert", str(pki["cert"]), "--tls-key", str(pki["client_key"]),
                               KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1"))
     assert "cannot be loaded" in line and "PRIVATE KEY" not in line
+    # on the embedded broker too: the files are checked before the broker starts (no broker log line first)
+    line = one_error_line(cli("up", "--no-progress", "--data-dir", str(data), "--http-port", "0",
+                              "--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(pki["key"])))
+    assert "missing.pem does not exist" in line
+    assert not (data / "admin-password").exists()  # nothing was created either
+
+
+def test_a_first_start_that_fails_still_prints_the_generated_password(tmp_path: Path) -> None:
+    """The user store is created before Kafka is reached: when the start fails after it, the generated password
+    is printed all the same (no later start prints it again)."""
+    data = tmp_path / "d"
+    res = cli("up", "--no-progress", "--data-dir", str(data), "--http-port", "0",
+              KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1", DCPGW_KAFKA_CONNECT_TIMEOUT_S="1")
+    assert res.returncode != 0
+    password = (data / "admin-password").read_text().strip()
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2 and lines[-1].startswith("error: ") and "127.0.0.1:1" in lines[-1], res.stderr[-3000:]
+    assert "generated password" in lines[0] and password in lines[0], lines[0]
 
 
 def test_mutual_tls_in_process(kafka_broker: Broker, tmp_path: Path, pki: dict[str, Any]) -> None:

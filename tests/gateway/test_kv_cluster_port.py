@@ -80,6 +80,36 @@ def test_every_node_serves_the_same_map(nodes: KvClusterNodes) -> None:
         assert [e["services"]["kv"] for e in cfg["nodesExt"]] == list(ports.values())
 
 
+@pytest.mark.parametrize("mode", ["seqno", "lww"])
+def test_the_config_tells_the_conflict_resolution_an_xdcr_source_checks(tmp_path: Path, mode: str) -> None:
+    """``conflictResolutionType`` in the bucket config of every node (and of a single node's port): what an XDCR
+    source reads to refuse a target of another mode (docs/xdcr.md "Conflict resolution")."""
+    from connectors.xdcr.connection import Credentials
+    from connectors.xdcr.document import ConflictMode
+    from connectors.xdcr.target import TargetCluster, TargetSpec
+    from tests.engine.network.kv.harness import PASSWORD as SINGLE_PASSWORD
+    from tests.engine.network.kv.harness import KVNode
+
+    h = KvClusterNodes(tmp_path / "c", nodes=2, replicas=1, num_vbuckets=NVB, conflict_resolution=mode)
+    single = KVNode(tmp_path / "s", conflict_resolution=mode)
+    try:
+        for node in ("n0", "n1"):
+            c = _client(h, node)
+            assert _config(c)["conflictResolutionType"] == mode
+            c.close()
+        for port, password in ((h.port("n0"), PASSWORD), (single.port, SINGLE_PASSWORD)):
+            target = TargetCluster(TargetSpec.parse(f"couchbase://127.0.0.1:{port}/default"),
+                                   Credentials("app", password))
+            target.connect()
+            try:
+                assert target.conflict_mode() is ConflictMode(mode)
+            finally:
+                target.close()
+    finally:
+        single.close()
+        h.close()
+
+
 def test_not_my_vbucket_carries_the_map_and_replica_reads(nodes: KvClusterNodes) -> None:
     key = _key_on(nodes, "n0")
     vb = vbucket_of(key, NVB)

@@ -9,7 +9,8 @@ NotMyVBucket for vbuckets another node serves.
 The JSON is ns_server's bucket config as the SDKs parse it (couchbase-cxx-client ``configuration_json.hxx``):
 ``rev`` / ``revEpoch``, ``name``, ``uuid``, ``nodeLocator: vbucket``, ``nodesExt`` (``hostname``, ``services``
 with ``kv`` or, on a TLS port, ``kvSSL``, ``thisNode``), ``vBucketServerMap`` (``hashAlgorithm: CRC``,
-``numReplicas``, ``serverList``, ``vBucketMap``) and ``bucketCapabilities``. Without a selected bucket
+``numReplicas``, ``serverList``, ``vBucketMap``), ``bucketCapabilities`` and ``conflictResolutionType`` (the
+bucket's XDCR conflict resolution, ``seqno`` or ``lww``: an XDCR source checks it). Without a selected bucket
 (GCCCP) the same minus the bucket fields. ns_server writes ``$HOST`` where kv_engine substitutes the address the
 client connected to; here the provider is given that address directly.
 """
@@ -99,6 +100,7 @@ class SingleNodeConfig:
             "nodeLocator": "vbucket",
             "bucketCapabilitiesVer": "",
             "bucketCapabilities": BUCKET_CAPABILITIES,
+            **({"conflictResolutionType": str(b.conflict_resolution.value)} if b is not None else {}),
             "vBucketServerMap": {
                 "hashAlgorithm": "CRC",
                 "numReplicas": 0,
