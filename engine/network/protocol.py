@@ -281,9 +281,10 @@ def decode_framing(framing: bytes) -> Durability | None:
         # A repeated durability frame info replaces the earlier one, as kv_engine's request parsing does: the
         # official SDK's C++ core appends it again each time it resends a request (a retry after
         # NOT_MY_VBUCKET or TMPFAIL), docs/kv-protocol.md "What differs".
+        if not 1 <= data[0] <= 3:  # 0 (none) is expressed by leaving the frame out
+            raise DurabilityInvalidLevel(f"invalid durability level {data[0]} in a durability frame: must be 1..3 "
+                                         f"(majority, majority_and_persist_to_active, persist_to_majority)")
         level = parse_level(data[0])
-        if level is Level.NONE:
-            raise DurabilityInvalidLevel("durability level none in a durability frame")
         out = Durability(level, int.from_bytes(data[1:3], "big") if flen == 3 else 0)
     return out
 

@@ -141,12 +141,17 @@ def test_first_start_generated_password_https_and_the_cli(kafka_broker: Broker, 
         line = one_error_line(cli("load", "--docs", "5", "--data-dir", str(data), "--user", "watcher",
                                   "--password", "watch-pw"))
         assert "403" in line and "data_writer" in line and "watch-pw" not in line
+        assert "the refused batch was not written" in line, line  # a 4xx wrote nothing: no hedge
         # wrong credentials: one line naming the user, never the password
         line = one_error_line(cli("status", "--data-dir", str(data), "--user", "Administrator",
                                   "--password", "Wr0ng-guess"))
         assert "authentication failed for user 'Administrator'" in line and "Wr0ng-guess" not in line
         line = one_error_line(cli("status", "--data-dir", str(data), "--user", "watcher"))
         assert "--password" in line
+        # no credentials anywhere (a data directory without admin-password): said so, not "authentication failed"
+        line = one_error_line(cli("status", "--url", url, "--data-dir", str(tmp_path / "empty"),
+                                  "--cacert", str(pki["ca"])))
+        assert "no credentials found" in line, line
         # a CA that did not sign the gateway's certificate
         line = one_error_line(cli("status", "--data-dir", str(data), "--cacert", str(pki["other_ca"])))
         assert "CERTIFICATE_VERIFY_FAILED" in line or "certificate verify failed" in line, line
@@ -218,6 +223,11 @@ def test_mutual_tls_in_process(kafka_broker: Broker, tmp_path: Path, pki: dict[s
                 with pytest.raises((aiohttp.ClientError, ssl.SSLError, OSError)):
                     r = await http.get(f"{url}/stats", ssl=no_cert)
                     await r.read()
+            # the CLI sends no client certificate: its one line says that may be why
+            res = await asyncio.to_thread(cli, "status", "--url", url, "--cacert", str(pki["ca"]),
+                                          "--data-dir", str(tmp_path / "data"), **{ADMIN_PASSWORD_ENV: ADMIN_PASSWORD})
+            line = one_error_line(res)
+            assert "cannot reach the gateway" in line and "client certificate" in line, line
         finally:
             await svc.stop()
 

@@ -102,6 +102,19 @@ def test_embedded_broker_that_does_not_start(tmp_path: Path) -> None:
     assert "DCPGW_BROKER" in one_error_line(res)
 
 
+def test_user_commands_on_a_data_directory_that_does_not_exist(tmp_path: Path) -> None:
+    """A mistyped --data-dir of `dcpgw user list / delete / passwd` is one error line, not an empty new store;
+    `dcpgw user add` creates the directory."""
+    typo = tmp_path / "typo"
+    for args in (("list",), ("delete", "bob"), ("passwd", "bob", "--password", "pw-1")):
+        line = one_error_line(dcpgw("user", *args, "--data-dir", str(typo)))
+        assert str(typo) in line and "does not exist" in line, line
+        assert not typo.exists()
+    res = dcpgw("user", "add", "bob", "--password", "pw-1", "--role", "data_reader", "--data-dir", str(typo))
+    assert res.returncode == 0 and "added user bob" in res.stdout, res.stderr
+    assert dcpgw("user", "list", "--data-dir", str(typo)).stdout.splitlines() == ["bob\tdata_reader"]
+
+
 def test_bad_config_value_and_invalid_toml(tmp_path: Path) -> None:
     assert "http_port" in one_error_line(dcpgw("up", DCPGW_HTTP_PORT="-1"))
     bad = tmp_path / "bad.toml"

@@ -102,6 +102,8 @@ def test_cluster_cli_status_map_and_failover(kafka_broker: Broker, tmp_path: Pat
         assert res["new_branches"] == 0 and res["promoted"] > 0
         rc, out, err = await cli("cluster", "failover", "nope", "--url", url)
         assert rc == 2 and "400" in err and "unknown node" in err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), err  # no leftover progress line
 
     run(kafka_broker, tmp_path, scenario)
 

@@ -65,6 +65,7 @@ def test_framing_without_durability_and_bad_frames() -> None:
         with pytest.raises(DurabilityInvalidLevel) as e:
             decode_framing(bytes([0x11, bad_level]))
         assert e.value.status == Status.DURABILITY_INVALID_LEVEL
+        assert "must be 1..3" in str(e.value)  # 0 (none) is not sent in a frame: the message says what is valid
     for bad in (bytes([0x12, 1, 0]),        # length 2: not 1 or 3
                 bytes([0x11]),              # truncated
                 bytes([0x21, 1]),           # unknown frame id
