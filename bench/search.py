@@ -4,8 +4,8 @@ Publishes N JSON documents (~250 bytes, 1024 vbuckets) with the in-process gatew
 broker the product would use (gateway.broker.select_broker), then measures, in the same run:
 
 * ``search.index_throughput``  documents/s from the topic to a committed tantivy index through the search
-  indexer (connectors/search/indexer.py: rollback-aware client, document store + mutation log in SQLite, the
-  tantivy backend with the default dynamic mapping, commits batched by the indexer's defaults), timed from the
+  indexer (connectors/search/indexer.py: rollback-aware client, the document store -- its changelog -- in
+  SQLite, the tantivy backend with the default dynamic mapping, commits batched by the indexer's defaults), timed from the
   indexer's construction until it is caught up and committed -- vs tantivy indexing the same documents
   directly (the same backend, ``TantivyBackend.apply`` of all of them and one commit, from memory; building the
   documents is not timed) (target >= 0.7x).

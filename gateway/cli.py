@@ -35,6 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -204,6 +205,10 @@ def _auth_problem(method: str, url: str, code: int, msg: str) -> str | None:
     """The one-line message of a 401 / 403 (no secret in it); None for other statuses."""
     c = _CONNECTION
     if code == 401:
+        if c.source == "no credentials":  # nothing given, no DCPGW_ADMIN_PASSWORD, no DATA_DIR/admin-password
+            return (f"{method} {url} -> HTTP 401: no credentials found (no --user/--password, DCPGW_PASSWORD, "
+                    f"DCPGW_ADMIN_PASSWORD or admin-password file in the data directory); pass --user/--password "
+                    f"or set DCPGW_USER/DCPGW_PASSWORD")
         return (f"{method} {url} -> HTTP 401: authentication failed for user {c.user!r} (credentials from "
                 f"{c.source}); pass --user/--password or set DCPGW_USER/DCPGW_PASSWORD")
     if code == 403:
@@ -212,7 +217,12 @@ def _auth_problem(method: str, url: str, code: int, msg: str) -> str | None:
 
 
 class _RequestFailed(Exception):
-    """An HTTP request to the gateway failed; the message is one line."""
+    """An HTTP request to the gateway failed; the message is one line. ``status``: the gateway's HTTP status when
+    it answered (a 4xx refused the request whole: nothing of it was written), None when it did not answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _RetryLater(_RequestFailed):
@@ -257,13 +267,27 @@ def _request(method: str, url: str, body: bytes | None = None, timeout: float = 
             msg = str(e)
         auth = _auth_problem(method, url, e.code, msg)
         if auth is not None:
-            raise _RequestFailed(auth) from e
+            raise _RequestFailed(auth, e.code) from e
         wait = _retry_after(e.headers.get("Retry-After")) if e.code == 503 and e.headers else None
         if wait is not None:
             raise _RetryLater(f"{method} {url} -> HTTP {e.code}: {msg}", wait) from e
-        raise _RequestFailed(f"{method} {url} -> HTTP {e.code}: {msg}") from e
+        raise _RequestFailed(f"{method} {url} -> HTTP {e.code}: {msg}", e.code) from e
     except (urllib.error.URLError, OSError) as e:
-        raise _RequestFailed(f"cannot reach the gateway at {url}: {e} (is `dcpgw up` running?)") from e
+        raise _RequestFailed(_unreachable(url, e)) from e
+
+
+def _unreachable(url: str, e: BaseException) -> str:
+    """The one line of a request the gateway did not answer. An https:// connection made and then closed or reset
+    by the server (not refused) is what a gateway started with --tls-ca does to a client without a certificate."""
+    import http.client
+
+    hint = "is `dcpgw up` running?"
+    cause = e.reason if isinstance(e, urllib.error.URLError) else e
+    if url.startswith("https://") and isinstance(
+            cause, http.client.RemoteDisconnected | ConnectionResetError | ssl.SSLError | BrokenPipeError):
+        hint += (" a gateway started with --tls-ca requires a client certificate, which the CLI does not send "
+                 "(docs/security.md)")
+    return f"cannot reach the gateway at {url}: {e} ({hint})"
 
 
 def _http(method: str, url: str, body: bytes | None = None, timeout: float = 30.0) -> Any:
@@ -322,7 +346,7 @@ def _readiness(base: str) -> dict[str, Any]:
         except ValueError:
             return {"status": "failing", "reasons": [f"HTTP 503: {e.reason}"]}
     except (urllib.error.URLError, OSError) as e:
-        _fail(f"cannot reach the gateway at {base}: {e} (is `dcpgw up` running?)")
+        _fail(_unreachable(base, e))
 
 
 # ---------------------------------------------------------------------- up
@@ -349,8 +373,8 @@ def up(
     conflict_resolution: str | None = typer.Option(
         None, "--conflict-resolution", help="seqno | lww: the bucket's XDCR conflict resolution, fixed at creation "
         "(DCPGW_CONFLICT_RESOLUTION, default seqno; docs/xdcr.md)."),
-    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM certificate chain: serve HTTPS "
-                                         "(DCPGW_TLS_CERT; with --tls-key)."),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM certificate chain: serve HTTPS, and TLS "
+                                         "on the KV port(s) (couchbases://) (DCPGW_TLS_CERT; with --tls-key)."),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert (DCPGW_TLS_KEY)."),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA: require client certificates it signed "
                                        "(DCPGW_TLS_CLIENT_CA)."),
@@ -640,9 +664,12 @@ def load(
     written = 0
     failed: list[dict[str, Any]] = []  # entries the engine refused for good (not retryable)
 
-    def stopped(why: str, code: int) -> NoReturn:
-        typer.echo(f"error: {why}: {written} of {docs} documents acknowledged (a batch in flight may or may "
-                   f"not have been written; re-running with --start {start} overwrites)", err=True)
+    def stopped(why: str, code: int, refused: bool = False) -> NoReturn:
+        # refused: the gateway answered the batch with a 4xx -- nothing of it was written
+        after = ("the refused batch was not written" if refused else
+                 "a batch in flight may or may not have been written")
+        typer.echo(f"error: {why}: {written} of {docs} documents acknowledged ({after}; re-running with "
+                   f"--start {start} overwrites)", err=True)
         raise typer.Exit(code)
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -681,7 +708,7 @@ def load(
         stopped("terminated (SIGTERM)", 143)
     except _RequestFailed as e:
         # nothing acknowledged: the gateway could not be used at all (exit 2, as for every start-up error)
-        stopped(str(e), 1 if written else 2)
+        stopped(str(e), 1 if written else 2, refused=e.status is not None and 400 <= e.status < 500)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if failed:
@@ -836,14 +863,9 @@ def cluster_failover(
     timeout: float = typer.Option(120.0, help="Seconds to wait for the gateway to follow the new map."),
 ) -> None:
     """Fail NODE over (hard by default) and show the gateway re-streaming its vbuckets from the new actives."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
-
     base = _connect(url, data_dir, user, password, cacert)
     kind = "graceful" if graceful else "hard"
-    con = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), console=con, transient=False) as bar:
+    with _cluster_progress() as bar:
         before = _http("GET", f"{base}/cluster")
         task = bar.add_task(f"{kind} failover of {node}", total=None)
         report = _http("POST", f"{base}/cluster/failover",
@@ -860,6 +882,23 @@ def cluster_failover(
     typer.echo(json.dumps({"node": node, "graceful": graceful, "revision": report["revision"],
                            "promoted": len(report["promoted"]), "new_branches": new_branches,
                            "lost": report["lost"], "gateway_rollbacks": rollbacks}))
+
+
+@contextlib.contextmanager
+def _cluster_progress() -> Iterator[Any]:
+    """The progress bars of a failover / rebalance on stderr; kept when the command ends well, erased when it
+    fails (its error is then one line, with no half-drawn bar left next to it)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                   TextColumn("{task.completed}/{task.total}"), console=Console(stderr=True), transient=False)
+    with bar:
+        try:
+            yield bar
+        except BaseException:
+            bar.live.transient = True
+            raise
 
 
 def _wait_following(bar: Any, task: Any, base: str, total: int, deadline: float, timeout: float) -> dict[str, Any]:
@@ -916,14 +955,9 @@ def cluster_rebalance(
 ) -> None:
     """Rebalance nodes in / out (vbuckets move by DCP takeover while writes continue); progress bars for the
     vbuckets moved and the gateway following the new map. Prints one JSON line at the end."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
-
     base = _connect(url, data_dir, user, password, cacert)
-    con = Console(stderr=True)
     before = _http("GET", f"{base}/cluster")
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), console=con, transient=False) as bar:
+    with _cluster_progress() as bar:
         p = _http("POST", f"{base}/cluster/rebalance", json.dumps({"add": add, "remove": remove}).encode())
         what = " ".join([*(f"+{n}" for n in add), *(f"-{n}" for n in remove)]) or "(same nodes)"
         task = bar.add_task(f"rebalance {what}", total=max(int(p["total"]), 1))
@@ -954,12 +988,16 @@ app.add_typer(user_app, name="user")
 _USERS_DATA_DIR = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="The data directory holding users.json.")
 
 
-def _user_store(data_dir: Path) -> Any:
+def _user_store(data_dir: Path, *, create: bool = False) -> Any:
+    """The user store of ``data_dir``; only ``create`` (``user add``) makes a data directory that is missing -- a
+    mistyped --data-dir of list / delete / passwd is an error, not an empty new store."""
     from engine.exceptions import InvalidArgument
     from engine.security import UserStore
 
     if data_dir.exists() and not data_dir.is_dir():
         _fail(f"data directory {data_dir} is not a directory")
+    if not create and not data_dir.exists():
+        _fail(f"data directory {data_dir} does not exist (`dcpgw up` or `dcpgw user add` creates it)")
     try:
         return UserStore.open(data_dir)
     except (InvalidArgument, OSError) as e:
@@ -987,7 +1025,7 @@ def user_add(
     from engine.security import parse_role
 
     roles = [_user_call(parse_role, r) for r in role]
-    u = _user_call(_user_store(data_dir).add, name, password, roles)
+    u = _user_call(_user_store(data_dir, create=True).add, name, password, roles)
     typer.echo(f"added user {u.name} ({', '.join(sorted(r.value for r in u.roles))})")
 
 
@@ -1069,6 +1107,7 @@ def replicate(
 # ---------------------------------------------------------------------- index
 @app.command()
 def index(
+    ctx: typer.Context,
     topic: str | None = typer.Option(None, help="Topic to index (default: the running gateway's)."),
     index_dir: Path = typer.Option(Path("search-index"), help="Directory of the index and its document store."),
     http_port: int = typer.Option(8090, min=0, max=65535, help="Port of the query API (0 picks a free one)."),
@@ -1099,8 +1138,10 @@ def index(
                                        help="Retries of a request the cluster refused (429/5xx/no connection) "
                                             "before the indexer backs off and tries again later."),
 ) -> None:
-    """Index TOPIC into a tantivy index in INDEX_DIR (exact after rollbacks) and answer search queries on
-    HTTP_PORT: GET/POST /search with consistency not_bounded / at_plus / request_plus, /status, /metrics."""
+    """Index TOPIC into a search index, exact after rollbacks -- a tantivy index in INDEX_DIR (the default) or an
+    Elasticsearch / OpenSearch index (--backend, --es-url; INDEX_DIR then holds the document store) -- and answer
+    search queries on HTTP_PORT: GET/POST /search with consistency not_bounded / at_plus / request_plus, /status,
+    /metrics."""
     import sqlite3
 
     from connectors.exceptions import ConnectorError
@@ -1116,6 +1157,12 @@ def index(
     if backend not in ("tantivy", "elasticsearch", "opensearch"):
         _fail(f"--backend {backend!r}: must be tantivy, elasticsearch or opensearch")
     es_settings = None
+    if backend == "tantivy":  # the --es-* options configure a search cluster: never ignored silently
+        es_given = [f"--{name.replace('_', '-')}" for name in (
+            "es_url", "es_index", "es_routing", "es_batch_docs", "es_batch_bytes", "es_batch_ms", "es_max_retries")
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]  # not DCPGW_ES_URL
+        if es_given:
+            _fail(f"{', '.join(es_given)}: only with --backend elasticsearch or opensearch (the backend is tantivy)")
     if backend in ("elasticsearch", "opensearch"):
         from connectors.search.elastic import ElasticsearchSettings
 

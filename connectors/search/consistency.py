@@ -26,7 +26,7 @@ from connectors.search.backend import Checkpoint, Position
 from schemas.failover_log import FailoverEntry, rollback_point
 
 __all__ = ["CONSISTENCY_LEVELS", "GatewaySource", "MutationToken", "SourcePositions", "SourceUnavailable", "SourceVBucket",
-           "covered_seqno", "lag_seqnos", "missing", "token_rollback"]
+           "covered_seqno", "index_token_rollback", "lag_seqnos", "missing", "missing_tokens", "token_rollback"]
 
 CONSISTENCY_LEVELS: Final = ("not_bounded", "at_plus", "request_plus")
 
@@ -104,6 +104,32 @@ def token_rollback(token: MutationToken, source: SourceVBucket,
                                purge_seqno=0)
             return 0 if p is None else min(p, token.seqno)
     return 0
+
+
+def index_token_rollback(token: MutationToken, index_log: Sequence[FailoverEntry]) -> int | None:
+    """Without the source (no ``--source-url``): the rollback point when the indexer's own failover log of the
+    token's vbucket proves its write lost -- the log has the token's branch ending below its seqno --, else None
+    (a vbuuid the log does not have may be a branch the indexer has not consumed yet: waited for)."""
+    end = _branch_end(index_log, token.vbuuid)
+    return int(end) if end is not None and token.seqno > end else None
+
+
+def missing_tokens(visible: Checkpoint, tokens: Sequence[MutationToken],
+                   index_logs: Mapping[int, Sequence[FailoverEntry]]) -> list[dict[str, int]]:
+    """Without the source: the tokens the ``visible`` checkpoint does not cover yet by the indexer's own failover
+    logs -- a token is covered when its vbuuid is a branch of the index's log of its vbucket that reaches its
+    seqno, and the index's position there is at or above that seqno."""
+    out = []
+    for t in sorted(tokens, key=lambda t: (t.vbucket, t.seqno)):
+        if t.seqno <= 0:
+            continue
+        log = index_logs.get(t.vbucket, ())
+        end = _branch_end(log, t.vbuuid)
+        got = covered_seqno(visible.positions.get(t.vbucket), log)
+        if end is None or t.seqno > end or got < t.seqno:
+            out.append({"vbucket": t.vbucket, "vbuuid": t.vbuuid, "wanted_seqno": t.seqno,
+                        "indexed_seqno": got if end is not None else 0})
+    return out
 
 
 def missing(visible: Checkpoint, wanted: Mapping[int, int],

@@ -130,6 +130,8 @@ class _Commit:
     error: BaseException | None = None
     #: the rows were streamed to the backend already (``rows`` unused)
     streamed: bool = False
+    #: the changes uncommitted in the backend that this commit commits (its generation and the failed ones before)
+    handed: int = 0
 
 
 @dataclass(slots=True)
@@ -236,6 +238,14 @@ class SearchIndexer:
             if self._owns_backend:
                 self.backend.close()
             raise
+        #: the topic's vbuckets -- one per partition (None: unknown) -- a token naming another is refused
+        self.vbuckets: int | None = None
+        try:
+            assigned = self.consumer.consumer.assignment()
+        except Exception:  # (a consumer without its assignment yet: the query API checks nothing then)
+            assigned = []
+        if assigned:
+            self.vbuckets = max(tp.partition for tp in assigned) + 1
         store = self.consumer.store
         assert isinstance(store, SqliteStateStore)
         self.store = store
@@ -255,6 +265,9 @@ class SearchIndexer:
         #: segments -- only the count of the snapshots' changes
         self._pending: dict[str, Row] = {}
         self._pending_changes = 0
+        #: changes handed to the backend in generations it has not committed (a commit in flight, or failed and
+        #: waiting for its retry): with the pending ones, /status ``pending_docs``
+        self._handed = 0
         self._first_pending = 0.0
         #: backend failures in a row, when the next sync may be tried, and the last failure (None: healthy)
         self._failures = 0
@@ -363,6 +376,11 @@ class SearchIndexer:
     def _pending_count(self) -> int:
         """Changes of the generation not handed to the backend yet."""
         return len(self._pending) + self._pending_changes
+
+    def pending_docs(self) -> int:
+        """Changes consumed and not committed to the backend yet: the generation's, and those of the generations
+        handed to the backend and not committed -- in flight, or failed and kept for the retry (/status)."""
+        return self._pending_count() + self._handed
 
     def _drop_pending(self) -> None:
         self._pending = {}
@@ -565,6 +583,10 @@ class SearchIndexer:
         positions = {vb: Position(p.vbuuid, p.seqno) for vb, p in store_pos.items()}
         job = _Commit(Checkpoint(gen, positions, self.mapping.id), rows,
                       {vb: list(p.failover_log) for vb, p in store_pos.items()}, self._recover, streamed=streamed)
+        with self._changed:
+            # (a recovery's rows were handed before -- or written by an earlier process: counted by key then)
+            self._handed = max(self._handed + self._pending_count(), len(rows) if self._recover else 0)
+            job.handed = self._handed
         self._drop_pending()
         self._recover = False
         self.gen = gen + 1
@@ -629,6 +651,7 @@ class SearchIndexer:
         self._logs = job.logs
         with self._changed:
             self.visible = job.checkpoint
+            self._handed -= job.handed
             self._changed.notify_all()
 
     def _take_in(self) -> None:
@@ -702,7 +725,7 @@ class SearchIndexer:
         """Counters and the per-vbucket positions searches see (thread-safe: no store access)."""
         vis = self.visible
         return {"topic": self.topic, "generation": vis.generation, "mapping_id": self.mapping.id,
-                "backend_error": self.backend_error, "pending_docs": self._pending_count(), "records_consumed": self.consumer.records_consumed,
+                "backend_error": self.backend_error, "pending_docs": self.pending_docs(), "records_consumed": self.consumer.records_consumed,
                 **asdict(self.stats),
                 "vbuckets": [{"vbucket": vb, "vbuuid": p.vbuuid, "indexed_seqno": p.seqno}
                              for vb, p in sorted(vis.positions.items())],

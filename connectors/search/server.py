@@ -25,8 +25,10 @@ from connectors.search.consistency import (
     SourcePositions,
     SourceUnavailable,
     SourceVBucket,
+    index_token_rollback,
     lag_seqnos,
     missing,
+    missing_tokens,
     token_rollback,
 )
 from connectors.search.indexer import SearchIndexer
@@ -69,11 +71,13 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
                                  status=e.status)
 
 
-def _int(raw: Any, name: str, default: int, lo: int, hi: int) -> int:
+def _int(raw: Any, name: str, default: int, lo: int, hi: int, *, json_body: bool = False) -> int:
+    """A query parameter (a string of digits) or, ``json_body``, a member of a JSON body (a JSON integer: not a
+    string, a fraction or a boolean)."""
     if raw is None:
         return default
-    if isinstance(raw, bool):
-        raise _Error(400, "invalid_argument", f"{name} must be an integer in {lo}..{hi}")
+    if isinstance(raw, bool) or (json_body and not isinstance(raw, int)):
+        raise _Error(400, "invalid_argument", f"{name} must be an integer in {lo}..{hi}, got {json.dumps(raw)}")
     try:
         v = int(raw)
     except (TypeError, ValueError):
@@ -101,6 +105,13 @@ async def _search(request: web.Request, query: Any, limit: int, offset: int, con
     ix = request.app[_INDEXER]
     if not isinstance(query, str):
         raise _Error(400, "invalid_argument", "query must be a string (tantivy's query syntax)")
+    if not query.strip():
+        raise _Error(400, "invalid_argument", "the query is empty: write * for every document")
+    nvb = ix.vbuckets
+    for t in tokens:
+        if nvb is not None and t.vbucket >= nvb:
+            raise _Error(400, "invalid_argument", f"no vbucket {t.vbucket}: topic {ix.topic!r} has {nvb} vbuckets "
+                                                  f"(0..{nvb - 1})", vbucket=t.vbucket)
     if consistency not in CONSISTENCY_LEVELS:
         raise _Error(400, "invalid_argument",
                      f"consistency must be one of {', '.join(CONSISTENCY_LEVELS)}, got {consistency!r}")
@@ -120,19 +131,26 @@ async def _search(request: web.Request, query: Any, limit: int, offset: int, con
                 sv = None if source is None else source.get(t.vbucket)
                 if sv is not None:
                     point = token_rollback(t, sv, ix.failover_log(t.vbucket))
-                    if point is not None:
-                        raise _Error(409, "token_rolled_back",
-                                     f"the source no longer has vbucket {t.vbucket}'s write at seqno {t.seqno} of "
-                                     f"branch {t.vbuuid}: it was rolled back to seqno {point}",
-                                     vbucket=t.vbucket, vbuuid=t.vbuuid, seqno=t.seqno, rollback_seqno=point)
+                elif source is None:  # no --source-url: the indexer's own failover log decides
+                    point = index_token_rollback(t, ix.failover_log(t.vbucket))
+                else:
+                    point = None
+                if point is not None:
+                    raise _Error(409, "token_rolled_back",
+                                 f"the source no longer has vbucket {t.vbucket}'s write at seqno {t.seqno} of "
+                                 f"branch {t.vbuuid}: it was rolled back to seqno {point}",
+                                 vbucket=t.vbucket, vbuuid=t.vbuuid, seqno=t.seqno, rollback_seqno=point)
                 wanted[t.vbucket] = max(wanted.get(t.vbucket, 0), t.seqno)
-        if source is not None:
-            logs = {vb: v.failover_log for vb, v in source.items()}
-        else:  # at_plus without a source: the branches as the index knows them
-            logs = {vb: tuple(ix.failover_log(vb)) for vb in wanted}
+        logs = {} if source is None else {vb: v.failover_log for vb, v in source.items()}
         deadline = started + timeout_ms / 1000
         while True:
-            left = missing(ix.visible, wanted, logs)
+            if source is None:
+                # at_plus without the source: each token's branch must be in the index's own failover log
+                # (read before the checkpoint: the log of a commit is published before its checkpoint)
+                own = {t.vbucket: ix.failover_log(t.vbucket) for t in tokens}
+                left = missing_tokens(ix.visible, tokens, own)
+            else:
+                left = missing(ix.visible, wanted, logs)
             if not left:
                 break
             if time.monotonic() >= deadline:
@@ -187,9 +205,11 @@ async def search_post(request: web.Request) -> web.Response:
     except ValueError as e:
         raise _Error(400, "invalid_argument", str(e)) from e
     consistency = body.get("consistency", "at_plus" if tokens else "not_bounded")
-    return await _search(request, body["query"], _int(body.get("limit"), "limit", 10, 0, MAX_LIMIT),
-                         _int(body.get("offset"), "offset", 0, 0, MAX_OFFSET), consistency, tokens,
-                         _int(body.get("timeout_ms"), "timeout_ms", DEFAULT_TIMEOUT_MS, 0, MAX_TIMEOUT_MS))
+    return await _search(request, body["query"],
+                         _int(body.get("limit"), "limit", 10, 0, MAX_LIMIT, json_body=True),
+                         _int(body.get("offset"), "offset", 0, 0, MAX_OFFSET, json_body=True), consistency, tokens,
+                         _int(body.get("timeout_ms"), "timeout_ms", DEFAULT_TIMEOUT_MS, 0, MAX_TIMEOUT_MS,
+                              json_body=True))
 
 
 async def _with_lag(request: web.Request) -> dict[str, Any]:

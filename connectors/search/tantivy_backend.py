@@ -4,14 +4,17 @@ One tantivy document per source document, keyed by the raw term ``_key``; the ch
 per-vbucket positions) is one more document, ``_kind:meta``, replaced in every commit -- tantivy commits are
 atomic, so the index and the positions it reflects are always read together (a searcher sees both from the
 same commit). Mapped fields become tantivy fields of their type; a dynamic document type is indexed as the JSON
-field ``doc`` (the query parser's default field, so ``name:alice`` finds ``{"name": "alice"}``); what a hit
-returns is kept as JSON in the stored bytes field ``_stored``.
+field ``doc`` (a default field of the query parser, so ``name:alice`` finds ``{"name": "alice"}``; fast, so
+ranges work on its numbers) and its string values once more in the text field ``_all`` (the catch-all of
+unqualified terms: tantivy's parser searches only the root path of a JSON default field, so ``alice`` alone
+would find nothing in ``doc``); what a hit returns is kept as JSON in the stored bytes field ``_stored``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import threading
 from collections.abc import Sequence
@@ -40,6 +43,28 @@ log = logging.getLogger(__name__)
 META_KEY: Final = "\x00dcpgw:checkpoint"
 #: the writer's memory budget (tantivy flushes a segment when it is reached; commits are the indexer's)
 WRITER_HEAP: Final = 64 * 1024 * 1024
+#: the JSON field of dynamic types, and the text field holding their string values (unqualified terms)
+DYNAMIC_FIELD: Final = "doc"
+ALL_FIELD: Final = "_all"
+_NO_FIELD = re.compile(r"Field does not exist: '([^']+)'")
+#: a quoted phrase (left alone when a query is rewritten) or a field name before ':'
+_FIELD_REF = r'"(?:[^"\\]|\\.)*"|(?<![\w.\\])({})(?=:)'
+
+
+def _strings(doc: Any) -> list[str]:
+    """Every string value of a JSON document (object members and array elements, at any depth; not the keys)."""
+    out: list[str] = []
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t is str:
+            out.append(x)
+        elif t is dict:
+            stack.extend(x.values())
+        elif t is list:
+            stack.extend(x)
+    return out
 
 
 def _schema(mapping: DocumentMapping) -> Any:
@@ -61,7 +86,11 @@ def _schema(mapping: DocumentMapping) -> Any:
         elif f.type == "date":
             sb.add_date_field(f.name, stored=False, indexed=True, fast=True)
     if mapping.dynamic:
-        sb.add_json_field("doc", stored=False)
+        # fast: range queries on its numbers (``doc.age:[30 TO 40]``; tantivy refuses them on a JSON field that is
+        # not); ``_all``: its string values, for unqualified terms (an index built before either is rebuilt: its
+        # schema no longer matches)
+        sb.add_json_field(DYNAMIC_FIELD, stored=False, fast=True)
+        sb.add_text_field(ALL_FIELD, stored=False)
     return sb.build()
 
 
@@ -88,8 +117,13 @@ class TantivyBackend:
                         self.path, cp.mapping_id, mapping.id)
             self.reset()
         self.default_fields = [f.name for f in mapping.fields.values() if f.type in ("text", "keyword")]
+        #: the schema's field names (a query naming another one means a member of a dynamic document)
+        self.schema_fields = {"_key", "_kind", "_type", "_vb", "_seq", "_stored", "_meta", *mapping.fields}
         if mapping.dynamic:
-            self.default_fields.append("doc")
+            self.schema_fields |= {DYNAMIC_FIELD, ALL_FIELD}
+            # "doc": ``name:alice`` (a field the schema does not have is a path of the JSON default field);
+            # "_all": unqualified terms (tantivy would look for them only at the root path of "doc")
+            self.default_fields += [DYNAMIC_FIELD, ALL_FIELD]
 
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -137,11 +171,16 @@ class TantivyBackend:
                 # the dynamic default type: tantivy parses the JSON object itself, the body is what hits return
                 try:
                     text = op.value.decode()
+                    body = json.loads(text)
+                    if type(body) is not dict:
+                        raise ValueError("not a JSON object")
                     d = self._base(op, mapping.default.name, op.value)
-                    d.add_json("doc", text)
+                    d.add_json(DYNAMIC_FIELD, text)
                 except ValueError:  # not UTF-8 or not a JSON object: the general path below decides
                     pass
                 else:
+                    for v in _strings(body):
+                        d.add_text(ALL_FIELD, v)
                     w.add_document(d)
                     st.indexed += 1
                     continue
@@ -164,7 +203,9 @@ class TantivyBackend:
                     elif ftype == "date":
                         d.add_date(name, v)
             if ex.dynamic is not None:
-                d.add_json("doc", json.dumps(ex.dynamic))
+                d.add_json(DYNAMIC_FIELD, json.dumps(ex.dynamic))
+                for v in _strings(ex.dynamic):
+                    d.add_text(ALL_FIELD, v)
             w.add_document(d)
             st.indexed += 1
         return st
@@ -225,11 +266,9 @@ class TantivyBackend:
     # ----------------------------------------------------------------------------------------- reading
     def search(self, query: str, limit: int = 10, offset: int = 0) -> SearchResult:
         """tantivy's query syntax (``field:value``, ``AND``/``OR``/``-``, phrases, ranges ``price:[1 TO 5]``);
-        unqualified terms search the text and keyword fields and, for dynamic types, the document."""
-        try:
-            q = self.index.parse_query(query, self.default_fields) if query.strip() else tantivy.Query.all_query()
-        except ValueError as e:
-            raise SearchError(str(e)) from e
+        unqualified terms search the text and keyword fields and, for dynamic types, every string value of the
+        document; ``age:[30 TO 40]`` on a member of a dynamic document means ``doc.age:[30 TO 40]``."""
+        q = self._parse(query) if query.strip() else tantivy.Query.all_query()
         q = tantivy.Query.boolean_query([(tantivy.Occur.Must, q), (tantivy.Occur.MustNot, self._meta_query)])
         s = self._searcher()
         try:
@@ -242,6 +281,28 @@ class TantivyBackend:
             doc = s.doc(addr).to_dict()
             hits.append(Hit(doc["_key"][0], float(score), json.loads(bytes(doc["_stored"][0]))))
         return SearchResult(hits, int(r.count or 0), self._checkpoint_of(s))
+
+    def _parse(self, query: str) -> Any:
+        try:
+            return self.index.parse_query(query, self.default_fields)
+        except ValueError as e:
+            first = e
+        # tantivy's parser reads ``name:x`` as a path of the JSON default field when the schema has no field
+        # ``name``, but not a range (``age:[30 TO 40]``, ``age:>30``): it says the field does not exist. Such a
+        # member of a dynamic document is ``doc.age``: that spelling is tried (quoted phrases left alone).
+        text, seen, last = query, set(), first
+        while self.mapping.dynamic:
+            m = _NO_FIELD.search(str(last))
+            if m is None or m.group(1) in seen or m.group(1).split(".")[0] in self.schema_fields:
+                break
+            seen.add(m.group(1))
+            pat = re.compile(_FIELD_REF.format(re.escape(m.group(1))))
+            text = pat.sub(lambda x: f"{DYNAMIC_FIELD}.{x.group(1)}" if x.group(1) else x.group(0), text)
+            try:
+                return self.index.parse_query(text, self.default_fields)
+            except ValueError as e:
+                last = e
+        raise SearchError(str(last)) from last
 
     def keys(self) -> dict[str, tuple[int, int, dict[str, Any]]]:
         """Every indexed document: key -> (vbucket, seqno, stored fields) (tests, ``dcpgw index`` checks)."""

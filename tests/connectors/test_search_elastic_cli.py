@@ -33,6 +33,10 @@ from tests.harness import Harness, write
     (["--backend", "elasticsearch", "--es-url", "http://x:9200", "--es-index", "a,b"], "must not contain ','"),
     (["--backend", "elasticsearch", "--es-url", "http://x:9200", "--es-routing", "shard"],
      "must be 'key' or 'vbucket'"),
+    # the --es-* options with the default tantivy backend are refused, not ignored
+    (["--es-index", "foo"], "--es-index: only with --backend elasticsearch or opensearch (the backend is tantivy)"),
+    (["--backend", "tantivy", "--es-url", "http://x:9200", "--es-batch-docs", "5"],
+     "--es-url, --es-batch-docs: only with --backend elasticsearch or opensearch"),
 ])
 def test_bad_elasticsearch_flags_fail_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
     proc = dcpgw("index", "--topic", "t", "--index-dir", str(tmp_path / "ix"), *flags, env=CLEAN_ENV)

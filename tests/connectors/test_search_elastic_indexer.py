@@ -224,3 +224,47 @@ def test_bulks_refused_as_too_large_are_split_and_indexing_goes_on(
         close(ix, be)
     finally:
         proxy.close()
+
+
+def test_pending_docs_counts_changes_not_committed_during_an_outage(
+        harness: Callable[..., Harness], flavor: str, tmp_path: Path) -> None:
+    """/status ``pending_docs`` ("changes consumed, not yet committed to the index") keeps the changes of the
+    generations the cluster refused while it is down, and goes to 0 once they are committed."""
+    h = harness(nvb=4, rollback_mitigation=False)
+    write(h.bucket, 20)
+    h.bucket.flush_all()
+    h.settle()
+    server = NoidaElasticsearch(free_port()).start()
+    settings = ElasticsearchSettings(server.url, flavor=flavor,  # type: ignore[arg-type]
+                                     index="p-idx", backoff_initial_s=0.05, backoff_max_s=0.2, max_retries=1)
+    be = ElasticsearchBackend(settings, tmp_path / "ix", topic=h.topic)
+    ix = SearchIndexer(h.broker.bootstrap_servers, h.topic, tmp_path / "ix", backend=be)
+    t = threading.Thread(target=ix.run, daemon=True)
+    t.start()
+
+    def wait(what: Callable[[], bool], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline and t.is_alive(), json.dumps({**ix.status(), "vbuckets": 0})
+            time.sleep(0.05)
+
+    try:
+        wait(lambda: ix.stats.changes == 20 and ix.status()["pending_docs"] == 0 and ix.stats.commits > 0)
+        server.stop()
+        write(h.bucket, 30, start=100)
+        h.bucket.flush_all()
+        h.settle()
+        # consumed, and refused by the cluster twice (the second time a retry of everything above its checkpoint)
+        wait(lambda: ix.stats.changes == 50 and ix.stats.sync_failures >= 2)
+        st = ix.status()
+        assert st["backend_error"] and st["pending_docs"] == 30, st
+        server.start()
+        wait(lambda: ix.status()["pending_docs"] == 0 and ix.backend_error is None)
+        assert be.docs() == expected(h)
+    finally:
+        ix.stop()
+        t.join(30)
+        be.stop.set()
+        ix.close()
+        be.close()
+        server.close()

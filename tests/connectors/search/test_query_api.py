@@ -123,3 +123,53 @@ def test_bad_queries_rolled_back_tokens_and_timeouts(kafka_broker: Broker, tmp_p
                                503, "source_unavailable")
 
     run(kafka_broker, tmp_path, scenario)
+
+
+def test_at_plus_without_a_source_checks_the_indexers_failover_logs(kafka_broker: Broker, tmp_path: Path) -> None:
+    """Without --source-url a token is covered only on a branch the indexer's own failover log has: a vbuuid it
+    never saw is waited for (504), not answered as covered; a vbucket the topic does not have is a 400 at once."""
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        async with search_service(svc, url, tmp_path / "ix", source=False) as (ix, surl):
+            r = await http.put(f"{url}/docs/a", json={"title": "hello"})
+            tok = (await r.json())["token"]
+            r = await http.post(f"{surl}/search", json={"query": "title:hello", "tokens": [tok], "timeout_ms": 20_000})
+            assert r.status == 200, await r.text()
+            assert [h["key"] for h in (await r.json())["hits"]] == ["a"]
+            # a branch the indexer never saw, at a seqno it has long indexed: not covered
+            odd = {"vbucket": tok["vbucket"], "vbuuid": 12345, "seqno": 1}
+            body = await expect_error(await http.post(f"{surl}/search", json={
+                "query": "*", "tokens": [odd], "timeout_ms": 300}), 504, "timeout")
+            assert body["missing"] == [{"vbucket": tok["vbucket"], "vbuuid": 12345, "wanted_seqno": 1,
+                                        "indexed_seqno": 0}]
+            # a vbucket the topic does not have: 400 at once, not a wait
+            assert ix.vbuckets is not None and ix.vbuckets > tok["vbucket"]
+            t0 = asyncio.get_running_loop().time()
+            body = await expect_error(await http.post(f"{surl}/search", json={
+                "query": "*", "tokens": [{"vbucket": 5000, "vbuuid": 1, "seqno": 1}]}), 400, "invalid_argument")
+            assert f"has {ix.vbuckets} vbuckets" in body["message"] and body["vbucket"] == 5000
+            assert asyncio.get_running_loop().time() - t0 < 5
+        async with search_service(svc, url, tmp_path / "ix2") as (ix, surl):  # with the source too
+            await expect_error(await http.post(f"{surl}/search", json={
+                "query": "*", "tokens": [{"vbucket": ix.vbuckets, "vbuuid": 1, "seqno": 1}]}), 400, "invalid_argument")
+
+    run(kafka_broker, tmp_path, scenario)
+
+
+def test_non_integer_numbers_and_empty_queries_are_refused(kafka_broker: Broker, tmp_path: Path) -> None:
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        async with search_service(svc, url, tmp_path / "ix", source=False) as (_ix, surl):
+            for member, bad in [("limit", "1"), ("limit", 1.5), ("limit", True), ("offset", "1"),
+                                ("offset", 2.0), ("timeout_ms", "100"), ("timeout_ms", False)]:
+                body = await expect_error(await http.post(f"{surl}/search", json={"query": "*", member: bad}),
+                                          400, "invalid_argument")
+                assert member in body["message"] and "integer" in body["message"], body
+            r = await http.post(f"{surl}/search", json={"query": "*", "limit": 1, "offset": 0, "timeout_ms": 10})
+            assert r.status == 200, await r.text()
+            r = await http.get(f"{surl}/search", params={"q": "*", "limit": "1", "offset": "0"})
+            assert r.status == 200, await r.text()
+            for q in ("", "   "):
+                body = await expect_error(await http.get(f"{surl}/search", params={"q": q}), 400, "invalid_argument")
+                assert "*" in body["message"]
+                await expect_error(await http.post(f"{surl}/search", json={"query": q}), 400, "invalid_argument")
+
+    run(kafka_broker, tmp_path, scenario)
