@@ -27,7 +27,8 @@ def xdcr(
     target: str | None = typer.Option(None, help="couchbase://HOST:KVPORT or couchbase://HOST:KVPORT/BUCKET (couchbases:// for TLS)."),
     user: str | None = typer.Option(None, envvar="DCPGW_XDCR_USER", help="Target user (SASL)."),
     password: str | None = typer.Option(None, envvar="DCPGW_XDCR_PASSWORD", help="Target password."),
-    state_dir: Path | None = typer.Option(None, help="Checkpoints, source mirror, mutation log, dead letter."),
+    state_dir: Path | None = typer.Option(None, help="The replicator's state: xdcr.sqlite (positions, changelog, "
+                                          "checkpoints, counters) and dead-letter.jsonl."),
     bootstrap: str | None = typer.Option(None, envvar="KAFKA_BOOTSTRAP_SERVERS",
                                          help="Kafka bootstrap servers (default: the running gateway's)."),
     data_dir: Path = typer.Option(Path("dcpgw-data"), help="Where `dcpgw up` keeps its state file."),

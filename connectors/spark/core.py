@@ -30,6 +30,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from connectors.client.replay import Change, ConsumerPosition, Rollback, Snapshot, VBucketReplayer
 from schemas.codec import decode, read_change
+from schemas.errors import RecordFormatError
 from schemas.records import DecodedRecord, RecordType
 
 _U64 = 1 << 64
@@ -56,6 +57,12 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 )
 SCHEMA_DDL = ", ".join(f"{n} {t}" for n, t in COLUMNS)
 
+#: ``op`` of the row a corrupt record gives with ``corruptRecords=row`` (docs/spark.md "Corrupt records")
+CORRUPT_OP = "corrupt"
+#: values of the ``corruptRecords`` option: ``fail`` (the default: reading the range that holds one fails),
+#: ``row`` (one ``corrupt`` row per corrupt record)
+CORRUPT_MODES = ("fail", "row")
+
 Row = tuple[Any, ...]
 
 
@@ -79,6 +86,8 @@ class SourceOptions:
     timeout: float = 60.0
     #: at most this many Spark input partitions per batch (Kafka partitions are grouped)
     num_partitions: int = 8
+    #: what reading a corrupt record does (``CORRUPT_MODES``); planning (boundaries) always passes over it
+    corrupt: str = "fail"
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -115,9 +124,12 @@ class SourceOptions:
             nparts = int(raw_n) if raw_n.isdigit() else 0
             if nparts <= 0:
                 raise DcpSourceError(f"dcp source: numPartitions must be a positive integer, got {raw_n!r}")
+        corrupt = low.get("corruptrecords", "fail").strip().lower()
+        if corrupt not in CORRUPT_MODES:
+            raise DcpSourceError(f"dcp source: corruptRecords must be 'fail' or 'row', got {corrupt!r}")
         kafka = {k[len("kafka."):]: v for k, v in opts.items()
                  if k.lower().startswith("kafka.") and k.lower() != "kafka.bootstrap.servers"}
-        return cls(bootstrap, topic, starting, mx, kafka, timeout, nparts)
+        return cls(bootstrap, topic, starting, mx, kafka, timeout, nparts, corrupt)
 
     def consumer_config(self) -> dict[str, Any]:
         return {"fetch.wait.max.ms": 50, **self.kafka, "bootstrap.servers": self.bootstrap, "group.id": f"dcp-spark-{uuid.uuid4().hex}",
@@ -220,6 +232,15 @@ class PartitionReplay:
             self._at_boundary = {}
         return snap
 
+    def skip(self, offset: int) -> None:
+        """A corrupt record at ``offset``: it belongs to no vbucket (its vbucket cannot be read), so it opens and
+        closes nothing; the partition moves past it (a boundary when no snapshot is open), as the Kafka client's
+        consumer goes on after a corrupt record it dead-lettered."""
+        self.next_offset = offset + 1
+        if not self._open:
+            self.boundary = offset + 1
+            self._at_boundary = {}
+
     def position(self) -> PartitionPosition:
         """The newest boundary seen and the states there."""
         states: dict[int, dict[str, Any]] = {}
@@ -294,7 +315,13 @@ def scan_boundaries(
                 if ch is not None:  # a data record, from its value alone
                     rp.feed_change(ch)
                 else:
-                    rp.feed(decode(m.key(), v, m.headers()), m.offset())
+                    try:
+                        rec = decode(m.key(), v, m.headers())
+                    except RecordFormatError:
+                        # planning never fails on a corrupt record: reading the range decides (corruptRecords)
+                        rp.skip(m.offset())
+                    else:
+                        rp.feed(rec, m.offset())
                 if max_per_partition is not None and rp.boundary - rp.start >= max_per_partition:
                     stop = True
             item = gen.send(stop)
@@ -332,6 +359,18 @@ def event_rows(ev: Snapshot | Rollback, partition: int) -> list[Row]:
     return [(c.type.value, c.key, c.value, c.vbucket, signed64(c.vbuuid), signed64(c.seqno), s0, s1,
              signed64(c.rev_seqno), signed64(c.cas), partition, c.offset, c.flags, c.expiry, c.datatype)
             for c in ev.changes]
+
+
+def corrupt_row(opts: SourceOptions, partition: int, offset: int, key: bytes | None, e: RecordFormatError) -> Row:
+    """The row of a record that does not decode (``corruptRecords=row``): ``op`` ``corrupt``, ``key`` the record's
+    Kafka key, ``value`` the decoding error (UTF-8), where it is; the rest null. ``fail``: a
+    :class:`DcpSourceError` naming the record."""
+    where = f"{opts.topic}[{partition}]@{offset}"
+    if opts.corrupt != "row":
+        raise DcpSourceError(f"dcp source: corrupt record at {where}: {e} (option corruptRecords=row hands "
+                             "corrupt records over as rows instead)")
+    return (CORRUPT_OP, key, f"{where}: {e}".encode(), None, None, None, None, None, None, None, partition, offset,
+            None, None, None)
 
 
 def replay_rows(opts: SourceOptions, partition: int, start: PartitionPosition, end: int) -> Iterator[Row]:
@@ -372,8 +411,14 @@ def replay_ranges(opts: SourceOptions, ranges: list[tuple[int, PartitionPosition
                         if snap is not None:
                             yield from event_rows(snap, p)
                     else:
-                        for ev in replays[p].feed(decode(m.key(), v, m.headers()), off):
-                            yield from event_rows(ev, p)
+                        try:
+                            rec = decode(m.key(), v, m.headers())
+                        except RecordFormatError as e:
+                            replays[p].skip(off)
+                            yield corrupt_row(opts, p, off, m.key(), e)
+                        else:
+                            for ev in replays[p].feed(rec, off):
+                                yield from event_rows(ev, p)
                     stop = off >= end - 1
             item = gen.send(stop)
     except StopIteration:

@@ -82,7 +82,8 @@ def materialize(batch_df: Any, batch_id: int, path: str, history_keep_seqnos: in
     Path(path).mkdir(parents=True, exist_ok=True)
     batch = batch_df.select("op", "key", "value", "vbucket", "seqno", "kafka_offset").persist()
     try:
-        data = (batch.where(F.col("op") != "rollback")
+        # data rows only: rollback rows below, ``corrupt`` rows (corruptRecords=row) change no key
+        data = (batch.where(F.col("op").isin("mutation", "deletion", "expiration"))
                 .select("key", "value", (F.col("op") != "mutation").alias("deleted"), "vbucket", "seqno",
                         "kafka_offset"))
         rb = batch.where(F.col("op") == "rollback").select(

@@ -10,7 +10,8 @@ Two halves, so the requests can be made in one process and the answers counted i
   ADD_WITH_META. Forced writes (the undo of a rolled-back branch) are never asked about. Temporary failures,
   NOT_MY_VBUCKET after re-routing and an ADD that met a document are retried with backoff; still refused after
   ``RETRY_ROUNDS`` rounds, the batch raises :class:`TargetUnreachable`.
-* :func:`account` -- the **answers**: SUCCESS is written (``on_written`` gets the mutation token); KEY_EEXISTS a
+* :func:`account` -- the **answers**: what the pre-check kept back is counted ``skipped`` by why (``behind``,
+  ``identical``: never sent, so never counted by the target); SUCCESS is written (``on_written`` gets the mutation token); KEY_EEXISTS a
   conflict loss counted by the reason in the error context; E2BIG and any other permanent status are
   dead-lettered and the batch goes on; UNKNOWN_COMMAND / NOT_SUPPORTED / EACCESS stop replication
   (:class:`XdcrError`).
@@ -124,7 +125,7 @@ def account(ops: Sequence[WriteOp], out: Outcome, metrics: Metrics, *,
     m = metrics
     m.get_meta += out.get_meta
     for _i, why in out.skipped:
-        m.reject(f"rejected_{why}")
+        m.skip(why)  # never sent: counted apart from the target's own rejections
     for i, st, token, reason, tvb in out.results:
         o = ops[i]
         if st == Status.SUCCESS:

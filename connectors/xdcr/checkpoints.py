@@ -90,6 +90,17 @@ class CheckpointStore:
         self.conn.execute("DELETE FROM xdcr_checkpoints WHERE vbucket = ?", (vbucket,))
         self.conn.execute("DELETE FROM xdcr_target_position WHERE vbucket = ?", (vbucket,))
 
+    def count(self, vbucket: int) -> int:
+        """How many checkpoints the vbucket keeps."""
+        return int(self.conn.execute("SELECT COUNT(*) FROM xdcr_checkpoints WHERE vbucket = ?",
+                                     (vbucket,)).fetchone()[0])
+
+    @staticmethod
+    def counts(conn: sqlite3.Connection) -> dict[int, int]:
+        """How many checkpoints each vbucket keeps."""
+        return {int(vb): int(n) for vb, n in
+                conn.execute("SELECT vbucket, COUNT(*) FROM xdcr_checkpoints GROUP BY vbucket")}
+
     def set_target_position(self, vbucket: int, vbuuid: int, seqno: int) -> None:
         self.conn.execute("INSERT OR REPLACE INTO xdcr_target_position VALUES (?, ?, ?)", (vbucket, vbuuid, seqno))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,22 +31,47 @@ class VBucketStatus:
     target_seqno: int = 0
     #: highest source seqno seen for the vbucket (applied or still buffered)
     seen_seqno: int = 0
-    #: when the vbucket was last fully applied (its lag was 0), epoch seconds
-    caught_up_at: float = 0.0
     written: int = 0
+    #: checkpoints kept for the vbucket (``checkpoints.py``)
+    checkpoints: int = 0
+    #: snapshots consumed (their marker read from the topic) and not yet applied, oldest first: (epoch seconds
+    #: when the marker was consumed, the snapshot's end seqno)
+    consumed: deque[tuple[float, int]] = field(default_factory=deque)
 
     def lag_seqnos(self) -> int:
         return max(0, self.seen_seqno - self.applied_seqno)
 
+    def consumed_snapshot(self, at: float, snap_end: int) -> None:
+        """A snapshot marker of the vbucket was consumed at ``at``."""
+        self.consumed.append((at, snap_end))
+
+    def applied_up_to(self, seqno: int) -> None:
+        """Everything up to ``seqno`` is applied: the snapshots consumed up to it are no longer pending."""
+        c = self.consumed
+        while c and c[0][1] <= seqno:
+            c.popleft()
+
     def lag_seconds(self, now: float) -> float:
-        return 0.0 if self.lag_seqnos() == 0 or not self.caught_up_at else max(0.0, now - self.caught_up_at)
+        """The age of the oldest change consumed but not yet applied (its snapshot's marker consumed then); 0
+        when caught up -- also right after a new change arrived at a vbucket that was idle."""
+        if self.lag_seqnos() == 0:
+            return 0.0
+        try:
+            oldest = self.consumed[0][0]  # (read from the HTTP thread while the replication thread runs)
+        except IndexError:
+            return 0.0
+        return max(0.0, now - oldest)
 
 
 @dataclass
 class Metrics:
     written: int = 0
-    #: rejected by the target's or the optimistic pre-check's conflict resolution, per reason
+    #: not written, per reason: the target's conflict resolution (``rejected_behind`` / ``rejected_identical``,
+    #: as the target counts them), its other refusals (``too_big``, ``target_<status>``), ``oversize_in_topic``
     rejected: dict[str, int] = field(default_factory=dict)
+    #: never sent: the GET_META pre-check found the target's version winning (``behind``) or identical
+    #: (``identical``); the target does not see (nor count) these
+    skipped: dict[str, int] = field(default_factory=dict)
     filtered: int = 0
     batches: int = 0
     restored: int = 0
@@ -68,6 +94,9 @@ class Metrics:
     def reject(self, reason: str, n: int = 1) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + n
 
+    def skip(self, reason: str, n: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + n
+
     def batch(self, seconds: float) -> None:
         self.batches += 1
         self.latency_sum += seconds
@@ -78,6 +107,7 @@ class Metrics:
 
     def to_dict(self) -> dict[str, Any]:
         return {"written": self.written, "rejected": dict(sorted(self.rejected.items())),
+                "skipped": dict(sorted(self.skipped.items())),
                 "filtered": self.filtered, "batches": self.batches, "restored": self.restored,
                 "rollbacks": self.rollbacks, "rollbacks_from_zero": self.rollbacks_from_zero,
                 "dead_letters": self.dead_letters, "corrupt_records": self.corrupt_records,
@@ -97,6 +127,7 @@ class Metrics:
                   "target_history_lost"):
             setattr(m, k, int(d.get(k, 0)))
         m.rejected = {str(k): int(v) for k, v in d.get("rejected", {}).items()}
+        m.skipped = {str(k): int(v) for k, v in d.get("skipped", {}).items()}
         lat = d.get("batch_latency", {})
         m.latency_sum = float(lat.get("sum", 0.0))
         m.latency_max = float(lat.get("max", 0.0))
@@ -117,8 +148,11 @@ def prometheus_text(status: dict[str, Any]) -> str:
             lines.append(f"dcpgw_xdcr_{name}{labels} {v}")
 
     metric("docs_written_total", "counter", "Documents written to the target.", [("", c["written"])])
-    metric("docs_rejected_total", "counter", "Documents not written, by reason.",
-           [(f'{{reason="{r}"}}', n) for r, n in c["rejected"].items()] or [('{reason="none"}', 0)])
+    metric("docs_rejected_total", "counter", "Documents sent and not written (the target refused them), by reason.",
+           [(f'{{reason="{r}"}}', n) for r, n in c["rejected"].items()])
+    metric("docs_skipped_total", "counter",
+           "Documents never sent: the GET_META pre-check found the target's version winning or identical.",
+           [(f'{{reason="{r}"}}', n) for r, n in c.get("skipped", {}).items()])
     metric("docs_filtered_total", "counter", "Changes the filters skipped.", [("", c["filtered"])])
     metric("docs_restored_total", "counter", "Target documents restored after a source rollback.",
            [("", c["restored"])])
@@ -140,7 +174,7 @@ def prometheus_text(status: dict[str, Any]) -> str:
     vbs = status["vbuckets"]
     metric("vbucket_lag_seqnos", "gauge", "Source seqnos seen but not yet applied to the target.",
            [(f'{{vbucket="{vb}"}}', v["lag_seqnos"]) for vb, v in vbs.items()])
-    metric("vbucket_lag_seconds", "gauge", "Seconds since the vbucket was last fully applied (0: caught up).",
+    metric("vbucket_lag_seconds", "gauge", "Age of the oldest change consumed but not yet applied (0: caught up).",
            [(f'{{vbucket="{vb}"}}', v["lag_seconds"]) for vb, v in vbs.items()])
     metric("vbucket_applied_seqno", "gauge", "Last source seqno applied to the target.",
            [(f'{{vbucket="{vb}"}}', v["applied_seqno"]) for vb, v in vbs.items()])
@@ -157,17 +191,45 @@ class StatusServer:
             def do_GET(self) -> None:
                 path = self.path.split("?")[0]
                 if path == "/status":
-                    body, ctype, code = json.dumps(get()).encode(), "application/json", 200
+                    self._answer(200, json.dumps(get()).encode(), "application/json")
                 elif path == "/metrics":
-                    body, ctype, code = prometheus_text(get()).encode(), "text/plain; version=0.0.4", 200
+                    self._answer(200, prometheus_text(get()).encode(), "text/plain; version=0.0.4")
                 else:
-                    body = json.dumps({"error": "not_found", "message": f"no route {path}"}).encode()
-                    ctype, code = "application/json", 404
+                    self._error(404, "not_found", f"no route {path}")
+
+            def do_HEAD(self) -> None:
+                self._refuse()
+
+            def _refuse(self) -> None:
+                """Any method but GET: 405 on the two routes (``Allow: GET``), 404 elsewhere; JSON either way."""
+                self.close_connection = True  # a request body is left unread
+                path = self.path.split("?")[0]
+                if path in ("/status", "/metrics"):
+                    self._error(405, "method_not_allowed", f"{self.command} {path}: only GET is served")
+                else:
+                    self._error(404, "not_found", f"no route {path}")
+
+            def _error(self, code: int, error: str, message: str) -> None:
+                self._answer(code, json.dumps({"error": error, "message": message}).encode(), "application/json")
+
+            def _answer(self, code: int, body: bytes, ctype: str) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
+                if code == 405:
+                    self.send_header("Allow", "GET")
                 self.end_headers()
-                self.wfile.write(body)
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+                # what http.server answers itself (501 for an unknown method, 400 for a malformed request): JSON
+                # too; an unknown method on a route is a 405
+                if code == 501:
+                    self._refuse()
+                    return
+                self.close_connection = True
+                self._error(code, "bad_request" if code == 400 else f"http_{code}", message or "")
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass

@@ -21,7 +21,7 @@ seqno, flags, expiry, deletion) through SET/ADD/DEL_WITH_META, so the target run
   client's ``{topic}.dlq``), documents the target refused for size or another permanent status, documents
   Kafka refused as too large; replication goes on.
 * **Target down / wrong credentials**: a clear one-line error, retried with exponential backoff, shown in the
-  status (``target.state``); ``give_up_after`` ends the attempt.
+  status (``counters.target.state``); ``give_up_after`` ends the attempt.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from connectors.xdcr.writer_process import Skipped, WriterProcess, transport
 from schemas.records import RecordType
 from schemas.topics import partition_for
 
-__all__ = ["STATE_FILE", "XdcrReplicator", "XdcrSettings", "read_status"]
+__all__ = ["STATE_FILE", "XdcrReplicator", "XdcrSettings", "read_status", "status_document"]
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,21 @@ class _HookedStore(SqliteStateStore):
 
 class _Consumer(ChangeStreamConsumer):
     """The client; ``on_idle`` is called whenever nothing arrived within its poll timeout (between events:
-    a deferred commit is made then)."""
+    a deferred commit is made then); ``on_marker(vbucket, snap_end)`` whenever it consumed a snapshot marker
+    (``lag_seconds``: when the changes after it were consumed). Control records go through ``_handle``, data
+    records do not: one call per snapshot, none per change."""
 
     on_idle: Callable[[], None] | None = None
+    on_marker: Callable[[int, int], None] | None = None
+
+    def _handle(self, m: Any) -> None:
+        super()._handle(m)
+        cb = self.on_marker
+        if cb is not None:
+            # (offset, vbucket, type, seqno, vbuuid, snap_end) of the record just handled
+            t = self._tail.get(m.partition())
+            if t is not None and t[0] == m.offset() and t[2] is RecordType.SNAPSHOT:
+                cb(t[1], t[5])
 
     def _next_event(self, timeout: float) -> ClientEvent | None:
         ev = super()._next_event(timeout)
@@ -154,10 +166,11 @@ class XdcrReplicator:
         self._stop = threading.Event()
         self.sleep: Callable[[float], None] = sleep or self._wait
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # bad input is refused before anything is created (no empty state directory left behind)
+        spec = TargetSpec.parse(target)
         self.metrics = Metrics()
         self.vbs: dict[int, VBucketStatus] = {}
-        self.target = TargetCluster(TargetSpec.parse(target), Credentials(user, password), sleep=self.sleep)
+        self.target = TargetCluster(spec, Credentials(user, password), sleep=self.sleep)
         self._creds = Credentials(user, password)
         #: where the writer thread's requests go: the writer process, else ``target`` itself
         self._sink: TargetCluster | WriterProcess = self.target
@@ -174,6 +187,7 @@ class XdcrReplicator:
         self._target_lock = threading.Lock()
         #: ``target``'s map refreshes already reported to _account (the writer thread's)
         self._map_seen = 0
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         self._dead = (self.state_dir / DEAD_LETTER_FILE).open("a", encoding="utf-8")
         self._committed_at = time.monotonic()
         self._deferred = False
@@ -194,6 +208,7 @@ class XdcrReplicator:
                 self.metrics.target_state = "starting"
                 self.metrics.target_error = ""
             self._save_meta("target", target)
+            self._save_meta("topic", topic)
             self.target_url = target
         except BaseException:
             self.store.close()
@@ -233,11 +248,10 @@ class XdcrReplicator:
         self.store.hook = self._before_commit
         self.store.defer = self._defer_commit
         self.consumer.on_idle = self._commit_deferred
-        for vb, st in self.store.load_all().items():
-            self.vbs[vb] = VBucketStatus(st.vbuuid, st.seqno, st.snap_start, st.snap_end, seen_seqno=st.seqno)
-        for vb, (u, q) in self.checkpoints.target_positions().items():
-            v = self.vbs.setdefault(vb, VBucketStatus())
-            v.target_vbuuid, v.target_seqno = u, q
+        self.consumer.on_marker = self._marker
+        written = {int(vb): int(n) for vb, n in json.loads(self._meta("vbucket_written") or "{}").items()}
+        _load_vbuckets(self.vbs, self.store.load_all(), self.checkpoints.target_positions(),
+                       CheckpointStore.counts(self.conn), written)
 
     def _with_retries(self, fn: Callable[[], Any], what: str) -> Any:
         delay = 0.1
@@ -363,6 +377,8 @@ class XdcrReplicator:
     def _save_metrics(self) -> None:
         try:
             self._save_meta("metrics", json.dumps(self.metrics.to_dict()))
+            self._save_meta("vbucket_written", json.dumps({str(vb): v.written for vb, v in list(self.vbs.items())
+                                                           if v.written}))
         except sqlite3.Error as e:
             log.warning("xdcr: cannot save the counters: %s", e)
 
@@ -423,13 +439,21 @@ class XdcrReplicator:
         st.source_vbuuid, st.applied_seqno = state.vbuuid, state.seqno
         st.snap_start, st.snap_end = state.snap_start, state.snap_end
         st.seen_seqno = max(st.seen_seqno, state.seqno)
-        st.caught_up_at = self.clock()
+        st.applied_up_to(state.seqno)
         self._dirty[vb] = state.copy()
+
+    def _marker(self, vb: int, snap_end: int) -> None:
+        """The client consumed a snapshot marker of ``vb`` (its changes follow): pending from now until applied."""
+        st = self.vbs.setdefault(vb, VBucketStatus())
+        if snap_end > st.applied_seqno:
+            st.consumed_snapshot(self.clock(), snap_end)
 
     def on_rollback(self, rb: RollbackInstruction) -> None:
         vb = rb.vbucket
         f = self.settings.filters
         self.metrics.rollbacks += 1
+        # what was consumed of the lost branch will never be applied (feeding stopped at the rollback record)
+        self.vbs.setdefault(vb, VBucketStatus()).consumed.clear()
         restored = 0
         if rb.rebuild_from_zero:
             self.metrics.rollbacks_from_zero += 1
@@ -450,6 +474,7 @@ class XdcrReplicator:
         # a checkpoint of the lost branch cannot be resumed from (the undo just removed its changelog entries):
         # were the target to lose these restores, an older checkpoint replays the branch and this rollback again
         self.checkpoints.drop_after(vb, 0 if rb.rebuild_from_zero else rb.to_seqno)
+        self.vbs[vb].checkpoints = self.checkpoints.count(vb)
         log.info("xdcr: vbucket %d rolled back to seqno %d: %d target document(s) restored%s", vb, rb.to_seqno,
                  restored, " (rebuilt from zero)" if rb.rebuild_from_zero else "")
         st = rb.rollback.state
@@ -623,6 +648,7 @@ class XdcrReplicator:
                 tp = self._target_pos.get(vb) or (self.vbs[vb].target_vbuuid, self.vbs[vb].target_seqno)
                 self.checkpoints.add(pos, *tp)
                 self._last_ckpt[vb] = now
+                self.vbs[vb].checkpoints = self.checkpoints.count(vb)
         self._target_pos.clear()
         self._dirty.clear()
         self._save_metrics()
@@ -680,8 +706,8 @@ class XdcrReplicator:
                     if rng is not None:
                         st = self.vbs.setdefault(vb, VBucketStatus())
                         st.seen_seqno = max(st.seen_seqno, rng[1])
-        return {"topic": self.topic, "target": self.target_url, "counters": self.metrics.to_dict(),
-                "vbuckets": {str(vb): _vb_dict(v, now) for vb, v in sorted(list(self.vbs.items()))}}
+        return status_document(self.topic, self.target_url, self.settings.filters.fingerprint(),
+                               self.metrics.to_dict(), dict(list(self.vbs.items())), now)
 
     def close(self) -> None:
         self.stop()
@@ -716,10 +742,34 @@ def _no_priors(vbucket: int, keys: Sequence[bytes]) -> dict[bytes, Prior]:
     return {}
 
 
+def status_document(topic: str | None, target: str | None, filters: str | None, counters: dict[str, Any],
+                    vbs: Mapping[int, VBucketStatus], now: float) -> dict[str, Any]:
+    """The status document -- ``GET /status`` (live, :meth:`XdcrReplicator.status`) and ``dcpgw xdcr status``
+    (as last committed, :func:`read_status`) both: topic, target URL, filters, counters, per-vbucket positions."""
+    return {"topic": topic, "target": target, "filters": json.loads(filters or "{}"), "counters": counters,
+            "vbuckets": {str(vb): _vb_dict(v, now) for vb, v in sorted(vbs.items())}}
+
+
+def _load_vbuckets(vbs: dict[int, VBucketStatus], states: Mapping[int, ConsumerPosition],
+                   target_positions: Mapping[int, tuple[int, int]], checkpoints: Mapping[int, int],
+                   written: Mapping[int, int]) -> None:
+    """``vbs`` from what the state file holds (positions, target positions, checkpoint counts, writes)."""
+    for vb, st in states.items():
+        vbs[vb] = VBucketStatus(st.vbuuid, st.seqno, st.snap_start, st.snap_end, seen_seqno=st.seqno)
+    for vb, (u, q) in target_positions.items():
+        v = vbs.setdefault(vb, VBucketStatus())
+        v.target_vbuuid, v.target_seqno = u, q
+    for vb, n in checkpoints.items():
+        vbs.setdefault(vb, VBucketStatus()).checkpoints = n
+    for vb, n in written.items():
+        vbs.setdefault(vb, VBucketStatus()).written = n
+
+
 def _vb_dict(v: VBucketStatus, now: float) -> dict[str, Any]:
     return {"source_vbuuid": v.source_vbuuid, "applied_seqno": v.applied_seqno, "snap_start": v.snap_start,
             "snap_end": v.snap_end, "target_vbuuid": v.target_vbuuid, "target_seqno": v.target_seqno,
-            "lag_seqnos": v.lag_seqnos(), "lag_seconds": round(v.lag_seconds(now), 3), "written": v.written}
+            "lag_seqnos": v.lag_seqnos(), "lag_seconds": round(v.lag_seconds(now), 3), "written": v.written,
+            "checkpoints": v.checkpoints}
 
 
 def read_status(state_dir: str | Path) -> dict[str, Any]:
@@ -732,17 +782,15 @@ def read_status(state_dir: str | Path) -> dict[str, Any]:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             meta = dict(conn.execute("SELECT name, value FROM xdcr_meta").fetchall())
-            vbs: dict[int, VBucketStatus] = {}
-            topic = None
+            states: dict[int, ConsumerPosition] = {}
+            topic = meta.get("topic")
             for t, vb, st in conn.execute("SELECT topic, vbucket, state FROM dcp_consumer_state"):
                 topic = t
-                p = ConsumerPosition.from_dict(json.loads(st))
-                vbs[int(vb)] = VBucketStatus(p.vbuuid, p.seqno, p.snap_start, p.snap_end, seen_seqno=p.seqno)
-            tps = CheckpointStore.read_target_positions(conn)
-            for vb, (u, q) in tps.items():
-                v = vbs.setdefault(vb, VBucketStatus())
-                v.target_vbuuid, v.target_seqno = u, q
-            ck = dict(conn.execute("SELECT vbucket, COUNT(*) FROM xdcr_checkpoints GROUP BY vbucket").fetchall())
+                states[int(vb)] = ConsumerPosition.from_dict(json.loads(st))
+            vbs: dict[int, VBucketStatus] = {}
+            written = {int(vb): int(n) for vb, n in json.loads(meta.get("vbucket_written", "{}")).items()}
+            _load_vbuckets(vbs, states, CheckpointStore.read_target_positions(conn), CheckpointStore.counts(conn),
+                           written)
         finally:
             conn.close()
     except sqlite3.Error as e:
@@ -751,9 +799,5 @@ def read_status(state_dir: str | Path) -> dict[str, Any]:
     d = counters.to_dict()
     if "metrics" in meta:
         d["target"] = json.loads(meta["metrics"]).get("target", d["target"])
-    now = time.time()
-    return {"topic": topic, "target": meta.get("target"), "filters": json.loads(meta.get("filters", "{}")),
-            "counters": d,
-            "vbuckets": {str(vb): {**_vb_dict(v, now), "checkpoints": int(ck.get(vb, 0))}
-                         for vb, v in sorted(vbs.items())}}
+    return status_document(topic, meta.get("target"), meta.get("filters"), d, vbs, time.time())
 

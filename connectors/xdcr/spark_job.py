@@ -9,7 +9,9 @@ The ``dcp`` source (``connectors.spark``) hands micro-batches of complete snapsh
 :class:`XdcrBatchWriter` is the ``foreachBatch`` function that writes them to the target with meta
 (SET/ADD/DEL_WITH_META, the target resolves conflicts), as the standalone replicator does and with its code:
 the optimistic-threshold GET_META pre-check and the answers' accounting (``batch.py``: E2BIG is dead-lettered
-and the job goes on), the filters and the restream choice on a filter change (``filters.py``).
+and the job goes on), the filters and the restream choice on a filter change (``filters.py``). The source is read
+with ``corruptRecords=row``: a record that does not decode is dead-lettered as the replicator does
+(``corrupt_record``) and the job goes on.
 
 Spark keeps the source offsets in its checkpoint location; the writer keeps, under ``CHECKPOINT/xdcr/``, the
 last batch id it applied (a batch id at or below it is skipped: idempotent per batch id; a batch that died
@@ -36,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from connectors.spark.core import CORRUPT_OP
 from connectors.xdcr.batch import write_batch
 from connectors.xdcr.connection import Credentials
 from connectors.xdcr.document import ConflictMode, DocVersion
@@ -231,8 +234,11 @@ class XdcrBatchWriter:
         pending: list[WriteOp] = []
         size = 0
         for r in rows:
-            vb = int(r["vbucket"])
             op = r["op"]
+            if op == CORRUPT_OP:
+                self._corrupt(r)
+                continue
+            vb = int(r["vbucket"])
             if op == "rollback":
                 self._send(conn, pending)
                 pending, size = [], 0
@@ -310,6 +316,17 @@ class XdcrBatchWriter:
                     self.resent += len(lost)
                     self._send(conn, lost)
 
+    def _corrupt(self, r: Any) -> None:
+        """A record of the topic that does not decode (the ``dcp`` source's ``corrupt`` row, read with
+        ``corruptRecords=row``): dead-lettered as the standalone replicator does (reason ``corrupt_record``,
+        partition, offset, the decoding error), counted ``corrupt_records``; the job goes on."""
+        self.metrics.corrupt_records += 1
+        p, off = int(r["kafka_partition"]), int(r["kafka_offset"])
+        detail = bytes(r["value"] or b"").decode("utf-8", "replace")
+        self._dead_letter({"reason": "corrupt_record", "partition": p, "offset": off, "detail": detail})
+        log.warning("xdcr spark job: corrupt record at partition %d offset %d sent to the dead letter: %s", p, off,
+                    detail)
+
     def _dead_letter(self, entry: dict[str, Any]) -> None:
         self.metrics.dead_letters += 1
         entry["at"] = self.clock()
@@ -319,8 +336,8 @@ class XdcrBatchWriter:
 
     def summary(self) -> dict[str, Any]:
         m = self.metrics.to_dict()
-        return {k: m[k] for k in ("written", "rejected", "filtered", "restored", "rollbacks", "dead_letters",
-                                  "get_meta", "retries")} | {"resent": self.resent,
+        return {k: m[k] for k in ("written", "rejected", "skipped", "filtered", "restored", "rollbacks", "dead_letters",
+                                  "corrupt_records", "get_meta", "retries")} | {"resent": self.resent,
                                                              "skipped_batches": self.skipped_batches}
 
     def close(self) -> None:
@@ -333,7 +350,10 @@ def run(spark: Any, bootstrap: str, topic: str, writer: XdcrBatchWriter, checkpo
     from connectors.spark import DcpDataSource
 
     spark.dataSource.register(DcpDataSource)
-    stream = (spark.readStream.format("dcp").option("bootstrap.servers", bootstrap).option("topic", topic).load())
+    # a record that does not decode comes as a ``corrupt`` row, dead-lettered by the writer (the source's
+    # default, corruptRecords=fail, would fail every run at it)
+    stream = (spark.readStream.format("dcp").option("bootstrap.servers", bootstrap).option("topic", topic)
+              .option("corruptRecords", "row").load())
     w = stream.writeStream.foreachBatch(writer).option("checkpointLocation", str(Path(checkpoint) / "spark"))
     w = w.trigger(availableNow=True) if available_now else w.trigger(processingTime=processing_time)
     w.start().awaitTermination()

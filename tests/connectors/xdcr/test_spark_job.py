@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Producer
 
 from connectors.xdcr import spark_job
 from engine import vbucket_of
@@ -139,6 +140,42 @@ def test_spark_job_filters_precheck_too_big_and_a_target_that_lost_writes(kafka_
             dead_port = s.getsockname()[1]
         p = run_job(h, dead_port, tmp_path / "other", "--give-up-after", "0")
         assert p.returncode == 3 and p.stderr.strip().splitlines()[-1].startswith("error: target "), p.stderr[-2000:]
+    finally:
+        node.kill()
+        h.close()
+
+
+def test_spark_job_dead_letters_a_corrupt_record_and_replicates_the_rest(kafka_broker: Broker,
+                                                                         tmp_path: Path) -> None:
+    """A record that is no gateway record (no headers) in partition 3: the job's command (before: exit 1 with
+    RecordFormatError "record has no headers" from the source's offset planning, nothing written, every rerun the
+    same) dead-letters it as the standalone replicator does, counts it and replicates everything else; a rerun
+    over the same checkpoint finds nothing new."""
+    h = Harness(kafka_broker, tmp_path / "h", rollback_mitigation=False)
+    node: Any = target_node(tmp_path)
+    chk = tmp_path / "chk"
+    try:
+        write(h.bucket, 60)
+        h.bucket.flush_all()
+        h.settle()
+        p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+        offsets: list[int] = []
+        p.produce(h.topic, value=b"not a gateway record", key=b"junk", partition=3,
+                  on_delivery=lambda err, m: offsets.append(m.offset() or 0))
+        p.flush(10)
+        write(h.bucket, 60, start=1000)
+        h.bucket.flush_all()
+        h.settle()
+        out = job(h, node.port, chk)
+        assert out["corrupt_records"] == 1 and out["dead_letters"] == 1, out
+        src = source_docs(h.bucket)
+        assert not diverging(src, target_docs(node, {k: vbucket_of(k, h.nvb) for k in src}))
+        dead = [json.loads(line) for line in (chk / "xdcr" / "dead-letter.jsonl").read_text().splitlines()]
+        assert len(dead) == 1 and set(dead[0]) == {"reason", "partition", "offset", "detail", "at"}, dead
+        assert (dead[0]["reason"], dead[0]["partition"], dead[0]["offset"]) == ("corrupt_record", 3, offsets[0])
+        assert "no headers" in dead[0]["detail"]
+        again = job(h, node.port, chk)
+        assert again["written"] == 0 and again["corrupt_records"] == 0, again
     finally:
         node.kill()
         h.close()
