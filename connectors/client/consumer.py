@@ -41,6 +41,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, LogTooShort, MutationLog, Prior, Undo
+from connectors.client.rebuild import RebuildFold
 from connectors.client.replay import Change, ConsumerPosition, Oversize, Rollback, Snapshot, VBucketReplayer
 from connectors.client.state import MemoryStateStore, SqliteStateStore, StateStore
 from connectors.exceptions import ConnectorError, DecodeError
@@ -149,6 +150,8 @@ class _VB:
     last_fed: int = -1
     #: while rebuilding from zero: the offset of the rollback that asked for it (the log is not trimmed)
     rebuild_until: int = -1
+    #: while rebuilding from zero without a mutation log: the replay's events, folded (connectors/client/rebuild.py)
+    fold: RebuildFold | None = None
 
 
 @dataclass(slots=True)
@@ -512,7 +515,25 @@ class ChangeStreamConsumer:
             if not run:
                 return
         s.last_fed = run[-1][11]
-        for snap in s.replayer.feed_changes(run):
+        snaps = s.replayer.feed_changes(run)
+        if s.fold is not None:
+            self._fold(s, vb, p, snaps)
+            return
+        for snap in snaps:
+            self._queue.append((vb, p, snap))
+
+    def _fold(self, s: _VB, vb: int, p: int, events: Sequence[Snapshot | Rollback]) -> None:
+        """A rebuild from zero without a mutation log: the replay's events are folded until it passes the record
+        where the rebuild was asked for; then one snapshot of what survived is queued (connectors/client/rebuild.py)."""
+        fold = s.fold
+        assert fold is not None
+        for ev in events:
+            fold.add(ev)
+        if s.last_fed >= fold.until:
+            s.fold = None
+            snap = fold.snapshot(vb, s.replayer.state)
+            if self.per_record:  # its changes one by one, then the boundary (as a per-record consumer sees any)
+                self._queue.extend((vb, p, PartialChange(c, p)) for c in snap.changes)
             self._queue.append((vb, p, snap))
 
     def _handle(self, m: Any) -> None:
@@ -557,6 +578,9 @@ class ChangeStreamConsumer:
         s.last_fed = off
         before = s.replayer.accepted
         events = s.replayer.feed(rec, off)
+        if s.fold is not None:
+            self._fold(s, rec.vbucket, p, events)
+            return
         if self.per_record and s.replayer.accepted != before and s.replayer.last_change is not None:
             self._queue.append((rec.vbucket, p, PartialChange(s.replayer.last_change, p)))
         for ev in events:
@@ -702,6 +726,9 @@ class ChangeStreamConsumer:
                 s.skip_through = -1
                 s.confirmed = -1
                 s.rebuild_until = s.last_fed
+                if self.mutation_log is None or self.prior_lookup is None:
+                    # nothing can undo the rollbacks the replay meets again: fold them (connectors/client/rebuild.py)
+                    s.fold = RebuildFold(s.last_fed)
                 self._rewind(p, op.vbucket)
             states.append(fresh)
         elif op.state is not None:
@@ -834,6 +861,7 @@ class ChangeStreamConsumer:
             s.confirmed = -1
             s.last_fed = -1
             s.rebuild_until = -1
+            s.fold = None
         self._next[p] = -1
         if seek:
             self._seek_start(p)

@@ -214,6 +214,62 @@ def test_rollback_beyond_a_short_mutation_log_rebuilds_from_zero(harness: Any, t
         assert rep.docs() == h.bucket.state_snapshot()
 
 
+def _apply_without_log(docs: dict[bytes, tuple[bytes, int]], ev: Any) -> None:
+    """An application without undo information: a rollback can only wipe the vbucket (rebuild_from_zero)."""
+    if isinstance(ev, RollbackInstruction):
+        assert ev.rebuild_from_zero and not ev.undo
+        for k in [k for k, (_v, vb) in docs.items() if vb == ev.vbucket]:
+            del docs[k]
+        return
+    for c in ev.changes:
+        if c.deleted:
+            docs.pop(c.key, None)
+        else:
+            assert c.value is not None
+            docs[c.key] = (c.value, c.vbucket)
+
+
+def _consume_without_log(h: Harness, docs: dict[bytes, tuple[bytes, int]], state_path: Path | None,
+                         max_events: int = 20_000) -> int:
+    """Read to the end with no mutation log (``state_path`` None: a memory store, else SQLite without a
+    prior lookup), applying into ``docs``; returns the rollbacks seen. Bounded: a rebuild that loops fails."""
+    rollbacks = 0
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, state_path=state_path) as c:
+        for n, ev in enumerate(c.events(until_caught_up=True)):
+            assert n < max_events, f"{rollbacks} rollbacks and still not caught up: the rebuild loops"
+            rollbacks += isinstance(ev, RollbackInstruction)
+            _apply_without_log(docs, ev)
+            c.commit(ev)
+    return rollbacks
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+def test_rollback_without_a_mutation_log_rebuilds_once_and_converges(harness: Any, tmp_path: Path,
+                                                                    store: str) -> None:
+    """Without a mutation log a rollback rebuilds the vbucket from its partition's start; the replay meets the
+    same rollback record again, which must not ask for the rebuild again (it looped for ever before): the
+    vbucket's history up to there is folded into one snapshot (connectors/client/rebuild.py)."""
+    h = harness(rollback_mitigation=False)
+    write(h.bucket, 100)
+    h.bucket.flush_all()
+    h.settle()
+    write(h.bucket, 60, start=100)  # published from memory, never persisted: lost by the crash
+    write(h.bucket, 20, start=0)    # overwrites too
+    h.publish_unpersisted()
+    h.crash_engine()
+    write(h.bucket, 30, start=1000)
+    for i in range(1, 100, 7):
+        if i % 5:  # write() deleted the multiples of 5 already
+            h.bucket.delete(f"k{i}")
+    h.bucket.flush_all()
+    h.settle()
+    docs: dict[bytes, tuple[bytes, int]] = {}
+    state = None if store == "memory" else tmp_path / "state.sqlite"
+    rollbacks = _consume_without_log(h, docs, state)
+    assert docs == h.bucket.state_snapshot()
+    assert 0 < rollbacks <= h.bucket.num_vbuckets  # one rebuild per vbucket rolled back, not a loop
+
+
 def test_consumer_killed_mid_snapshot_exposes_nothing_partial_and_converges(
         harness: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     h = harness(nvb=4)
@@ -428,6 +484,42 @@ def test_random_crashes_and_restarts_converge(kafka_broker: Broker, tmp_path_fac
         h.settle()
         with replicate(h, db, mutation_log_max=log_max) as rep:
             assert rep.docs() == h.bucket.state_snapshot()
+    finally:
+        h.close()
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_random_crashes_converge_without_a_mutation_log(kafka_broker: Broker, tmp_path_factory: Any,
+                                                        ops: list[str]) -> None:
+    """The same random histories as above, consumed by an application with no undo information (a memory
+    replica, consumer state in SQLite without a prior lookup): every rollback is a rebuild from zero, and the
+    replica still converges to the engine."""
+    tmp = tmp_path_factory.mktemp("hypnolog")
+    h = Harness(kafka_broker, tmp, nvb=4, rollback_mitigation=False)
+    docs: dict[bytes, tuple[bytes, int]] = {}
+    n = 0
+    try:
+        for op in ops:
+            if op == "write":
+                write(h.bucket, 15, start=n)
+                n += 15
+                if n % 2:
+                    h.bucket.flush_all()
+                h.publish_unpersisted(20)
+            elif op == "crash":
+                h.crash_engine()
+            elif op == "gateway":
+                h.restart_gateway()
+            else:
+                h.pub.kafka.flush(10)
+                _consume_without_log(h, docs, tmp / "state.sqlite")
+        write(h.bucket, 5, start=10_000)
+        h.bucket.flush_all()
+        h.settle()
+        _consume_without_log(h, docs, tmp / "state.sqlite")
+        assert docs == h.bucket.state_snapshot()
     finally:
         h.close()
 
