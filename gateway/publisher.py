@@ -91,6 +91,10 @@ _TOO_LARGE: Final = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_
 DEFAULT_LARGE_RECORD_BYTES: Final = 1_000_000
 #: a stream request that found its node silent is tried again after this many seconds (docs/scale-out.md)
 STREAM_RETRY_S: Final = 1.0
+#: when the map moved vbuckets away from a live connection: steps (of DRAIN_MESSAGES) it may take to hand over the
+#: stream ends it still holds before those vbuckets are detached (Publisher._drain_moved)
+DRAIN_STEPS: Final = 64
+DRAIN_MESSAGES: Final = 4096
 #: rollback mitigation holding a vbucket's messages this long without releasing any is logged (a warning every
 #: as many seconds while it lasts: persistence stopped, a replica down, a disk full -- never silent)
 HELD_WARN_S: float = 30.0
@@ -613,6 +617,7 @@ class Publisher:
             self._retry_at = None
             self._detached |= self._waiting
             self._waiting.clear()
+            self._drain_moved()
             for vb, p in enumerate(self._owner):
                 if p is not None and (p.closed or src.node_of(p) != src.active_node(vb)):
                     self._detach(vb)
@@ -624,6 +629,22 @@ class Publisher:
                 self._event("restream", vb)
                 if not self._request(vb, False):
                     self._waiting.add(vb)
+
+    def _drain_moved(self) -> None:
+        """Before the vbuckets whose active moved are detached: step each live connection still streaming one of
+        them until it has nothing more (at most :data:`DRAIN_STEPS` steps), so that the stream ends the old
+        active sent (STATE_CHANGED: a graceful failover, a takeover) are published as stream-end records -- a
+        pump round steps a connection only ``max_messages`` at a time, and detaching closes a stream with what
+        it still had queued (docs/gateway-cluster.md "What Kafka sees")."""
+        src = self.source
+        live: list[DcpConnection] = []
+        for vb, p in enumerate(self._owner):
+            if p is not None and not p.closed and p not in live and src.node_of(p) != src.active_node(vb):
+                live.append(p)
+        for p in live:
+            for _ in range(DRAIN_STEPS):
+                if not self._step_connection(p, DRAIN_MESSAGES):
+                    break
 
     def _publish_rollback(self, vb: int, seqno: int, engine_log: list[FailoverEntry]) -> None:
         pos = self.sent[vb]
@@ -700,6 +721,35 @@ class Publisher:
             self._publish(msgs)
         return len(msgs)
 
+    def _step_connection(self, p: DcpConnection, max_messages: int) -> int:
+        """One DCP step of cluster connection ``p``: its messages published (or held, rollback mitigation), those
+        of streams the gateway already moved away from buffer-acked; returns the messages moved."""
+        try:
+            msgs = p.step(max_messages)
+        except TemporaryFailure:
+            # A node process's connection dropped (SIGKILL: NodeUnavailable). The DCP client rule treats it like
+            # NOT_MY_VBUCKET: force the topology check, which detaches the connection's vbuckets and re-requests
+            # them from the map's active with the published position.
+            self._recheck = True
+            return 0
+        if not msgs:
+            return 0
+        owner = self._owner
+        mine: list[DcpMessage] = []
+        stale = 0
+        for m in msgs:
+            if owner[m.vbucket] is p:
+                mine.append(m)
+            else:
+                stale += m.dcp_size  # the tail of a stream the gateway already moved away from
+        if stale:
+            self._buffer_ack(p, stale)
+        if self.rollback_mitigation:
+            self._hold(p, mine)
+        else:
+            self._publish(mine)
+        return len(msgs)
+
     def _raise_error(self) -> None:
         err = self.error
         cls = DeliveryTimedOut if self.timed_out else PublishError
@@ -714,33 +764,9 @@ class Publisher:
     def _pump_cluster(self, max_messages: int) -> int:
         assert self._topo is not None, "open() first"
         n = 0
-        owner = self._owner
         held = self._held if self.rollback_mitigation else None
         for p in self.source.producers():
-            try:
-                msgs = p.step(max_messages)
-            except TemporaryFailure:
-                # A node process's connection dropped (SIGKILL: NodeUnavailable). The DCP client rule treats it
-                # like NOT_MY_VBUCKET: force the topology check below, which detaches the connection's vbuckets
-                # and re-requests them from the map's active with the published position.
-                self._recheck = True
-                continue
-            if not msgs:
-                continue
-            n += len(msgs)
-            mine: list[DcpMessage] = []
-            stale = 0
-            for m in msgs:
-                if owner[m.vbucket] is p:
-                    mine.append(m)
-                else:
-                    stale += m.dcp_size  # the tail of a stream the gateway already moved away from
-            if stale:
-                self._buffer_ack(p, stale)
-            if held is None:
-                self._publish(mine)
-                continue
-            self._hold(p, mine)
+            n += self._step_connection(p, max_messages)
         if held:
             n += self._release(max_messages * max(1, len(self.source.producers())))
         # after the step: streams that ended (STATE_CHANGED) were published as stream-end records first

@@ -89,6 +89,29 @@ def test_graceful_failover_under_writes_loses_and_duplicates_nothing(cluster_har
         assert rep.docs() == h.actives()
 
 
+@pytest.mark.parametrize("mitigation", [False, True])
+def test_every_moved_vbucket_gets_its_stream_end_when_a_round_steps_few_messages(cluster_harness,
+                                                                                 mitigation: bool) -> None:
+    """A graceful failover ends every stream of the old active (STATE_CHANGED); the publisher steps a connection
+    ``max_messages`` at a time, and must not detach the moved vbuckets with their stream ends still queued on the
+    live connection (with 1024 vbuckets, those past the service loop's 256 got no stream-end record)."""
+    h: ClusterHarness = cluster_harness(rollback_mitigation=mitigation)
+    c = h.cluster
+    h.write(200)
+    h.settle()
+    report = c.failover("n2", graceful=True)
+    assert len(report.promoted) >= 2
+    for _ in range(50):
+        h.pub.pump(max_messages=1)
+    h.settle()
+    recs = h.check()
+    ends = [r for _p, _o, r in recs if r.type is RecordType.STREAM_END]
+    assert {r.vbucket for r in ends} == set(report.promoted)
+    assert h.pub.following() == {vb: c.vbucket_map().active(vb) for vb in range(NVB)}
+    with h.replicate() as rep:
+        assert rep.docs() == h.actives()
+
+
 def test_rollback_mitigation_publishes_only_what_every_replica_persisted(cluster_harness) -> None:
     h: ClusterHarness = cluster_harness(rollback_mitigation=True)
     c = h.cluster
