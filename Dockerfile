@@ -21,6 +21,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && useradd --create-home --uid 10001 dcpgw && mkdir /data && chown dcpgw /data
 
 USER dcpgw
+# the container's API port (the product's own default is 8091, docs/configuration.md)
+ENV DCPGW_HTTP_PORT=8080
 EXPOSE 8080
 VOLUME /data
 CMD ["dcpgw", "up", "--no-progress"]

@@ -275,6 +275,7 @@ def _cas_header(request: web.Request) -> int:
 
 
 _DOCS_PATH = "/docs/"
+_BUCKETS_PATH = "/buckets/"
 
 
 def _key(request: web.Request) -> bytes:
@@ -282,6 +283,8 @@ def _key(request: web.Request) -> bytes:
     UTF-8 (docs/gateway.md, "Keys"). aiohttp's ``match_info`` cannot be used: it leaves an undecodable
     sequence such as ``%FF`` as the literal text ``%FF``, which would alias the key ``%FF`` (``/docs/%25FF``)."""
     raw = request.rel_url.raw_path
+    if raw.startswith(_BUCKETS_PATH):  # /buckets/{bucket}/docs/{key} (issue 3's spelling of the same route)
+        raw = raw[raw.index("/", len(_BUCKETS_PATH)):]
     if raw.startswith(_DOCS_PATH):
         key = urllib.parse.unquote_to_bytes(raw[len(_DOCS_PATH):])
     else:
@@ -364,12 +367,15 @@ async def _completed(svc: GatewayService, bucket: Bucket, sw: SyncWrite) -> Any:
 async def get_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
     key = _key(request)
-    g = _bucket(svc, key).get(key)
+    b = _bucket(svc, key)
+    g = b.get(key)
     ctype = "application/json" if g.datatype & Datatype.JSON else "application/octet-stream"
     return web.Response(
         body=g.value, content_type=ctype,
-        headers={"ETag": f'"{g.cas}"', "X-DCP-Flags": str(g.flags), "X-DCP-Expiry": str(g.expiry),
-                 "X-DCP-Vbucket": str(g.vbucket), "X-DCP-Seqno": str(g.seqno), "X-DCP-Rev": str(g.rev_seqno)})
+        headers={"ETag": f'"{g.cas}"', "X-DCP-CAS": str(g.cas), "X-DCP-Flags": str(g.flags),
+                 "X-DCP-Expiry": str(g.expiry), "X-DCP-Vbucket": str(g.vbucket),
+                 "X-DCP-Vbuuid": str(b.failover_log(g.vbucket)[0].vbuuid), "X-DCP-Seqno": str(g.seqno),
+                 "X-DCP-Rev": str(g.rev_seqno)})
 
 
 async def put_doc(request: web.Request) -> web.Response:
@@ -681,6 +687,37 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def _in_bucket(handler: Any) -> Any:
+    """``/buckets/{bucket}/...``: issue 3's spelling of a route (docs/gateway.md "Routes"): the gateway serves one
+    bucket, any other name is 404 ``no_bucket``."""
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["bucket"]
+        if name != _svc(request).settings.bucket:
+            raise ApiError(404, "no_bucket", f"no bucket {name!r} (this gateway serves "
+                                             f"{_svc(request).settings.bucket!r})")
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
+    return route
+
+
+async def bucket_stats(request: web.Request) -> web.Response:
+    """``GET /buckets/{bucket}/stats``: per vbucket ``high_seqno``, ``persisted_seqno``, ``published_seqno`` and
+    ``vbuuid`` (issue 3), with the bucket's totals of ``GET /stats``."""
+    svc = _svc(request)
+    assert svc.publisher is not None
+    pub = svc.publisher
+    rows = []
+    for vb in range(svc.settings.num_vbuckets):
+        st = pub.status(vb)
+        rows.append({"vbucket": vb, "high_seqno": st["engine_high_seqno"],
+                     "persisted_seqno": st["engine_persisted_seqno"], "published_seqno": st["published_seqno"],
+                     "acknowledged_seqno": st["acknowledged_seqno"], "vbuuid": st["vbuuid"]})
+    totals = json.loads((await stats(request)).text or "{}")
+    return web.json_response({**totals, "bucket": svc.settings.bucket, "vbuckets": rows})
+
+
 async def stats(request: web.Request) -> web.Response:
     svc = _svc(request)
     assert svc.publisher is not None
@@ -882,6 +919,11 @@ def build_app(service: GatewayService) -> web.Application:
     app.router.add_get("/health/live", health_live)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    # issue 3's spellings: /buckets/{bucket}/docs/{key} (the same handlers) and per-vbucket stats
+    app.router.add_get("/buckets/{bucket}/docs/{key}", _in_bucket(get_doc))
+    app.router.add_put("/buckets/{bucket}/docs/{key}", _in_bucket(put_doc))
+    app.router.add_delete("/buckets/{bucket}/docs/{key}", _in_bucket(delete_doc))
+    app.router.add_get("/buckets/{bucket}/stats", _in_bucket(bucket_stats))
     app.router.add_get("/cluster", cluster_status)
     app.router.add_get("/cluster/map", cluster_map)
     app.router.add_post("/cluster/failover", cluster_failover)

@@ -50,6 +50,10 @@ ROUTE_ACCESS: dict[tuple[str, str], Access] = {
     ("PUT", "/docs/{key}"): Role.DATA_WRITER,
     ("DELETE", "/docs/{key}"): Role.DATA_WRITER,
     ("POST", "/docs/_bulk"): Role.DATA_WRITER,
+    ("GET", "/buckets/{bucket}/docs/{key}"): Role.DATA_READER,
+    ("PUT", "/buckets/{bucket}/docs/{key}"): Role.DATA_WRITER,
+    ("DELETE", "/buckets/{bucket}/docs/{key}"): Role.DATA_WRITER,
+    ("GET", "/buckets/{bucket}/stats"): Role.DCP_READER,
     # streams and status
     ("GET", "/streams"): Role.DCP_READER,
     ("GET", "/vbuckets"): Role.DCP_READER,

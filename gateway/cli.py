@@ -106,7 +106,7 @@ def broker(
 
 # ---------------------------------------------------------------------- shared helpers
 STATE_FILE = "dcpgw-state.json"
-DEFAULT_DATA_DIR = Path("./dcpgw-data")
+DEFAULT_DATA_DIR = Path("./data")  # issue 3's default (docs/configuration.md)
 
 
 def _fail(message: str) -> NoReturn:
@@ -128,7 +128,7 @@ def _url(url: str | None, data_dir: Path) -> str:
     if url:
         return url.rstrip("/")
     st = _state(data_dir)
-    return str(st.get("http_url") or "http://127.0.0.1:8080")
+    return str(st.get("http_url") or "http://127.0.0.1:8091")
 
 
 @dataclass
@@ -353,12 +353,14 @@ def _readiness(base: str) -> dict[str, Any]:
 @app.command()
 def up(
     config: Path | None = typer.Option(None, "--config", "-c", help="TOML or JSON settings file."),
-    data_dir: Path | None = typer.Option(None, help="Engine data directory (DCPGW_DATA_DIR)."),
-    http_port: int | None = typer.Option(None, help="HTTP API port (DCPGW_HTTP_PORT); 0 picks a free one."),
+    data_dir: Path | None = typer.Option(None, help="Engine data directory (DCPGW_DATA_DIR, default ./data)."),
+    http_port: int | None = typer.Option(None, "--http-port", "--port", help="HTTP API port (DCPGW_HTTP_PORT, "
+                                         "default 8091); 0 picks a free one."),
     kv_port: int | None = typer.Option(None, help="KV port for the Couchbase SDKs (DCPGW_KV_PORT, default 11210); "
                                        "0 picks a free one."),
     bucket: str | None = typer.Option(None, help="Bucket name (DCPGW_BUCKET)."),
-    num_vbuckets: int | None = typer.Option(None, help="vbucket count (DCPGW_NUM_VBUCKETS)."),
+    num_vbuckets: int | None = typer.Option(None, "--num-vbuckets", "--vbuckets",
+                                            help="vbucket count (DCPGW_NUM_VBUCKETS, default 1024)."),
     value_format: str | None = typer.Option(None, help="avro or raw (DCPGW_VALUE_FORMAT)."),
     stream_from: str | None = typer.Option(None, help="saved-offset-or-beginning | saved-offset-or-now | "
                                            "beginning | now."),
@@ -642,7 +644,8 @@ def load(
     docs: int = typer.Option(10_000, min=1, help="How many documents to write."),
     size: int = typer.Option(256, min=16, help="Approximate JSON document size in bytes."),
     batch: int = typer.Option(1000, min=1, max=100_000, help="Documents per bulk request."),
-    prefix: str = typer.Option("doc::", help="Key prefix; keys are PREFIX + number."),
+    prefix: str = typer.Option("doc-", help="Key prefix; keys are PREFIX + the number in 7 digits (doc-0000000, "
+                               "doc-0000001, ...: issue 3's keys)."),
     start: int = typer.Option(0, min=0, help="First document number (re-running overwrites)."),
     url: str | None = typer.Option(None, help="Gateway HTTP URL (default: from the running `dcpgw up`)."),
     data_dir: Path = typer.Option(DEFAULT_DATA_DIR, help="Where `dcpgw up` keeps its state file."),
@@ -678,7 +681,7 @@ def load(
             task = bar.add_task("load", total=docs)
             for lo in range(start, start + docs, batch):
                 hi = min(lo + batch, start + docs)
-                entries = [{"key": f"{prefix}{i}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
+                entries = [{"key": f"{prefix}{i:07d}", "value": {"n": i, "pad": pad}} for i in range(lo, hi)]
                 first_refusal: float | None = None
                 while entries:
                     res = _post_with_backpressure(f"{base}/docs/_bulk", json.dumps(entries).encode(), max_wait,
@@ -1093,11 +1096,12 @@ def replicate(
     try:
         with Replicator(kafka, topic, db, group_id=group_id) as rep:
             with contextlib.suppress(KeyboardInterrupt):
-                rep.run(until_caught_up=until_caught_up)
+                # a corrupt record: copied to the dead-letter topic once, counted, passed over (docs/client.md)
+                rep.run(until_caught_up=until_caught_up, skip_corrupt=True)
             n = rep.conn.execute("SELECT COUNT(*) FROM docs").fetchone()[0]
             typer.echo(json.dumps({"topic": topic, "db": str(db), "docs": n, "snapshots": rep.snapshots,
                                    "changes": rep.changes, "rollbacks": len(rep.rollbacks),
-                                   "oversize": len(rep.oversize)}))
+                                   "oversize": len(rep.oversize), "dead_letters": rep.dead_letters}))
     except ConnectorError as e:
         _fail(str(e))
     except (sqlite3.Error, OSError) as e:

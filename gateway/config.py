@@ -397,7 +397,7 @@ class GatewaySettings(BaseSettings):
 
     # engine
     bucket: str = Field(default="default", description="Bucket name (engine BucketConfig.name rules).")
-    data_dir: Path = Field(default=Path("./dcpgw-data"), description="Engine data directory.")
+    data_dir: Path = Field(default=Path("./data"), description="Engine data directory.")  # issue 3's default
     num_vbuckets: int = Field(default=1024, ge=1, le=65536)
     expiry_pager_interval_s: PositiveSeconds = 60.0
     compaction_interval_s: PositiveSeconds = 600.0
@@ -449,7 +449,7 @@ class GatewaySettings(BaseSettings):
     oversize_policy: OversizePolicy = "skip"
     # HTTP API
     http_host: str = Field(default="127.0.0.1", min_length=1)
-    http_port: int = Field(default=8080, ge=0, le=65535)
+    http_port: int = Field(default=8091, ge=0, le=65535)  # issue 3's default (Couchbase's REST port)
     # security (docs/security.md)
     #: first start only: the password of the user ``Administrator`` (generated, printed once and stored 0600 in
     #: ``<data_dir>/admin-password`` when unset); ignored once the user store has a user

@@ -116,6 +116,8 @@ def _q(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 KEY = {"name": "key", "in": "path", "required": True, "description": "document key (1..250 bytes)",
        "schema": {"type": "string", "minLength": 1, "maxLength": 250}}
+BUCKET = {"name": "bucket", "in": "path", "required": True, "schema": {"type": "string"},
+          "description": "the bucket this gateway serves (any other: 404 no_bucket)"}
 VB = {"name": "vb", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0},
       "description": "vbucket number"}
 U32 = {"type": "integer", "minimum": 0, "maximum": 4294967295}
@@ -154,6 +156,28 @@ PATHS: dict[str, dict[str, Any]] = {
         "delete": {"summary": "delete a document", "parameters": [KEY, IF_MATCH, *DURABILITY],
                    "responses": {"200": _resp("deleted", MUTATION), **_errors(*DOC_WRITE_ERRORS)}},
     },
+    # issue 3's spellings of the document routes and the per-vbucket stats; {bucket} must be the served bucket
+    "/buckets/{bucket}/docs/{key}": {
+        "get": {"summary": "read a document (as /docs/{key}; also X-DCP-CAS, X-DCP-Vbuuid headers)",
+                "parameters": [BUCKET, KEY],
+                "responses": {"200": {"description": "the document body (ETag = CAS)",
+                                      "content": {"application/json": {"schema": {}},
+                                                  "application/octet-stream": {"schema": {}}}},
+                              **_errors(400, 404, 503)}},
+        "put": {"summary": "write a document (as /docs/{key})", "parameters": [
+                    BUCKET, KEY, _q("expiry", U32, "seconds (<= 30 days) or epoch time"),
+                    _q("flags", U32, "client flags"), IF_MATCH, IF_NONE_MATCH, *DURABILITY],
+                "requestBody": {"required": False, "content": {"application/octet-stream": {"schema": {
+                    "type": "string", "format": "binary"}}}},
+                "responses": {"200": _resp("written", MUTATION), "201": _resp("inserted", MUTATION),
+                              **_errors(*DOC_WRITE_ERRORS)}},
+        "delete": {"summary": "delete a document (as /docs/{key})", "parameters": [BUCKET, KEY, IF_MATCH,
+                                                                                   *DURABILITY],
+                   "responses": {"200": _resp("deleted", MUTATION), **_errors(*DOC_WRITE_ERRORS)}},
+    },
+    "/buckets/{bucket}/stats": {"get": {
+        "summary": "per vbucket high_seqno, persisted_seqno, published_seqno, acknowledged_seqno, vbuuid; totals",
+        "parameters": [BUCKET], "responses": {"200": _resp("stats", OBJECT), **_errors(404)}}},
     "/streams": {"get": {"summary": "publishing status of every vbucket",
                          "responses": {"200": _resp("per vbucket", {"type": "array", "items": OBJECT})}}},
     "/vbuckets": {"get": {"summary": "every vbucket's high seqno, vbuuid and failover log (search consistency)",

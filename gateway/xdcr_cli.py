@@ -31,7 +31,7 @@ def xdcr(
                                           "checkpoints, counters) and dead-letter.jsonl."),
     bootstrap: str | None = typer.Option(None, envvar="KAFKA_BOOTSTRAP_SERVERS",
                                          help="Kafka bootstrap servers (default: the running gateway's)."),
-    data_dir: Path = typer.Option(Path("dcpgw-data"), help="Where `dcpgw up` keeps its state file."),
+    data_dir: Path = typer.Option(Path("data"), help="Where `dcpgw up` keeps its state file."),
     filter_key: str | None = typer.Option(None, help="Replicate only keys matching this regular expression."),
     skip_deletions: bool = typer.Option(False, "--filter-skip-deletions", help="Do not replicate deletions."),
     skip_expirations: bool = typer.Option(False, "--filter-skip-expirations", help="Do not replicate expirations."),

@@ -160,3 +160,41 @@ def test_stats_and_metrics_count_the_snapshots_mitigation_merged(kafka_broker: B
         assert f"dcpgw_snapshots_merged_total {float(merged)}" in m
 
     run(kafka_broker, tmp_path, scenario)
+
+
+def test_issue_3_spellings_of_the_document_and_stats_routes(kafka_broker: Broker, tmp_path: Path) -> None:
+    """Issue 3's contract: ``GET /buckets/{bucket}/docs/{key}`` answers the body with ``X-DCP-CAS``,
+    ``X-DCP-Seqno``, ``X-DCP-Vbucket``, ``X-DCP-Vbuuid`` (404 when absent or deleted); ``GET
+    /buckets/{bucket}/stats`` has per vbucket ``high_seqno``, ``persisted_seqno``, ``published_seqno``,
+    ``vbuuid``. Another bucket's name is 404 ``no_bucket``."""
+
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        b = svc.settings.bucket
+        r = await http.put(f"{url}/buckets/{b}/docs/k1", data=b'{"a": 1}')
+        assert r.status in (200, 201)
+        token = (await r.json())["token"]
+        r = await http.get(f"{url}/buckets/{b}/docs/k1")
+        assert r.status == 200 and await r.read() == b'{"a": 1}'
+        vb = int(r.headers["X-DCP-Vbucket"])
+        assert vb == token["vbucket"] and int(r.headers["X-DCP-Seqno"]) == token["seqno"]
+        assert int(r.headers["X-DCP-Vbuuid"]) == token["vbuuid"]
+        assert r.headers["ETag"] == f'"{r.headers["X-DCP-CAS"]}"'
+        same = await http.get(f"{url}/docs/k1")  # the same document, the same headers on the short route
+        assert same.headers["X-DCP-CAS"] == r.headers["X-DCP-CAS"]
+        await expect_error(await http.get(f"{url}/buckets/{b}/docs/absent"), 404)
+        assert (await http.delete(f"{url}/buckets/{b}/docs/k1")).status == 200
+        await expect_error(await http.get(f"{url}/buckets/{b}/docs/k1"), 404)
+        await expect_error(await http.get(f"{url}/buckets/other/docs/k1"), 404, "no_bucket")
+        await expect_error(await http.get(f"{url}/buckets/other/stats"), 404, "no_bucket")
+        for _ in range(200):  # published
+            st = await (await http.get(f"{url}/buckets/{b}/stats")).json()
+            row = st["vbuckets"][vb]
+            if row["published_seqno"] == row["high_seqno"]:
+                break
+            await asyncio.sleep(0.05)
+        assert len(st["vbuckets"]) == NVB and st["bucket"] == b
+        assert row["vbucket"] == vb and row["high_seqno"] >= token["seqno"] and row["vbuuid"] == token["vbuuid"]
+        assert row["published_seqno"] == row["high_seqno"] and "persisted_seqno" in row
+        assert "records_published" in st  # the totals of GET /stats as well
+
+    run(kafka_broker, tmp_path, scenario)

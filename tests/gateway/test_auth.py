@@ -88,7 +88,7 @@ def test_every_route_declares_a_role_and_the_table_is_enforced(kafka_broker: Bro
             checked = 0
             for method, path in routes:
                 needed = ROUTE_ACCESS[(method, path)]
-                target = url + concrete(path)
+                target = url + concrete(path).replace("{bucket}", svc.settings.bucket)
                 body = BODIES.get((method, path))
                 for what, headers in bad.items():
                     r = await http.request(method, target, data=body, headers=headers)

@@ -60,6 +60,21 @@ def test_kafka_connect_timeout_setting(tmp_path: Path) -> None:
     assert time.monotonic() - started < 15
 
 
+def test_issue_3_option_names_port_and_vbuckets(tmp_path: Path) -> None:
+    """``dcpgw up --port`` and ``--vbuckets`` (issue 3's names of --http-port and --num-vbuckets) are accepted:
+    the port taken is reported under its setting's name, a bad vbucket count names the setting."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_error_line(dcpgw("up", "--no-progress", "--data-dir", str(tmp_path / "d"), "--port", str(port),
+                                    "--vbuckets", "16", KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1"))
+    assert f"127.0.0.1:{port} (http_port)" in line, line
+    line = one_error_line(dcpgw("up", "--no-progress", "--data-dir", str(tmp_path / "d"), "--port", "0",
+                                "--vbuckets", "0", KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1"))
+    assert "num_vbuckets" in line, line
+
+
 def test_http_port_in_use(kafka_broker: Broker, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

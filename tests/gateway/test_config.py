@@ -74,7 +74,7 @@ def sasl_connection() -> KafkaConnection:
 def test_defaults() -> None:
     s = load_settings()
     assert s.bucket == "default"
-    assert s.data_dir == Path("./dcpgw-data")
+    assert s.data_dir == Path("./data")  # issue 3: "data in ./data"
     assert s.num_vbuckets == 1024
     assert s.topic_prefix == "dcp"
     assert s.value_format == "avro"
@@ -85,7 +85,7 @@ def test_defaults() -> None:
     assert (s.expiry_pager_interval_s, s.compaction_interval_s) == (60.0, 600.0)
     assert s.create_topic_partitions is None and s.topic_replication_factor == 1
     assert (s.producer_linger_ms, s.producer_batch_size, s.producer_compression) == (20, 1_048_576, "lz4")
-    assert (s.http_host, s.http_port) == ("127.0.0.1", 8080)
+    assert (s.http_host, s.http_port) == ("127.0.0.1", 8091)  # issue 3: "HTTP API on 127.0.0.1:8091"
     k = s.kafka
     assert k.bootstrap_servers is None  # the embedded / auto-selected broker
     assert k.security_protocol == "PLAINTEXT" and k.sasl_mechanism is None and k.sasl_password is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -88,6 +89,13 @@ def test_cli_load_status_tail_against_a_running_gateway(kafka_broker: Broker, tm
         lines = r.stdout.strip().splitlines()
         assert len(lines) == 4 and "failover-log" in lines[0] and "vb=3" in lines[0]
         assert any(" mutation " in ln for ln in lines[1:])
+        # issue 3: `dcpgw load` writes doc-0000000, doc-0000001, ...
+        from tests.credentials import auth_headers
+
+        for key in ("doc-0000000", "doc-0000699"):
+            req = urllib.request.Request(f"{gw.url}/docs/{key}", headers=auth_headers())
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
     finally:
         gw.stop()
 
