@@ -6,6 +6,12 @@ the consumer state and the mutation log (they share the file): a crash leaves th
 boundary of every vbucket, and the consumer resumes exactly there. Rollbacks restore the undo list of the
 mutation log, or wipe the vbucket's rows when it must be rebuilt from zero.
 
+A record of the topic that does not decode (corrupt) is copied once to the dead-letter topic (``{topic}.dlq``)
+and remembered in the file (``replicate_dead_letters``): met again (a later run reads the partition from an
+offset before it), it is not copied again. ``run(skip_corrupt=True)`` (what ``dcpgw replicate`` does) then goes
+on after it, counting it in ``dead_letters``; without it the :class:`~connectors.exceptions.DecodeError` is raised
+and a later ``run()`` goes on after the record.
+
 CLI: ``dcpgw replicate --topic dcp.default --db replica.sqlite [--until-caught-up]``.
 """
 
@@ -17,14 +23,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from connectors.client.consumer import DEFAULT_BATCH_SIZE, ChangeStreamConsumer, RollbackInstruction
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from connectors.client.consumer import (
+    DEFAULT_BATCH_SIZE,
+    ChangeStreamConsumer,
+    DeadLetter,
+    RollbackInstruction,
+)
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
 from connectors.client.replay import Oversize, Snapshot
+from connectors.exceptions import ConnectorError, DecodeError
 
 __all__ = ["Replicator"]
 
 #: in the consumer's state file: a change here is a migration step of connectors.client.state (SCHEMA_VERSION)
 _SCHEMA = "CREATE TABLE IF NOT EXISTS docs (key TEXT PRIMARY KEY, value BLOB, vbucket INTEGER, seqno INTEGER)"
+#: the corrupt records already copied to the dead-letter destination (a new table: files without it get it)
+_DEAD_SCHEMA = ("CREATE TABLE IF NOT EXISTS replicate_dead_letters (topic TEXT NOT NULL, kafka_partition INTEGER "
+                "NOT NULL, kafka_offset INTEGER NOT NULL, error TEXT, PRIMARY KEY (topic, kafka_partition, kafka_offset))")
 
 
 log = logging.getLogger(__name__)
@@ -39,13 +57,32 @@ class Replicator:
     def __init__(self, kafka: str | Mapping[str, Any], topic: str, db: str | Path, *,
                  group_id: str | None = None, mutation_log_max: int = DEFAULT_MAX_ENTRIES,
                  dead_letter: str | None = "{topic}.dlq", batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        if dead_letter is not None and not isinstance(dead_letter, str):
+            raise ConnectorError(f"dead_letter must be a topic name ({{topic}} is replaced) or None, got "
+                                 f"{type(dead_letter).__name__} {dead_letter!r}")
+        self.topic = topic
+        self._kafka_conf: dict[str, Any] = ({"bootstrap.servers": kafka} if isinstance(kafka, str) else
+                                            {k: v for k, v in kafka.items()
+                                             if not str(k).startswith(("group.", "enable.", "auto.", "fetch."))})
+        #: the consumer's dead-letter destination is this object: it copies a record once (see the module)
         self.consumer = ChangeStreamConsumer(kafka, topic, group_id=group_id, state_path=db,
                                              prior_lookup=self._priors, mutation_log_max=mutation_log_max,
-                                             dead_letter=dead_letter, batch_size=batch_size)
+                                             dead_letter=self._dead_letter, batch_size=batch_size)
+        try:
+            self.dlq_topic = None if dead_letter is None else dead_letter.format(topic=topic)
+        except (KeyError, IndexError, ValueError) as e:
+            self.consumer.close()
+            raise ConnectorError(f"dead_letter {dead_letter!r} is not a topic name pattern ({{topic}} is replaced): "
+                                 f"{e!r}") from None
+        self._dlq_producer: Producer | None = None
         store = self.consumer.store
         assert hasattr(store, "conn")
         self.conn: sqlite3.Connection = store.conn
         self.conn.execute(_SCHEMA)
+        self.conn.execute(_DEAD_SCHEMA)
+        #: corrupt records copied to the dead-letter destination by this object (one already copied by an
+        #: earlier run, met again, is not copied or counted again)
+        self.dead_letters = 0
         self.snapshots = 0
         self.changes = 0
         #: changes Kafka refused as too large (oversize records): the table keeps the key's previous value
@@ -96,9 +133,48 @@ class Replicator:
                 self.conn.execute("INSERT OR REPLACE INTO docs VALUES (?, ?, ?, ?)",
                                   (_k(u.key), u.prior_value, rb.vbucket, u.prior_seqno))
 
-    def run(self, until_caught_up: bool = True) -> None:
+    def run(self, until_caught_up: bool = True, *, skip_corrupt: bool = False) -> None:
+        """Apply the topic (to its end with ``until_caught_up``). A corrupt record is dead-lettered (once) and
+        then raises :class:`DecodeError`, or with ``skip_corrupt`` is logged and passed over."""
         self.consumer.run(self.on_snapshot, self.on_rollback, until_caught_up=until_caught_up,
-                          on_oversize=self.on_oversize)
+                          on_oversize=self.on_oversize, on_error=self.on_corrupt if skip_corrupt else None)
+
+    def on_corrupt(self, e: DecodeError) -> None:
+        log.warning("replicate: corrupt record at %s[%d]@%d passed over (dead-lettered once): %s", e.topic,
+                    e.partition, e.offset, e)
+
+    def _dead_letter(self, dl: DeadLetter) -> None:
+        """The consumer's dead-letter callback: copy ``dl`` to the dead-letter topic unless an earlier run did."""
+        seen = self.conn.execute("SELECT 1 FROM replicate_dead_letters WHERE topic = ? AND kafka_partition = ? AND "
+                                 "kafka_offset = ?", (dl.topic, dl.partition, dl.offset)).fetchone()
+        if seen is not None:
+            return
+        if self.dlq_topic is not None:
+            self._copy(dl, self.dlq_topic)
+        # written in the consumer's open transaction: committed with the next confirmed events (run() flushes
+        # before it hands the DecodeError on); a crash before that copies the record again on the next run
+        self.conn.execute("INSERT OR IGNORE INTO replicate_dead_letters VALUES (?, ?, ?, ?)",
+                          (dl.topic, dl.partition, dl.offset, dl.error))
+        self.dead_letters += 1
+
+    def _copy(self, dl: DeadLetter, dlq: str) -> None:
+        """As the client copies a record (docs/client.md "Corrupt records"): key, value, headers plus ``dlq.*``."""
+        if self._dlq_producer is None:
+            conf = {**self._kafka_conf, "logger": log}
+            admin = AdminClient(conf)  # kept alive until its futures are answered
+            for f in admin.create_topics([NewTopic(dlq, num_partitions=1, replication_factor=1)]).values():
+                try:
+                    f.result(timeout=30)
+                except KafkaException as ke:
+                    if ke.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise ConnectorError(f"cannot create the dead-letter topic {dlq}: {ke}") from ke
+            self._dlq_producer = Producer({**conf, "acks": "all"})
+        headers: list[tuple[str, str | bytes | None]] = [
+            *dl.headers, ("dlq.topic", dl.topic.encode()), ("dlq.partition", str(dl.partition).encode()),
+            ("dlq.offset", str(dl.offset).encode()), ("dlq.error", dl.error.encode()[:1000])]
+        self._dlq_producer.produce(dlq, key=dl.key, value=dl.value, headers=headers)
+        if self._dlq_producer.flush(30) != 0:
+            raise ConnectorError(f"could not copy {dl.topic}[{dl.partition}]@{dl.offset} to {dlq}")
 
     def on_oversize(self, o: Oversize) -> None:
         """A change Kafka refused as too large: the table keeps the key's previous value (docs/client.md)."""
@@ -114,6 +190,8 @@ class Replicator:
 
     def close(self) -> None:
         self.consumer.close()
+        if self._dlq_producer is not None:
+            self._dlq_producer.flush(10)
 
     def __enter__(self) -> Self:
         return self

@@ -35,7 +35,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -364,8 +364,23 @@ async def _completed(svc: GatewayService, bucket: Bucket, sw: SyncWrite) -> Any:
 
 
 # ---------------------------------------------------------------------- documents
+#: the query parameters each document route reads: any other is a 400 (a misspelt ``expiri`` must not write a
+#: document without its expiry), as ``_bulk`` refuses unknown entry fields
+_DOC_PARAMS: Final = {"GET": frozenset(), "PUT": frozenset({"expiry", "flags", "durability", "timeout_ms"}),
+                      "DELETE": frozenset({"durability", "timeout_ms"})}
+
+
+def _check_params(request: web.Request) -> None:
+    allowed = _DOC_PARAMS.get(request.method, frozenset())
+    unknown = sorted(set(request.query) - allowed)
+    if unknown:
+        raise ApiError(400, "invalid_argument", f"unknown query parameter(s) {unknown} for {request.method} "
+                       f"/docs/{{key}} (accepted: {sorted(allowed) or 'none'})")
+
+
 async def get_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
+    _check_params(request)
     key = _key(request)
     b = _bucket(svc, key)
     g = b.get(key)
@@ -380,6 +395,7 @@ async def get_doc(request: web.Request) -> web.Response:
 
 async def put_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
+    _check_params(request)
     key = _key(request)
     svc.admit_write()
     expiry = _int_param(request, "expiry")
@@ -412,6 +428,7 @@ async def put_doc(request: web.Request) -> web.Response:
 
 async def delete_doc(request: web.Request) -> web.Response:
     svc = _svc(request)
+    _check_params(request)
     key = _key(request)
     svc.admit_write()
     durability = _durability(request)

@@ -34,6 +34,7 @@ import ssl
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -126,6 +127,9 @@ def _state(data_dir: Path) -> dict[str, Any]:
 
 def _url(url: str | None, data_dir: Path) -> str:
     if url:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            _fail(f"--url {url!r}: not an http:// or https:// URL (e.g. http://127.0.0.1:8091)")
         return url.rstrip("/")
     st = _state(data_dir)
     return str(st.get("http_url") or "http://127.0.0.1:8091")

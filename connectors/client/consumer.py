@@ -199,8 +199,8 @@ class ChangeStreamConsumer:
         self.prior_lookup = prior_lookup
         self.poll_timeout = poll_timeout
         self._batch = batch_size
-        if group_commit < 1:
-            raise ConnectorError(f"group_commit must be >= 1, got {group_commit}")
+        _check_arguments(topic, state_path, state_store, dead_letter, mutation_log_max, batch_size, poll_timeout,
+                         group_commit)
         self.group_commit = group_commit
         self._unflushed = 0
         self._unflushed_offsets: dict[int, int] = {}
@@ -238,7 +238,7 @@ class ChangeStreamConsumer:
         if isinstance(self.store, SqliteStateStore):
             self.mutation_log = MutationLog(self.store.conn, mutation_log_max)
         if isinstance(dead_letter, str):
-            self._dlq_topic: str | None = dead_letter.format(topic=topic)
+            self._dlq_topic: str | None = _dlq_topic_name(dead_letter, topic)
             self._dlq_callback: Callable[[DeadLetter], None] | None = None
         else:
             self._dlq_topic = None
@@ -565,7 +565,7 @@ class ChangeStreamConsumer:
                 rec = decode(m.key(), v, m.headers())
         except RecordFormatError as e:
             self._dead_letter(m, e)
-            raise DecodeError(f"{self.topic}[{p}]@{off}: {e} (copied to the dead-letter destination)",
+            raise DecodeError(f"{self.topic}[{p}]@{off}: {record_problem(e)} (copied to the dead-letter destination)",
                               self.topic, p, off) from e
         ident = (off, rec.vbucket, rec.type, rec.seqno, rec.vbuuid, -1 if rec.key is not None else rec.snap_end)
         if self._verify and p in self._verify:
@@ -998,6 +998,64 @@ class ChangeStreamConsumer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _dlq_topic_name(dead_letter: str, topic: str) -> str:
+    try:
+        name = dead_letter.format(topic=topic)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConnectorError(f"dead_letter must be a topic name ({{topic}} is replaced by the topic), a callback "
+                             f"or None; {dead_letter!r} is not a valid pattern ({e!r})") from None
+    if not name.strip():
+        raise ConnectorError(f"dead_letter must be a topic name, a callback or None, got {dead_letter!r}")
+    return name
+
+
+def _check_arguments(topic: object, state_path: object, state_store: object, dead_letter: object,
+                     mutation_log_max: object, batch_size: object, poll_timeout: object, group_commit: object) -> None:
+    """The constructor's arguments, checked before anything is opened: a :class:`ConnectorError` naming the
+    argument (docs/client.md "Arguments")."""
+    if not isinstance(topic, str) or not topic:
+        raise ConnectorError(f"topic must be a non-empty topic name, got {topic!r}")
+    if state_path is not None and state_store is not None:
+        raise ConnectorError("state_path and state_store are exclusive: state_path is the SQLite file of the default "
+                             "store, state_store another store; give one")
+    if state_path is not None and not isinstance(state_path, str | Path):
+        raise ConnectorError(f"state_path must be a path (str or Path) or None, got {type(state_path).__name__}")
+    if isinstance(dead_letter, str):
+        _dlq_topic_name(dead_letter, topic)
+    elif dead_letter is not None and not callable(dead_letter):
+        raise ConnectorError(f"dead_letter must be a topic name (str, {{topic}} is replaced), a callback taking a "
+                             f"DeadLetter, or None; got {type(dead_letter).__name__} {dead_letter!r}")
+    if not _is_int(mutation_log_max) or mutation_log_max < 1:  # type: ignore[operator]
+        raise ConnectorError(f"mutation_log_max must be an integer >= 1 (entries kept per vbucket), got "
+                             f"{mutation_log_max!r}")
+    if not _is_int(batch_size) or batch_size < 1:  # type: ignore[operator]
+        raise ConnectorError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if (not isinstance(poll_timeout, int | float) or isinstance(poll_timeout, bool)
+            or not 0 < poll_timeout < float("inf")):
+        raise ConnectorError(f"poll_timeout must be a positive number of seconds, got {poll_timeout!r}")
+    if not _is_int(group_commit) or group_commit < 1:  # type: ignore[operator]
+        raise ConnectorError(f"group_commit must be >= 1, got {group_commit}")
+
+
+def record_problem(e: RecordFormatError) -> str:
+    """What is wrong with a record, in the record format's words, without the text of the internal exception
+    the decoder met (e.g. ``IndexError: string index out of range`` from the Avro reader): that stays on the
+    error's ``__cause__`` chain."""
+    text = str(e)
+    cause = e.__cause__ if e.__cause__ is not None else e.__context__
+    if cause is not None and not isinstance(cause, RecordFormatError):
+        detail = str(cause)
+        for tail in (f": {type(cause).__name__}: {detail}", f": {detail}" if detail else None):
+            if tail is not None and text.endswith(tail):
+                text = text[: -len(tail)].rstrip()
+                break
+    return text
 
 
 class _suppress_kafka:

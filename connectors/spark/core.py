@@ -20,14 +20,16 @@ Offsets (JSON, what Spark writes into the query's checkpoint ``offsets/`` log)::
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from connectors.client.consumer import record_problem
 from connectors.client.replay import Change, ConsumerPosition, Rollback, Snapshot, VBucketReplayer
 from schemas.codec import decode, read_change
 from schemas.errors import RecordFormatError
@@ -76,6 +78,53 @@ def signed64(v: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ options
+#: the source's option names as documented (Spark hands them over lower-cased: names are case-insensitive)
+OPTION_NAMES: tuple[str, ...] = ("bootstrap.servers", "topic", "startingOffsets", "maxRecordsPerPartitionPerBatch",
+                                 "numPartitions", "corruptRecords", "timeout")
+#: accepted spellings of documented options (Spark's own ``kafka`` source spells the topic ``subscribe``)
+_ALIASES = ("subscribe",)
+#: what Spark itself adds to a Python data source's options: ``path`` for ``load(path)``, ``paths`` (a JSON list)
+#: for ``load([p1, p2])``; the source reads no path and ignores them
+SPARK_OPTIONS: tuple[str, ...] = ("path", "paths")
+_KNOWN = frozenset(n.lower() for n in (*OPTION_NAMES, *_ALIASES, *SPARK_OPTIONS))
+#: librdkafka properties the source sets itself (a ``kafka.`` option for one of them is refused)
+_SOURCE_SETS = {
+    "group.id": "a fresh group per reader: progress lives in Spark's checkpoint, never in Kafka",
+    "enable.auto.commit": "nothing is committed to Kafka",
+    "enable.partition.eof": "the readers stop at each partition's end",
+    "auto.offset.reset": "offsets are the source's snapshot boundaries",
+    "allow.auto.create.topics": "the source never creates the topic it reads",
+}
+
+
+def _pick(low: Mapping[str, str], name: str, alias: str) -> str | None:
+    a, b = low.get(name), low.get(alias)
+    if a is not None and b is not None and a != b:
+        raise DcpSourceError(f"dcp source: options {name!r} and {alias!r} disagree ({a!r} vs {b!r}); give one")
+    v = a if a is not None else b
+    return None if v is None else v.strip()
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise DcpSourceError(f"dcp source: option {name} must be a positive integer, got {raw!r}")
+    return n
+
+
+def _positive_seconds(name: str, raw: str) -> float:
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise DcpSourceError(f"dcp source: option {name} must be a positive number of seconds, got {raw!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class SourceOptions:
     bootstrap: str
@@ -91,14 +140,27 @@ class SourceOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        """The options Spark hands the source (case-insensitive names), checked strictly: every bad value and
+        every unknown name is a :class:`DcpSourceError` naming the option (docs/spark.md "Options")."""
         opts = {str(k): str(v) for k, v in options.items()}
-        low = {k.lower(): v for k, v in opts.items()}
-        bootstrap = low.get("bootstrap.servers") or low.get("kafka.bootstrap.servers")
+        low: dict[str, str] = {}
+        for k, v in opts.items():
+            name = k.lower()
+            if name in low and low[name] != v:
+                raise DcpSourceError(f"dcp source: option {k!r} is given twice with different values "
+                                     "(option names are case-insensitive)")
+            low[name] = v
+        unknown = sorted(k for k in opts if k.lower() not in _KNOWN and not k.lower().startswith("kafka."))
+        if unknown:
+            raise DcpSourceError(
+                f"dcp source: unknown option {', '.join(repr(u) for u in unknown)}; the options are "
+                f"{', '.join(OPTION_NAMES)} and kafka.<librdkafka consumer property> (names are case-insensitive)")
+        bootstrap = _pick(low, "bootstrap.servers", "kafka.bootstrap.servers")
         if not bootstrap:
             raise DcpSourceError(
                 "dcp source: option 'bootstrap.servers' (or 'kafka.bootstrap.servers') is required, "
                 "e.g. .option('bootstrap.servers', 'localhost:9092')")
-        topic = low.get("topic") or low.get("subscribe")
+        topic = _pick(low, "topic", "subscribe")
         if not topic:
             raise DcpSourceError("dcp source: option 'topic' is required (the gateway topic, e.g. 'dcp.travel-sample')")
         if "," in topic:
@@ -106,34 +168,42 @@ class SourceOptions:
         starting = low.get("startingoffsets", "earliest").strip().lower()
         if starting not in ("earliest", "latest"):
             raise DcpSourceError(
-                f"dcp source: startingOffsets must be 'earliest' or 'latest', got {starting!r} "
+                f"dcp source: option startingOffsets must be 'earliest' or 'latest', got {starting!r} "
                 "(arbitrary offsets are not snapshot boundaries)")
-        mx: int | None = None
         raw_max = low.get("maxrecordsperpartitionperbatch")
-        if raw_max is not None:
-            try:
-                mx = int(raw_max)
-            except ValueError:
-                mx = 0
-            if mx <= 0:
-                raise DcpSourceError(f"dcp source: maxRecordsPerPartitionPerBatch must be a positive integer, got {raw_max!r}")
-        timeout = float(low.get("timeout", "60"))
-        nparts = 8
+        mx = None if raw_max is None else _positive_int("maxRecordsPerPartitionPerBatch", raw_max)
+        timeout = _positive_seconds("timeout", low.get("timeout", "60"))
         raw_n = low.get("numpartitions")
-        if raw_n is not None:
-            nparts = int(raw_n) if raw_n.isdigit() else 0
-            if nparts <= 0:
-                raise DcpSourceError(f"dcp source: numPartitions must be a positive integer, got {raw_n!r}")
+        nparts = 8 if raw_n is None else _positive_int("numPartitions", raw_n)
         corrupt = low.get("corruptrecords", "fail").strip().lower()
         if corrupt not in CORRUPT_MODES:
-            raise DcpSourceError(f"dcp source: corruptRecords must be 'fail' or 'row', got {corrupt!r}")
-        kafka = {k[len("kafka."):]: v for k, v in opts.items()
-                 if k.lower().startswith("kafka.") and k.lower() != "kafka.bootstrap.servers"}
-        return cls(bootstrap, topic, starting, mx, kafka, timeout, nparts, corrupt)
+            raise DcpSourceError(f"dcp source: option corruptRecords must be 'fail' or 'row', got {corrupt!r}")
+        kafka = {k[len("kafka."):]: v for k, v in low.items()
+                 if k.startswith("kafka.") and k != "kafka.bootstrap.servers"}
+        for k in kafka:
+            if k in _SOURCE_SETS:
+                raise DcpSourceError(f"dcp source: option 'kafka.{k}' cannot be set: the source sets {k} itself "
+                                     f"({_SOURCE_SETS[k]})")
+        out = cls(bootstrap, topic, starting, mx, kafka, timeout, nparts, corrupt)
+        if kafka:
+            out._check_kafka()
+        return out
+
+    def _check_kafka(self) -> None:
+        """librdkafka refuses unknown properties and bad values when a client is created (no connection yet)."""
+        try:
+            Consumer(self.consumer_config()).close()
+        except (KafkaException, ValueError, TypeError) as e:
+            err = e.args[0] if e.args else e
+            text = err.str() if isinstance(err, KafkaError) else str(err)
+            raise DcpSourceError(f"dcp source: a kafka.<property> option is refused by the Kafka client: {text}") from e
 
     def consumer_config(self) -> dict[str, Any]:
-        return {"fetch.wait.max.ms": 50, **self.kafka, "bootstrap.servers": self.bootstrap, "group.id": f"dcp-spark-{uuid.uuid4().hex}",
-                "enable.auto.commit": False, "enable.partition.eof": True, "auto.offset.reset": "earliest"}
+        # allow.auto.create.topics: a metadata request for a missing topic would create it (Tansu does unless the
+        # client says not to, docs/kafka-compat.md); the source never creates the topic it reads
+        return {"fetch.wait.max.ms": 50, **self.kafka, "bootstrap.servers": self.bootstrap,
+                "group.id": f"dcp-spark-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                "enable.partition.eof": True, "auto.offset.reset": "earliest", "allow.auto.create.topics": False}
 
 
 # ------------------------------------------------------------------------------------------------ offsets
@@ -162,13 +232,21 @@ def from_offset(offset: Mapping[str, Any], partitions: int) -> dict[int, Partiti
 
 
 def topic_partitions(opts: SourceOptions) -> int:
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({**opts.kafka, "bootstrap.servers": opts.bootstrap})
-    md = admin.list_topics(opts.topic, timeout=opts.timeout).topics.get(opts.topic)
+    """The topic's partition count, asked with a consumer's metadata request that does not allow the broker to
+    create a missing topic (``allow.auto.create.topics=false``, as the client library asks): a missing topic is a
+    :class:`DcpSourceError` and stays missing."""
+    c = Consumer(opts.consumer_config())
+    try:
+        md = c.list_topics(opts.topic, timeout=opts.timeout).topics.get(opts.topic)
+    except KafkaException as e:
+        raise DcpSourceError(f"dcp source: cannot read the metadata of {opts.topic!r} on {opts.bootstrap}: "
+                             f"{e.args[0].str() if e.args and isinstance(e.args[0], KafkaError) else e}") from e
+    finally:
+        c.close()
     if md is None or md.error is not None or not md.partitions:
         err = None if md is None else md.error
-        raise DcpSourceError(f"dcp source: topic {opts.topic!r} not found on {opts.bootstrap} ({err})")
+        why = err.str() if isinstance(err, KafkaError) else "no partitions"
+        raise DcpSourceError(f"dcp source: topic {opts.topic!r} not found on {opts.bootstrap} ({why})")
     return len(md.partitions)
 
 
@@ -367,9 +445,9 @@ def corrupt_row(opts: SourceOptions, partition: int, offset: int, key: bytes | N
     :class:`DcpSourceError` naming the record."""
     where = f"{opts.topic}[{partition}]@{offset}"
     if opts.corrupt != "row":
-        raise DcpSourceError(f"dcp source: corrupt record at {where}: {e} (option corruptRecords=row hands "
+        raise DcpSourceError(f"dcp source: corrupt record at {where}: {record_problem(e)} (option corruptRecords=row hands "
                              "corrupt records over as rows instead)")
-    return (CORRUPT_OP, key, f"{where}: {e}".encode(), None, None, None, None, None, None, None, partition, offset,
+    return (CORRUPT_OP, key, f"{where}: {record_problem(e)}".encode(), None, None, None, None, None, None, None, partition, offset,
             None, None, None)
 
 

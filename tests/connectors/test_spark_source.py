@@ -235,6 +235,39 @@ def test_bad_options_give_clear_errors(spark: Any, kafka_broker: Broker) -> None
         spark.read.format("dcp").option("topic", "x").load().collect()
 
 
+def test_bad_options_fail_at_load_and_a_missing_topic_is_not_created(spark: Any, kafka_broker: Broker) -> None:
+    """docs/spark.md: bad options fail at load() with a DcpSourceError naming the option (before: timeout=abc a
+    ValueError, timeout=-1 and misspelled option names accepted); a missing topic fails the read and is not
+    created (before: count() was 0 and the read created the topic)."""
+    from confluent_kafka.admin import AdminClient
+
+    bs = kafka_broker.bootstrap_servers
+
+    def load(**opts: str) -> Any:
+        r = spark.read.format("dcp").option("bootstrap.servers", bs).option("topic", "dcp.x")
+        for k, v in opts.items():
+            r = r.option(k, v)
+        return r.load()  # raises here: no action needed
+
+    for opts, message in [
+        ({"timeout": "abc"}, "option timeout must be a positive number of seconds, got 'abc'"),
+        ({"timeout": "-1"}, "option timeout must be a positive number of seconds, got '-1'"),
+        ({"startingOffset": "latest"}, "unknown option 'startingoffset'; the options are bootstrap.servers, topic, "
+                                       "startingOffsets"),
+        ({"topic_": "dcp.y"}, "unknown option 'topic_'"),
+    ]:
+        with pytest.raises(Exception, match="DcpSourceError") as err:
+            load(**opts)
+        assert message in str(err.value), str(err.value)
+    # Spark's own option for load(path) is not refused (ignored: the topic option names what is read)
+    assert spark.read.format("dcp").option("bootstrap.servers", bs).option("topic", "t").load("p").schema
+    missing = f"no.such.{uuid.uuid4().hex[:8]}"
+    with pytest.raises(Exception, match=rf"DcpSourceError: dcp source: topic '{missing}' not found"):
+        spark.read.format("dcp").option("bootstrap.servers", bs).option("topic", missing).option(
+            "timeout", "20").load().count()
+    assert missing not in AdminClient({"bootstrap.servers": bs}).list_topics(timeout=20).topics
+
+
 def test_materialize_reverts_rollbacks_exactly_and_is_idempotent(spark: Any, tmp_path: Path) -> None:
     from connectors.spark import materialize
     from connectors.spark.core import SCHEMA_DDL

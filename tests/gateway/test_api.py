@@ -198,3 +198,18 @@ def test_issue_3_spellings_of_the_document_and_stats_routes(kafka_broker: Broker
         assert "records_published" in st  # the totals of GET /stats as well
 
     run(kafka_broker, tmp_path, scenario)
+
+
+def test_unknown_query_parameters_of_a_document_route_are_refused(kafka_broker: Broker, tmp_path: Path) -> None:
+    """A misspelt ``?expiri=10`` must not write the document without its expiry: 400, nothing written (as
+    ``_bulk`` refuses an unknown entry field)."""
+
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        await expect_error(await http.put(f"{url}/docs/kexp?expiri=10", data=b"{}"), 400, "invalid_argument")
+        await expect_error(await http.get(f"{url}/docs/kexp"), 404)  # not written
+        await expect_error(await http.get(f"{url}/docs/kexp?bogus=1"), 400, "invalid_argument")
+        assert (await http.put(f"{url}/docs/kexp?expiry=100&flags=3", data=b"{}")).status in (200, 201)
+        await expect_error(await http.delete(f"{url}/docs/kexp?expiry=1"), 400, "invalid_argument")
+        assert (await http.delete(f"{url}/docs/kexp")).status == 200
+
+    run(kafka_broker, tmp_path, scenario)

@@ -75,6 +75,12 @@ def test_issue_3_option_names_port_and_vbuckets(tmp_path: Path) -> None:
     assert "num_vbuckets" in line, line
 
 
+def test_a_malformed_url_is_one_line(tmp_path: Path) -> None:
+    for cmd in (("load", "--docs", "10"), ("status",)):
+        line = one_error_line(dcpgw(*cmd, "--url", "notaurl", "--data-dir", str(tmp_path)))
+        assert "--url 'notaurl'" in line and "http://" in line, line
+
+
 def test_http_port_in_use(kafka_broker: Broker, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -197,7 +203,7 @@ def _load_until_written(url: str, *args: str) -> subprocess.Popen[str]:
     proc = dcpgw_background("load", "--url", url, "--docs", "10000000", "--batch", "200", "--size", "64", *args)
     deadline = time.monotonic() + 60
     prefix = args[args.index("--prefix") + 1]
-    while not _exists(url, f"{prefix}599"):  # three batches written: two acknowledged and counted
+    while not _exists(url, f"{prefix}{599:07d}"):  # keys PREFIX + 7 digits  # three batches written: two acknowledged and counted
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     return proc
@@ -221,7 +227,7 @@ def test_load_killed_midway_says_how_many_documents_were_acknowledged(
     assert why in err and "Traceback" not in err, err
     n = _acknowledged(err)
     assert n >= 400 and n % 200 == 0
-    assert _exists(url, f"k:{n - 1}")  # every acknowledged document is there
+    assert _exists(url, f"k:{n - 1:07d}")  # every acknowledged document is there
 
 
 def test_load_when_the_gateway_goes_away_says_how_many_were_acknowledged(

@@ -223,7 +223,7 @@ def test_cli_load_retries_entries_a_down_node_refuses_and_reports_what_stays_ref
         rc, _out, err = await load
         assert rc == 0, err
         for i in range(60):
-            r = await http.get(f"{url}/docs/back::{i}")
+            r = await http.get(f"{url}/docs/back::{i:07d}")
             assert r.status == 200, (i, await r.text())
 
     run(kafka_broker, tmp_path, scenario, cluster_replicas=0)

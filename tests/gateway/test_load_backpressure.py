@@ -116,7 +116,7 @@ def test_load_retries_through_a_broker_stall_and_every_document_is_acknowledged(
         assert "Traceback" not in err
         gw.wait_caught_up()
         for i in range(DOCS):  # every document acknowledged is readable
-            with urllib.request.urlopen(urllib.request.Request(f"{url}/docs/f:{i}", headers=auth_headers()),
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/docs/f:{i:07d}", headers=auth_headers()),
                                         timeout=10) as r:
                 assert json.loads(r.read())["n"] == i
     finally:

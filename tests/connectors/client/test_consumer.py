@@ -795,3 +795,68 @@ def test_consumer_tuning_properties_raise_no_librdkafka_warning_from_its_own_cli
     assert len(_dlq_records(h.broker.bootstrap_servers, f"{h.topic}.dlq")) == 1  # the producer did run
     err = capfd.readouterr().err
     assert "is a consumer property" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"dead_letter": 42}, r"dead_letter must be a topic name .* got int 42"),
+    ({"dead_letter": "{nope}.dlq"}, r"dead_letter must be a topic name .*'\{nope\}\.dlq' is not a valid pattern"),
+    ({"dead_letter": ""}, r"dead_letter must be a topic name"),
+    ({"mutation_log_max": -1}, r"mutation_log_max must be an integer >= 1 .*got -1"),
+    ({"mutation_log_max": 0}, r"mutation_log_max must be an integer >= 1"),
+    ({"mutation_log_max": 2.5}, r"mutation_log_max must be an integer >= 1"),
+    ({"batch_size": 0}, r"batch_size must be an integer >= 1, got 0"),
+    ({"poll_timeout": -1}, r"poll_timeout must be a positive number of seconds, got -1"),
+    ({"state_store": "STORE", "state_path": "PATH"}, r"state_path and state_store are exclusive"),
+])
+def test_bad_constructor_arguments_are_connector_errors_naming_the_argument(
+        harness: Any, tmp_path: Path, kw: dict[str, Any], match: str) -> None:
+    from connectors.client.state import MemoryStateStore
+
+    h = harness(nvb=2)
+    kw = {k: MemoryStateStore() if v == "STORE" else tmp_path / "s.sqlite" if v == "PATH" else v
+          for k, v in kw.items()}
+    with pytest.raises(ConnectorError, match=match):
+        ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, **kw)
+    assert not (tmp_path / "s.sqlite").exists()  # refused before anything was opened
+
+
+def test_decode_error_says_what_is_wrong_without_python_internals(harness: Any) -> None:
+    """A truncated Avro body: the message was `...: corrupt or truncated Avro body of ChangeEvent: IndexError: string
+    index out of range (copied ...)`; it now ends at what is wrong, the internal exception stays chained."""
+    from schemas.errors import RecordFormatError
+
+    h = harness(nvb=2)
+    write(h.bucket, 10)
+    h.settle()
+    c0 = Consumer({"bootstrap.servers": h.broker.bootstrap_servers, "group.id": f"t-{uuid.uuid4()}",
+                   "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    try:
+        c0.assign([TopicPartition(h.topic, 0, 0)])
+        good = None
+        while good is None:
+            m = c0.poll(10)
+            assert m is not None and m.error() is None, "no data record in partition 0"
+            if m.key() is not None:
+                good = m
+    finally:
+        c0.close()
+    p = Producer({"bootstrap.servers": h.broker.bootstrap_servers})
+    v = good.value()
+    assert isinstance(v, bytes)
+    cuts = [v[:len(v) - 3], v[:12], v[:-1]]
+    for cut in cuts:
+        p.produce(h.topic, key=good.key(), value=cut, partition=0, headers=good.headers())
+    assert p.flush(10) == 0
+    errors: list[DecodeError] = []
+    with ChangeStreamConsumer(h.broker.bootstrap_servers, h.topic, dead_letter=lambda dl: None) as c:
+        c.run(lambda s: None, lambda r: None, on_error=errors.append)
+    assert len(errors) == len(cuts)
+    for e in errors:
+        msg = str(e)
+        assert f"{h.topic}[0]@{e.offset}: " in msg and msg.endswith("(copied to the dead-letter destination)")
+        assert "Avro body" in msg, msg
+        # no Python exception name or text from inside the decoder
+        assert "Error" not in msg and "index out of range" not in msg and "Traceback" not in msg, msg
+        assert isinstance(e.__cause__, RecordFormatError)
+    # the internal cause stays on the chain for debugging
+    assert any(e.__cause__ is not None and e.__cause__.__cause__ is not None for e in errors)
