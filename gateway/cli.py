@@ -403,6 +403,8 @@ def up(
         settings = load_settings(config, **overrides, **({} if gateways is None else {"gateways": gateways}))
     except ConfigError as e:
         _fail(_one_line(e))
+    if replicas is not None and settings.cluster_nodes == 1:
+        _fail("--replicas needs --nodes N (N > 1): a single bucket has no replicas")
     if settings.gateways > 1 and settings.cluster_nodes > 1:
         _fail("--gateways > 1 runs with one engine node only (not with --nodes)")
     if settings.gateways > 1 and config is not None:
@@ -697,8 +699,10 @@ def load(
                     for entry, item in zip(entries, res.get("items", []), strict=False):
                         if item.get("status", 200) < 300:
                             continue
-                        (retry if item["status"] == 503 else failed).append(entry if item["status"] == 503
-                                                                            else item)
+                        # 503, or NOT_MY_VBUCKET (404 not_my_vbucket: the vbucket moved by a rebalance or
+                        # failover between routing and writing, docs/cluster.md): the entry alone is retried
+                        again = item["status"] == 503 or item.get("error") == "not_my_vbucket"
+                        (retry if again else failed).append(entry if again else item)
                     entries = retry
                     if entries:
                         now = time.monotonic()
@@ -791,7 +795,7 @@ def status(
 
 
 # ---------------------------------------------------------------------- cluster
-cluster_app = typer.Typer(help="The running gateway's cluster: status, vbucket map, failover, rebalance.",
+cluster_app = typer.Typer(help="The running gateway's cluster: status, vbucket map, failover, recover, rebalance.",
                           no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
 

@@ -81,6 +81,12 @@ def test_a_malformed_url_is_one_line(tmp_path: Path) -> None:
         assert "--url 'notaurl'" in line and "http://" in line, line
 
 
+def test_replicas_without_nodes_is_refused(tmp_path: Path) -> None:
+    line = one_error_line(dcpgw("up", "--no-progress", "--data-dir", str(tmp_path / "d"), "--replicas", "2",
+                                KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1"))
+    assert "--replicas needs --nodes" in line, line
+
+
 def test_http_port_in_use(kafka_broker: Broker, tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

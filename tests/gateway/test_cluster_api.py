@@ -227,3 +227,23 @@ def test_cli_load_retries_entries_a_down_node_refuses_and_reports_what_stays_ref
             assert r.status == 200, (i, await r.text())
 
     run(kafka_broker, tmp_path, scenario, cluster_replicas=0)
+
+
+def test_cli_load_during_a_rebalance_retries_what_met_not_my_vbucket(kafka_broker: Broker, tmp_path: Path) -> None:
+    """`dcpgw load` while vbuckets move: an entry routed to a vbucket's old active just before its takeover is
+    answered 404 not_my_vbucket alone; load sends it again (as a 503) instead of ending with "refused" (an
+    audit saw 38 of 30,000 refused). Every document is there afterwards."""
+    async def scenario(svc: GatewayService, url: str, http: aiohttp.ClientSession) -> None:
+        load = asyncio.create_task(cli("load", "--docs", "3000", "--batch", "50", "--url", url, "--max-wait",
+                                       "60", "--prefix", "mv-"))
+        await asyncio.sleep(0.3)
+        r = await http.post(f"{url}/cluster/rebalance", json={"add": ["n3"], "remove": ["n0"]})
+        assert r.status in (200, 202), await r.text()
+        rc, out, err = await load
+        assert rc == 0, err
+        assert "wrote 3000 documents" in out
+        for i in range(0, 3000, 97):
+            got = await http.get(f"{url}/docs/mv-{i:07d}")
+            assert got.status == 200, (i, await got.text())
+
+    run(kafka_broker, tmp_path, scenario)
