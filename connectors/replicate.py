@@ -23,13 +23,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
-
 from connectors.client.consumer import (
     DEFAULT_BATCH_SIZE,
     ChangeStreamConsumer,
     DeadLetter,
+    DeadLetterTopic,
     RollbackInstruction,
 )
 from connectors.client.mutation_log import DEFAULT_MAX_ENTRIES, Prior
@@ -61,20 +59,16 @@ class Replicator:
             raise ConnectorError(f"dead_letter must be a topic name ({{topic}} is replaced) or None, got "
                                  f"{type(dead_letter).__name__} {dead_letter!r}")
         self.topic = topic
-        self._kafka_conf: dict[str, Any] = ({"bootstrap.servers": kafka} if isinstance(kafka, str) else
-                                            {k: v for k, v in kafka.items()
-                                             if not str(k).startswith(("group.", "enable.", "auto.", "fetch."))})
         #: the consumer's dead-letter destination is this object: it copies a record once (see the module)
         self.consumer = ChangeStreamConsumer(kafka, topic, group_id=group_id, state_path=db,
                                              prior_lookup=self._priors, mutation_log_max=mutation_log_max,
                                              dead_letter=self._dead_letter, batch_size=batch_size)
         try:
-            self.dlq_topic = None if dead_letter is None else dead_letter.format(topic=topic)
-        except (KeyError, IndexError, ValueError) as e:
+            self._dlq: DeadLetterTopic | None = (None if dead_letter is None
+                                                 else self.consumer.dead_letter_topic(dead_letter))
+        except ConnectorError:
             self.consumer.close()
-            raise ConnectorError(f"dead_letter {dead_letter!r} is not a topic name pattern ({{topic}} is replaced): "
-                                 f"{e!r}") from None
-        self._dlq_producer: Producer | None = None
+            raise
         store = self.consumer.store
         assert hasattr(store, "conn")
         self.conn: sqlite3.Connection = store.conn
@@ -149,32 +143,13 @@ class Replicator:
                                  "kafka_offset = ?", (dl.topic, dl.partition, dl.offset)).fetchone()
         if seen is not None:
             return
-        if self.dlq_topic is not None:
-            self._copy(dl, self.dlq_topic)
+        if self._dlq is not None:
+            self._dlq.copy(dl)
         # written in the consumer's open transaction: committed with the next confirmed events (run() flushes
         # before it hands the DecodeError on); a crash before that copies the record again on the next run
         self.conn.execute("INSERT OR IGNORE INTO replicate_dead_letters VALUES (?, ?, ?, ?)",
                           (dl.topic, dl.partition, dl.offset, dl.error))
         self.dead_letters += 1
-
-    def _copy(self, dl: DeadLetter, dlq: str) -> None:
-        """As the client copies a record (docs/client.md "Corrupt records"): key, value, headers plus ``dlq.*``."""
-        if self._dlq_producer is None:
-            conf = {**self._kafka_conf, "logger": log}
-            admin = AdminClient(conf)  # kept alive until its futures are answered
-            for f in admin.create_topics([NewTopic(dlq, num_partitions=1, replication_factor=1)]).values():
-                try:
-                    f.result(timeout=30)
-                except KafkaException as ke:
-                    if ke.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                        raise ConnectorError(f"cannot create the dead-letter topic {dlq}: {ke}") from ke
-            self._dlq_producer = Producer({**conf, "acks": "all"})
-        headers: list[tuple[str, str | bytes | None]] = [
-            *dl.headers, ("dlq.topic", dl.topic.encode()), ("dlq.partition", str(dl.partition).encode()),
-            ("dlq.offset", str(dl.offset).encode()), ("dlq.error", dl.error.encode()[:1000])]
-        self._dlq_producer.produce(dlq, key=dl.key, value=dl.value, headers=headers)
-        if self._dlq_producer.flush(30) != 0:
-            raise ConnectorError(f"could not copy {dl.topic}[{dl.partition}]@{dl.offset} to {dlq}")
 
     def on_oversize(self, o: Oversize) -> None:
         """A change Kafka refused as too large: the table keeps the key's previous value (docs/client.md)."""
@@ -190,8 +165,8 @@ class Replicator:
 
     def close(self) -> None:
         self.consumer.close()
-        if self._dlq_producer is not None:
-            self._dlq_producer.flush(10)
+        if self._dlq is not None:
+            self._dlq.close()
 
     def __enter__(self) -> Self:
         return self

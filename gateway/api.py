@@ -389,7 +389,7 @@ async def get_doc(request: web.Request) -> web.Response:
         body=g.value, content_type=ctype,
         headers={"ETag": f'"{g.cas}"', "X-DCP-CAS": str(g.cas), "X-DCP-Flags": str(g.flags),
                  "X-DCP-Expiry": str(g.expiry), "X-DCP-Vbucket": str(g.vbucket),
-                 "X-DCP-Vbuuid": str(b.failover_log(g.vbucket)[0].vbuuid), "X-DCP-Seqno": str(g.seqno),
+                 "X-DCP-Vbuuid": str(b.vbucket(g.vbucket).failover.vbuuid), "X-DCP-Seqno": str(g.seqno),
                  "X-DCP-Rev": str(g.rev_seqno)})
 
 
@@ -709,10 +709,9 @@ def _in_bucket(handler: Any) -> Any:
     bucket, any other name is 404 ``no_bucket``."""
 
     async def route(request: web.Request) -> web.StreamResponse:
-        name = request.match_info["bucket"]
-        if name != _svc(request).settings.bucket:
-            raise ApiError(404, "no_bucket", f"no bucket {name!r} (this gateway serves "
-                                             f"{_svc(request).settings.bucket!r})")
+        name, served = request.match_info["bucket"], _svc(request).settings.bucket
+        if name != served:
+            raise ApiError(404, "no_bucket", f"no bucket {name!r} (this gateway serves {served!r})")
         resp: web.StreamResponse = await handler(request)
         return resp
 
@@ -731,12 +730,15 @@ async def bucket_stats(request: web.Request) -> web.Response:
         rows.append({"vbucket": vb, "high_seqno": st["engine_high_seqno"],
                      "persisted_seqno": st["engine_persisted_seqno"], "published_seqno": st["published_seqno"],
                      "acknowledged_seqno": st["acknowledged_seqno"], "vbuuid": st["vbuuid"]})
-    totals = json.loads((await stats(request)).text or "{}")
-    return web.json_response({**totals, "bucket": svc.settings.bucket, "vbuckets": rows})
+    return web.json_response({**_stats_body(svc), "bucket": svc.settings.bucket, "vbuckets": rows})
 
 
 async def stats(request: web.Request) -> web.Response:
-    svc = _svc(request)
+    return web.json_response(_stats_body(_svc(request)))
+
+
+def _stats_body(svc: GatewayService) -> dict[str, Any]:
+    """``GET /stats``: the engine's and the publisher's totals."""
     assert svc.publisher is not None
     pub = svc.publisher
     if svc.bucket is not None:
@@ -765,7 +767,7 @@ async def stats(request: web.Request) -> web.Response:
     })
     if svc.group is not None:  # dcpgw up --gateways K: the stream figures above are this process's, i.e. none
         body["gateways"] = svc.group.status()
-    return web.json_response(body)
+    return body
 
 
 # ---------------------------------------------------------------------- cluster

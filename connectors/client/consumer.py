@@ -49,6 +49,7 @@ from schemas.codec import decode, read_change, read_control
 from schemas.errors import RecordFormatError
 
 __all__ = ["DEFAULT_BATCH_SIZE", "FETCH_DEFAULTS", "GC_YOUNG_THRESHOLD", "ChangeStreamConsumer", "ClientEvent", "DeadLetter",
+           "DeadLetterTopic",
            "PartialChange", "PriorLookup", "RollbackInstruction"]
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,38 @@ class DeadLetter:
     value: bytes | None
     headers: list[tuple[str, bytes]]
     error: str
+
+
+class DeadLetterTopic:
+    """The Kafka topic dead letters are copied to (docs/client.md "Corrupt records"): created on first use (one
+    partition); each copy keeps the record's key, value and headers and adds ``dlq.topic``, ``dlq.partition``,
+    ``dlq.offset``, ``dlq.error``, and is flushed before :meth:`copy` returns."""
+
+    def __init__(self, client_conf: Mapping[str, Any], name: str) -> None:
+        self.name = name
+        self._conf = dict(client_conf)
+        self._producer: Producer | None = None
+
+    def copy(self, dl: DeadLetter) -> None:
+        if self._producer is None:
+            admin = AdminClient(self._conf)
+            for f in admin.create_topics([NewTopic(self.name, num_partitions=1, replication_factor=1)]).values():
+                try:
+                    f.result(timeout=30)
+                except KafkaException as ke:
+                    if ke.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise ConnectorError(f"cannot create the dead-letter topic {self.name}: {ke}") from ke
+            self._producer = Producer({**self._conf, "acks": "all"})
+        headers: list[tuple[str, str | bytes | None]] = [
+            *dl.headers, ("dlq.topic", dl.topic.encode()), ("dlq.partition", str(dl.partition).encode()),
+            ("dlq.offset", str(dl.offset).encode()), ("dlq.error", dl.error.encode()[:1000])]
+        self._producer.produce(self.name, key=dl.key, value=dl.value, headers=headers)
+        if self._producer.flush(30) != 0:
+            raise ConnectorError(f"could not copy {dl.topic}[{dl.partition}]@{dl.offset} to {self.name}")
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(10)
 
 
 @dataclass(slots=True)
@@ -238,12 +271,11 @@ class ChangeStreamConsumer:
         if isinstance(self.store, SqliteStateStore):
             self.mutation_log = MutationLog(self.store.conn, mutation_log_max)
         if isinstance(dead_letter, str):
-            self._dlq_topic: str | None = _dlq_topic_name(dead_letter, topic)
+            self._dlq: DeadLetterTopic | None = self.dead_letter_topic(dead_letter)
             self._dlq_callback: Callable[[DeadLetter], None] | None = None
         else:
-            self._dlq_topic = None
+            self._dlq = None
             self._dlq_callback = dead_letter
-        self._dlq_producer: Producer | None = None
         self._vbs: dict[int, _VB] = {}
         self._by_part: dict[int, dict[int, _VB]] = {}
         self._assigned: set[int] = set()
@@ -593,25 +625,13 @@ class ChangeStreamConsumer:
         dl = DeadLetter(self.topic, m.partition(), m.offset(), m.key(), m.value(), headers, str(e))
         if self._dlq_callback is not None:
             self._dlq_callback(dl)
-            return
-        if self._dlq_topic is None:
-            return
-        if self._dlq_producer is None:
-            admin = AdminClient(self._client_conf)
-            fut = admin.create_topics([NewTopic(self._dlq_topic, num_partitions=1, replication_factor=1)])
-            for f in fut.values():
-                try:
-                    f.result(timeout=30)
-                except KafkaException as ke:
-                    if ke.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-                        raise ConnectorError(f"cannot create the dead-letter topic {self._dlq_topic}: {ke}") from ke
-            self._dlq_producer = Producer({**self._client_conf, "acks": "all"})
-        extra = [("dlq.topic", self.topic.encode()), ("dlq.partition", str(dl.partition).encode()),
-                 ("dlq.offset", str(dl.offset).encode()), ("dlq.error", dl.error.encode()[:1000])]
-        out_headers: list[tuple[str, str | bytes | None]] = [*headers, *extra]
-        self._dlq_producer.produce(self._dlq_topic, key=dl.key, value=dl.value, headers=out_headers)
-        if self._dlq_producer.flush(30) != 0:
-            raise ConnectorError(f"could not copy {self.topic}[{dl.partition}]@{dl.offset} to {self._dlq_topic}")
+        elif self._dlq is not None:
+            self._dlq.copy(dl)
+
+    def dead_letter_topic(self, pattern: str) -> DeadLetterTopic:
+        """The dead-letter topic ``pattern`` names (``{topic}`` replaced by this consumer's topic), reached with
+        this consumer's connection settings; a :class:`ConnectorError` when the pattern is not one."""
+        return DeadLetterTopic(self._client_conf, _dlq_topic_name(pattern, self.topic))
 
     def prefetch(self, timeout: float = 0.0) -> bool:
         """Fetch what the Kafka client has (waiting up to ``timeout`` for the first record) and decode it into
@@ -986,8 +1006,8 @@ class ChangeStreamConsumer:
             self.flush()
         with _suppress_kafka():
             self.consumer.close()
-        if self._dlq_producer is not None:
-            self._dlq_producer.flush(10)
+        if self._dlq is not None:
+            self._dlq.close()
         if self._executor is not None:
             self._executor.shutdown(wait=False)
         if self._owns_store:

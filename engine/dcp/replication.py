@@ -286,6 +286,10 @@ class DcpConsumer:
             seqno = ack(vbucket)
         except NotMyVBucket:
             return False
+        return self._send_ack(vbucket, seqno)
+
+    def _send_ack(self, vbucket: int, seqno: int) -> bool:
+        """Seqno-ack ``seqno`` of ``vbucket`` when it is above what was acked last; whether it was sent."""
         if seqno > self._acked.get(vbucket, -1):
             self._acked[vbucket] = seqno
             self.producer.seqno_acknowledged(vbucket, seqno)  # type: ignore[union-attr,attr-defined,unused-ignore]
@@ -304,16 +308,7 @@ class DcpConsumer:
             return sum(self._seqno_ack(vb) for vb in sorted(self.streams))
         reading = PassiveState.READING
         current: dict[int, int] = many([vb for vb, s in self.streams.items() if s.state is reading])
-        acked = self._acked
-        sent = 0
-        for vb in sorted(current):
-            seqno = current[vb]
-            if seqno > acked.get(vb, -1):
-                acked[vb] = seqno
-                self.producer.seqno_acknowledged(vb, seqno)  # type: ignore[union-attr,attr-defined,unused-ignore]
-                self.seqno_acks += 1
-                sent += 1
-        return sent
+        return sum(self._send_ack(vb, current[vb]) for vb in sorted(current))
 
     def drain(self, max_steps: int = 1_000_000) -> int:
         """Step until the producer has nothing more to send; returns messages handled."""
