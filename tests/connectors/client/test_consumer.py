@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -462,30 +463,40 @@ def test_random_crashes_and_restarts_converge(kafka_broker: Broker, tmp_path_fac
     tmp = tmp_path_factory.mktemp("hyp")
     h = Harness(kafka_broker, tmp, nvb=4, rollback_mitigation=False)
     db = tmp / "r.sqlite"
-    n = 0
+
+    def consume() -> None:
+        with replicate(h, db, mutation_log_max=log_max):
+            pass
+
     try:
-        for op in ops:
-            if op == "write":
-                write(h.bucket, 15, start=n)
-                n += 15
-                if n % 2:
-                    h.bucket.flush_all()
-                h.publish_unpersisted(20)
-            elif op == "crash":
-                h.crash_engine()
-            elif op == "gateway":
-                h.restart_gateway()
-            else:
-                h.pub.kafka.flush(10)
-                with replicate(h, db, mutation_log_max=log_max):
-                    pass
-        write(h.bucket, 5, start=10_000)
-        h.bucket.flush_all()
-        h.settle()
+        _play_history(h, ops, consume)
         with replicate(h, db, mutation_log_max=log_max) as rep:
             assert rep.docs() == h.bucket.state_snapshot()
     finally:
         h.close()
+
+
+def _play_history(h: Harness, ops: list[str], consume: Callable[[], object]) -> None:
+    """The random histories of the campaigns below: writes (half of them flushed, published from memory), engine
+    crashes, gateway restarts and ``consume()`` rounds, in ``ops`` order; then 5 persisted writes, settled."""
+    n = 0
+    for op in ops:
+        if op == "write":
+            write(h.bucket, 15, start=n)
+            n += 15
+            if n % 2:
+                h.bucket.flush_all()
+            h.publish_unpersisted(20)
+        elif op == "crash":
+            h.crash_engine()
+        elif op == "gateway":
+            h.restart_gateway()
+        else:
+            h.pub.kafka.flush(10)
+            consume()
+    write(h.bucket, 5, start=10_000)
+    h.bucket.flush_all()
+    h.settle()
 
 
 @pytest.mark.slow
@@ -499,25 +510,8 @@ def test_random_crashes_converge_without_a_mutation_log(kafka_broker: Broker, tm
     tmp = tmp_path_factory.mktemp("hypnolog")
     h = Harness(kafka_broker, tmp, nvb=4, rollback_mitigation=False)
     docs: dict[bytes, tuple[bytes, int]] = {}
-    n = 0
     try:
-        for op in ops:
-            if op == "write":
-                write(h.bucket, 15, start=n)
-                n += 15
-                if n % 2:
-                    h.bucket.flush_all()
-                h.publish_unpersisted(20)
-            elif op == "crash":
-                h.crash_engine()
-            elif op == "gateway":
-                h.restart_gateway()
-            else:
-                h.pub.kafka.flush(10)
-                _consume_without_log(h, docs, tmp / "state.sqlite")
-        write(h.bucket, 5, start=10_000)
-        h.bucket.flush_all()
-        h.settle()
+        _play_history(h, ops, lambda: _consume_without_log(h, docs, tmp / "state.sqlite"))
         _consume_without_log(h, docs, tmp / "state.sqlite")
         assert docs == h.bucket.state_snapshot()
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +18,9 @@ from connectors.xdcr.filters import Filters
 from connectors.xdcr.metrics import StatusServer
 from connectors.xdcr.replicator import DEAD_LETTER_FILE, XdcrReplicator, XdcrSettings, read_status
 from engine import vbucket_of
-from gateway.broker import Broker
 from tests.connectors.xdcr.harness import diverging, source_docs, target_docs, target_node
 from tests.gateway.processes import dcpgw
 from tests.harness import Harness, write
-
-
-@pytest.fixture
-def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Harness]:
-    h = Harness(kafka_broker, tmp_path / "h", rollback_mitigation=False)
-    yield h
-    h.close()
-
-
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Any]:
-    node = target_node(tmp_path)
-    yield node
-    node.kill()
 
 
 def _free_port() -> int:

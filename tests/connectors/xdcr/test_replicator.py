@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,23 +9,8 @@ import pytest
 
 from connectors.xdcr.replicator import XdcrReplicator, XdcrSettings, read_status
 from engine import vbucket_of
-from gateway.broker import Broker
 from tests.connectors.xdcr.harness import diverging, source_docs, target_docs, target_node
 from tests.harness import Harness, write
-
-
-@pytest.fixture
-def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Harness]:
-    h = Harness(kafka_broker, tmp_path / "h", rollback_mitigation=False)
-    yield h
-    h.close()
-
-
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Any]:
-    node = target_node(tmp_path)
-    yield node
-    node.kill()
 
 
 def replicate(h: Harness, node: Any, state: Path, **kw: Any) -> dict[str, Any]:

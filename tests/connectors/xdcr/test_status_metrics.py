@@ -10,36 +10,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from confluent_kafka import Producer
 
 from connectors.xdcr.metrics import StatusServer, prometheus_text
 from connectors.xdcr.replicator import XdcrReplicator, read_status
 from engine.dcp.stream import SnapshotFlags, SnapshotMarker
-from gateway.broker import Broker
 from schemas.codec import RecordEncoder
 from schemas.records import ValueFormat
-from tests.connectors.xdcr.harness import target_node
 from tests.gateway.processes import dcpgw
 from tests.harness import Harness, write
-
-
-@pytest.fixture
-def harness(kafka_broker: Broker, tmp_path: Path) -> Iterator[Harness]:
-    h = Harness(kafka_broker, tmp_path / "h", rollback_mitigation=False)
-    yield h
-    h.close()
-
-
-@pytest.fixture
-def target(tmp_path: Path) -> Iterator[Any]:
-    node = target_node(tmp_path)
-    yield node
-    node.kill()
 
 
 def _loaded(h: Harness, n: int = 60) -> None:
